@@ -1,0 +1,38 @@
+"""switchhead: SwitchHead (MoE attention) and SwitchAll language models for Hugging Face Transformers.
+
+Importing the package registers the model with AutoConfig, AutoModel and AutoModelForCausalLM, and marks the
+classes so that `save_pretrained` writes an `auto_map` and copies the model files: a saved folder then loads
+with `trust_remote_code=True` where this package is not installed.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_switchhead import PAPER_TRAINING, PRESETS, SwitchHeadConfig
+from .modeling_switchhead import (
+    SwitchHeadForCausalLM,
+    SwitchHeadModel,
+    SwitchHeadPreTrainedModel,
+    expert_projection,
+    expert_projection_torch,
+)
+
+__version__ = "0.1.0"
+
+AutoConfig.register(SwitchHeadConfig.model_type, SwitchHeadConfig, exist_ok=True)
+AutoModel.register(SwitchHeadConfig, SwitchHeadModel, exist_ok=True)
+AutoModelForCausalLM.register(SwitchHeadConfig, SwitchHeadForCausalLM, exist_ok=True)
+SwitchHeadConfig.register_for_auto_class()
+SwitchHeadModel.register_for_auto_class("AutoModel")
+SwitchHeadForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "SwitchHeadConfig",
+    "SwitchHeadModel",
+    "SwitchHeadForCausalLM",
+    "SwitchHeadPreTrainedModel",
+    "PRESETS",
+    "PAPER_TRAINING",
+    "expert_projection",
+    "expert_projection_torch",
+    "__version__",
+]

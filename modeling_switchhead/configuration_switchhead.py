@@ -1,0 +1,298 @@
+"""Configuration of SwitchHead / SwitchAll language models.
+
+SwitchHead (Csordás et al., NeurIPS 2024) replaces the value and output projections of attention with
+sigma-gated mixtures of experts, so a layer needs far fewer attention matrices for the same perplexity.
+SwitchAll adds sigma-MoE feed-forward layers. This file only describes the architecture; see
+`modeling_switchhead.py` for the model itself.
+
+This file imports only `transformers`, so that a saved folder loads with `trust_remote_code=True` on a
+machine where the `switchhead` package is not installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+ATTENTION_TYPES = ("switchhead", "dense")
+POSITION_ENCODINGS = ("rope", "xl")
+MLP_TYPES = ("dense", "sigma_moe")
+
+
+class SwitchHeadConfig(PreTrainedConfig):
+    r"""Configuration of a SwitchHead / SwitchAll / dense baseline decoder-only language model.
+
+    The architecture follows the paper: pre-LayerNorm blocks, a final LayerNorm, a ReLU feed-forward (dense, or
+    sigma-MoE for SwitchAll), and an untied output layer with a bias.
+
+    Args:
+        vocab_size: size of the token vocabulary (8000 in the paper's word-level runs, 256 for Enwik8).
+        hidden_size: model width `d`.
+        num_hidden_layers: number of decoder blocks `L`.
+        num_attention_heads: number of attention heads `H` (attention matrices per layer).
+        head_dim: per-head width `dh`; defaults to `hidden_size // num_attention_heads`.
+        max_position_embeddings: the longest sequence (plus XL memory) the model is meant to see.
+        attention_type: `"switchhead"` (MoE value and output projections) or `"dense"` (plain multi-head
+            attention, the paper's baseline).
+        num_attention_experts: experts per head `E` for the value and output projections.
+        num_attention_experts_per_tok: active experts per head `k` (top-k of the sigmoid gate).
+        attention_expert_dropout: probability of excluding a (token, head, expert) score from the top-k during
+            training.
+        position_encoding: `"rope"` (rotary, partial) or `"xl"` (Transformer-XL relative attention without u/v
+            biases).
+        partial_rotary_factor: fraction of each head's channels that RoPE rotates (the paper uses 0.5).
+        rope_parameters: RoPE settings in the Transformers v5 format; `rope_theta` defaults to 10000.
+        xl_memory_length: number of previous-segment positions each XL layer may attend to (0: no memory).
+        mlp_type: `"dense"` (ReLU MLP with biases) or `"sigma_moe"` (SwitchAll's sigma-MoE, no biases).
+        intermediate_size: width of the dense MLP (`d_ff`).
+        num_mlp_experts: experts of the sigma-MoE MLP.
+        mlp_expert_size: width of one sigma-MoE expert.
+        num_mlp_experts_per_tok: active sigma-MoE experts per token (the paper uses 4).
+        mlp_expert_dropout: sigma-MoE expert dropout (dropped scores are set to 0 before the top-k).
+        entropy_reg_coef: weight of the sigma-MoE entropy regulariser added to the training loss.
+        attention_dropout: dropout on the attention probabilities.
+        hidden_dropout: dropout on each block's residual branches and on the embeddings.
+        layer_norm_eps: LayerNorm epsilon.
+        hidden_act: activation of the dense MLP and of the sigma-MoE experts.
+        mlp_bias: whether the dense MLP's linear layers have biases (they do in the paper).
+        lm_head_bias: whether the output layer has a bias (it does in the paper).
+        tie_word_embeddings: share input embedding and output layer (the paper does not).
+        init_scale: scale of the paper's initialisation; defaults to `sqrt(2 / num_hidden_layers)` (the paper's
+            training code).
+        output_router_logits: return the selection logits of every router.
+    """
+
+    model_type = "switchhead"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    default_theta = 10000.0
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 8000
+    hidden_size: int = 412
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 2
+    head_dim: int | None = None
+    max_position_embeddings: int = 1024
+    attention_type: str = "switchhead"
+    num_attention_experts: int = 5
+    num_attention_experts_per_tok: int = 2
+    attention_expert_dropout: float = 0.0
+    position_encoding: str = "rope"
+    partial_rotary_factor: float = 0.5
+    rope_parameters: dict | None = None
+    xl_memory_length: int = 0
+    mlp_type: str = "dense"
+    intermediate_size: int = 2080
+    num_mlp_experts: int = 16
+    mlp_expert_size: int = 128
+    num_mlp_experts_per_tok: int = 4
+    mlp_expert_dropout: float = 0.0
+    entropy_reg_coef: float = 0.0001
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.1
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "relu"
+    mlp_bias: bool = True
+    lm_head_bias: bool = True
+    tie_word_embeddings: bool = False
+    init_scale: float | None = None
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    output_router_logits: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
+            if self.num_attention_heads > 0:
+                self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.init_scale is None and isinstance(self.num_hidden_layers, int) and self.num_hidden_layers > 0:
+            self.init_scale = math.sqrt(2.0 / self.num_hidden_layers)
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", self.default_theta)}
+        self._check_fields()
+        super().__post_init__(**kwargs)
+
+    # ------------------------------------------------------------------------------------------------ validation
+    def _check_fields(self) -> None:
+        """Raise ValueError naming the field and the rule for every invalid setting."""
+
+        def integer(name: str, minimum: int) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < minimum:
+                raise ValueError(f"{name} ({value}) must be >= {minimum}")
+
+        def probability(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} ({value}) must be in [0, 1)")
+
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                     "max_position_embeddings", "intermediate_size", "num_attention_experts",
+                     "num_attention_experts_per_tok", "num_mlp_experts", "mlp_expert_size",
+                     "num_mlp_experts_per_tok"):
+            integer(name, 1)
+        integer("xl_memory_length", 0)
+        for name in ("attention_expert_dropout", "mlp_expert_dropout", "attention_dropout", "hidden_dropout"):
+            probability(name)
+        choice("attention_type", ATTENTION_TYPES)
+        choice("position_encoding", POSITION_ENCODINGS)
+        choice("mlp_type", MLP_TYPES)
+        if self.hidden_act not in ("relu", "gelu", "silu"):
+            raise ValueError(f"hidden_act must be one of 'relu', 'gelu', 'silu', got {self.hidden_act!r}")
+
+        if self.num_attention_experts_per_tok > self.num_attention_experts:
+            raise ValueError(
+                f"num_attention_experts_per_tok ({self.num_attention_experts_per_tok}) must be <= "
+                f"num_attention_experts ({self.num_attention_experts})"
+            )
+        if self.num_mlp_experts_per_tok > self.num_mlp_experts:
+            raise ValueError(
+                f"num_mlp_experts_per_tok ({self.num_mlp_experts_per_tok}) must be <= "
+                f"num_mlp_experts ({self.num_mlp_experts})"
+            )
+        if self.xl_memory_length > 0 and self.position_encoding != "xl":
+            raise ValueError(
+                f"xl_memory_length ({self.xl_memory_length}) needs position_encoding='xl', "
+                f"got {self.position_encoding!r}"
+            )
+        if isinstance(self.partial_rotary_factor, bool) or not isinstance(self.partial_rotary_factor, (int, float)):
+            raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {self.partial_rotary_factor!r}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor ({self.partial_rotary_factor}) must be in (0, 1]")
+        if self.position_encoding == "rope":
+            rotary = int(self.partial_rotary_factor * self.head_dim)
+            if rotary < 2 or rotary % 2:
+                raise ValueError(
+                    f"partial_rotary_factor ({self.partial_rotary_factor}) times head_dim ({self.head_dim}) gives "
+                    f"{rotary} rotary channels; RoPE needs an even number >= 2"
+                )
+        if not isinstance(self.rope_parameters, dict):
+            raise ValueError(f"rope_parameters must be a dict, got {self.rope_parameters!r}")
+        theta = self.rope_parameters.get("rope_theta", self.default_theta)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise ValueError(f"rope_parameters['rope_theta'] must be a positive number, got {theta!r}")
+        if self.rope_parameters.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"rope_parameters['rope_type'] must be 'default' (the paper's RoPE), "
+                f"got {self.rope_parameters.get('rope_type')!r}"
+            )
+        for name in ("layer_norm_eps", "init_scale", "initializer_range"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if isinstance(self.entropy_reg_coef, bool) or not isinstance(self.entropy_reg_coef, (int, float)) \
+                or self.entropy_reg_coef < 0:
+            raise ValueError(f"entropy_reg_coef must be a number >= 0, got {self.entropy_reg_coef!r}")
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @property
+    def num_rotary_channels(self) -> int:
+        """Channels of each head that RoPE rotates (the first ones), `int(partial_rotary_factor * head_dim)`."""
+        return int(self.partial_rotary_factor * self.head_dim)
+
+    @property
+    def routers_per_layer(self) -> int:
+        """How many expert routers one block has: value and output selection, plus the sigma-MoE one."""
+        return (2 if self.attention_type == "switchhead" else 0) + (1 if self.mlp_type == "sigma_moe" else 0)
+
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        return sorted(PRESETS)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "SwitchHeadConfig":
+        """A configuration of the paper (PAPER.md section 4) or a tiny CPU one, by name; see `preset_names()`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}")
+        fields = copy.deepcopy(PRESETS[name])
+        fields.update(overrides)
+        return cls(**fields)
+
+
+# -------------------------------------------------------------------------------------------------- presets
+def _paper(d, layers, heads, experts, k, dh, d_ff, context, dropout, *, position="xl", vocab=8000, attention="switchhead",
+           mlp=None, entropy=0.0001):
+    fields = dict(
+        vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads, head_dim=dh,
+        max_position_embeddings=context, attention_type=attention, position_encoding=position,
+        hidden_dropout=dropout, intermediate_size=d_ff or 4 * d,
+        xl_memory_length=context if position == "xl" else 0,
+    )
+    if attention == "switchhead":
+        fields.update(num_attention_experts=experts, num_attention_experts_per_tok=k)
+    if mlp is not None:
+        n_experts, size = mlp
+        fields.update(mlp_type="sigma_moe", num_mlp_experts=n_experts, mlp_expert_size=size,
+                      num_mlp_experts_per_tok=4, entropy_reg_coef=entropy)
+    return fields
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # SwitchHead, Transformer-XL attention (PAPER.md section 4)
+    "c4-47m-switchhead-xl": _paper(412, 16, 2, 5, 3, 76, 2080, 256, 0.1),
+    "c4-262m-switchhead-xl": _paper(1024, 18, 4, 4, 2, 112, 4188, 512, 0.2),
+    "wt103-47m-switchhead-xl": _paper(412, 16, 2, 5, 2, 76, 2080, 256, 0.1),
+    "wt103-262m-switchhead-xl": _paper(1024, 18, 2, 8, 4, 132, 4147, 512, 0.2),
+    "enwik8-41m-switchhead-xl": _paper(512, 12, 2, 4, 2, 112, 2088, 512, 0.1, vocab=256),
+    # SwitchHead, RoPE
+    "wt103-45m-switchhead-rope": _paper(412, 16, 2, 5, 3, 64, 2092, 512, 0.1, position="rope"),
+    "wt103-243m-switchhead-rope": _paper(1024, 18, 4, 4, 2, 100, 4136, 1024, 0.2, position="rope"),
+    # SwitchAll: SwitchHead attention + sigma-MoE MLP (16x128 / 32x128, k=4)
+    "wt103-47m-switchall-xl": _paper(412, 16, 2, 5, 2, 76, None, 256, 0.1, mlp=(16, 128), entropy=0.0001),
+    "c4-47m-switchall-xl": _paper(412, 16, 2, 5, 3, 76, None, 256, 0.1, mlp=(16, 128), entropy=0.0001),
+    "pes2o-47m-switchall-xl": _paper(412, 16, 2, 5, 3, 76, None, 256, 0.1, mlp=(16, 128), entropy=0.0001),
+    "wt103-259m-switchall-xl": _paper(1024, 18, 4, 4, 2, 112, None, 512, 0.2, mlp=(32, 128), entropy=0.001),
+    "c4-259m-switchall-xl": _paper(1024, 18, 4, 4, 2, 112, None, 512, 0.2, mlp=(32, 128), entropy=0.001),
+    "pes2o-259m-switchall-xl": _paper(1024, 18, 4, 4, 2, 112, None, 512, 0.2, mlp=(32, 128), entropy=0.001),
+    # Dense baselines (Transformer-XL), parameter-matched to the SwitchHead models
+    "c4-47m-dense-xl": _paper(412, 16, 10, None, None, 41, 2053, 256, 0.1, attention="dense"),
+    "wt103-47m-dense-xl": _paper(412, 16, 10, None, None, 41, 2053, 256, 0.1, attention="dense"),
+    "c4-262m-dense-xl": _paper(1024, 18, 16, None, None, 64, 4110, 512, 0.2, attention="dense"),
+    "wt103-262m-dense-xl": _paper(1024, 18, 16, None, None, 64, 4110, 512, 0.2, attention="dense"),
+    "enwik8-41m-dense-xl": _paper(512, 12, 8, None, None, 64, 2053, 512, 0.1, vocab=256, attention="dense"),
+    # Tiny models for CPU tests and demos (minutes on 2 cores)
+    "tiny-switchhead": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                            num_attention_experts=4, num_attention_experts_per_tok=2, intermediate_size=128,
+                            max_position_embeddings=128, hidden_dropout=0.0),
+    "tiny-switchall": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                           num_attention_experts=4, num_attention_experts_per_tok=2, mlp_type="sigma_moe",
+                           num_mlp_experts=8, mlp_expert_size=16, num_mlp_experts_per_tok=2, entropy_reg_coef=0.001,
+                           max_position_embeddings=128, hidden_dropout=0.0),
+    "tiny-dense": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+                       attention_type="dense", intermediate_size=128, max_position_embeddings=128,
+                       hidden_dropout=0.0),
+    "tiny-switchhead-xl": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               head_dim=16, num_attention_experts=4, num_attention_experts_per_tok=2,
+                               intermediate_size=128, position_encoding="xl", max_position_embeddings=128,
+                               hidden_dropout=0.0),
+    "tiny-dense-xl": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+                          attention_type="dense", intermediate_size=128, position_encoding="xl",
+                          max_position_embeddings=128, hidden_dropout=0.0),
+}
+
+# The paper's training settings for each preset (PAPER.md section 4), for the training loop and the docs.
+PAPER_TRAINING: dict[str, dict[str, Any]] = {
+    name: dict(context=fields["max_position_embeddings"], batch_size=64, learning_rate=2.5e-4, steps=100_000,
+               grad_clip=0.1 if ("47m" in name or "45m" in name) and "switchall" not in name else 0.25)
+    for name, fields in PRESETS.items() if not name.startswith("tiny")
+}
+
+__all__ = ["SwitchHeadConfig", "PRESETS", "PAPER_TRAINING"]

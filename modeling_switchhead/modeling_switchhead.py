@@ -1,0 +1,678 @@
+"""SwitchHead and SwitchAll language models for Hugging Face Transformers.
+
+SwitchHead ("SwitchHead: Accelerating Transformers with Mixture-of-Experts Attention", Csordás, Piękos, Irie,
+Schmidhuber, NeurIPS 2024) keeps the query and key projections of each head dense and turns its value and output
+projections into sigma-gated mixtures of experts:
+
+    s_S = sigmoid(x_src W_S^T)  per head, top-k                      (value side, from the attended-to token)
+    s_D = sigmoid(x_dst W_D^T)  per head, top-k                      (output side, from the attending token)
+    V_h = sum_{e in topk(s_S, h)} s_S[h, e] * x W_V[h, e]
+    A_h = softmax(Q_h K_h^T / sqrt(dh))                              (causal)
+    y   = sum_h sum_{e in topk(s_D, h)} s_D[h, e] * (A_h V_h) W_O[h, e]
+
+so a layer with few heads (and few attention matrices) matches a dense model with many. SwitchAll also replaces
+the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper's multi-head baseline.
+
+The file is Hub-ready: it imports only torch, transformers and its sibling configuration file. When the
+`switchhead` package is installed, the expert projections run through its kernels (`switchhead.kernels`), else
+through the pure-PyTorch implementation below, which gives the same results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_switchhead import SwitchHeadConfig
+
+try:  # our fused kernels, when the package is installed; the Hub copy of this file runs without them
+    _kernels = importlib.import_module("switchhead.kernels")
+except Exception:  # noqa: BLE001 - any failure means "use the PyTorch path"
+    _kernels = None
+
+
+# ==================================================================================================== expert op
+def expert_projection_torch(
+    inputs: torch.Tensor,
+    expert_index: torch.Tensor,
+    weight: torch.Tensor,
+    gates: torch.Tensor | None = None,
+    out_groups: int = 1,
+) -> torch.Tensor:
+    """The CVMM contract in plain PyTorch: rows times their selected expert, with an optional gated sum.
+
+    Args:
+        inputs: `[N, R, d_in]`, R input rows per token. Slot `s` of a token reads row `s // (S // R)`.
+        expert_index: `[N, S]` integer indices into `weight`'s first dimension (S = R * slots per row).
+        weight: `[G, d_in, d_out]`, one matrix per expert (all heads' experts together).
+        gates: `[N, S]` or None. With gates, slot `s` is scaled by its gate and summed into output group
+            `s // (S // out_groups)`.
+        out_groups: output rows per token when `gates` is given.
+
+    Returns:
+        `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them.
+
+    Tokens are sorted by expert so that each expert is one dense matmul over a contiguous block of rows; the only
+    Python loop is over the G experts.
+    """
+    n, s = expert_index.shape
+    r, d_in = inputs.shape[1], inputs.shape[2]
+    g, _, d_out = weight.shape
+    rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n * s, d_in)
+    flat_index = expert_index.reshape(-1)
+    order = torch.argsort(flat_index, stable=True)
+    counts = torch.bincount(flat_index, minlength=g).tolist()
+    sorted_rows = rows.index_select(0, order)
+    pieces = [block @ weight[e] for e, block in enumerate(sorted_rows.split(counts)) if counts[e] > 0]
+    sorted_out = torch.cat(pieces, 0) if pieces else sorted_rows.new_zeros(0, d_out)
+    out = torch.empty(n * s, d_out, dtype=sorted_out.dtype, device=sorted_out.device)
+    out = out.index_copy(0, order, sorted_out).view(n, s, d_out)
+    if gates is None:
+        return out
+    weighted = out * gates.unsqueeze(-1).to(out.dtype)
+    return weighted.view(n, out_groups, s // out_groups, d_out).sum(2)
+
+
+def expert_projection(inputs, expert_index, weight, gates=None, out_groups=1):
+    """Dispatch point of the CVMM op: `switchhead.kernels` when installed, else `expert_projection_torch`."""
+    if _kernels is not None:
+        return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
+    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups)
+
+
+# ==================================================================================================== routers
+class ExpertSelection(nn.Module):
+    """Sigma-gated top-k routing: `scores = sigmoid(x W^T)` in float32, top-k within each group of experts.
+
+    Groups are attention heads (head h chooses among its own experts) or the single group of a sigma-MoE MLP.
+    Gates are the raw sigmoid scores (no renormalisation) and receive gradients.
+
+    Expert dropout (training only) either excludes a score from the top-k but keeps its value as the gate
+    (`drop_to_zero=False`, SwitchHead) or zeroes it before the top-k (`drop_to_zero=True`, sigma-MoE).
+    """
+
+    def __init__(self, hidden_size: int, num_groups: int, num_experts: int, top_k: int, expert_dropout: float,
+                 drop_to_zero: bool):
+        super().__init__()
+        self.num_groups, self.num_experts, self.top_k = num_groups, num_experts, top_k
+        self.expert_dropout, self.drop_to_zero = expert_dropout, drop_to_zero
+        self.weight = nn.Parameter(torch.empty(num_groups * num_experts, hidden_size))
+        self.register_buffer("group_offsets", torch.arange(num_groups) * num_experts, persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`)."""
+        logits = F.linear(hidden_states, self.weight).float()
+        scores = torch.sigmoid(logits).view(-1, self.num_groups, self.num_experts)
+        ranked = scores
+        if self.training and self.expert_dropout > 0:
+            dropped = torch.rand_like(scores) < self.expert_dropout
+            ranked = scores.masked_fill(dropped, 0.0 if self.drop_to_zero else float("-inf"))
+            if self.drop_to_zero:
+                scores = ranked
+        _, index = ranked.topk(self.top_k, dim=-1, sorted=False)
+        gates = scores.gather(-1, index)
+        index = index + self.group_offsets.to(index.device)[:, None]
+        return logits, gates.flatten(1), index.flatten(1)
+
+
+# ==================================================================================================== positions
+class SwitchHeadRotaryEmbedding(nn.Module):
+    """NeoX-style RoPE on the first `num_rotary_channels` channels of each head (the paper rotates half)."""
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__()
+        rotary = config.num_rotary_channels
+        base = config.rope_parameters.get("rope_theta", config.default_theta)
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary, 2, dtype=torch.float) / rotary))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids `[B, T]` -> (cos, sin), each `[B, T, num_rotary_channels]` in x's dtype."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[B, H, T, dh]`; rotates its first `cos.shape[-1]` channels, passes the rest through."""
+    rotary = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotated, passed = x[..., :rotary], x[..., rotary:]
+    return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
+
+
+def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """Transformer-XL's sinusoidal encoding of (relative) positions `[P]` -> `[P, dim]` float32: [sin | cos]."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float) / dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return torch.cat((angles.sin(), angles.cos()), dim=-1)[:, :dim]
+
+
+# ==================================================================================================== attention
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    position_bias: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention: query `[B, H, Tq, dh]`, key/value `[B, H, Tk, dh]` -> (`[B, Tq, H, dh]`, probs)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    elif query.shape[2] > 1:  # no mask given: plain causal, queries aligned to the end of the keys
+        causal = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
+        causal = causal.tril(key.shape[2] - query.shape[2])
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+class SwitchHeadAttentionBase(nn.Module):
+    """What SwitchHead and dense attention share: dense per-head Q/K, positions, cache and attention backend.
+
+    Subclasses say how values are made from the source tokens (`project_values`) and how the per-head attention
+    results become the layer output (`project_output`).
+
+    Backends: `config._attn_implementation` picks eager (this file, the reference), sdpa or flex from
+    `ALL_ATTENTION_FUNCTIONS`. With RoPE and no padding the sdpa path gets no mask (flash-eligible). With XL
+    positions the relative-position term is passed as `position_bias` (an additive `[B, H, Tq, Tk]` score bias).
+    """
+
+    def __init__(self, config: SwitchHeadConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.num_key_value_groups = 1
+        self.attention_dropout = config.attention_dropout
+        inner = self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.position_encoding = config.position_encoding
+        if self.position_encoding == "xl":
+            # W_pk: projects the sinusoidal encoding of the relative position into each head's key space.
+            self.position_key_proj = nn.Linear(config.hidden_size, inner, bias=False)
+
+    def project_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states `[B, T, d]` -> values `[B, T, H, dh]`."""
+        raise NotImplementedError
+
+    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
+        raise NotImplementedError
+
+    def xl_position_bias(self, query: torch.Tensor, key_length: int) -> torch.Tensor:
+        """The Transformer-XL term scaling * q_i . (W_pk PE(j - i)) for query i, key j: `[B, H, Tq, Tk]`.
+
+        Queries are the last Tq of the Tk key positions (cache prefix first). Entries with j > i are masked
+        later; they get the value of distance 0.
+        """
+        query_length = query.shape[2]
+        distances = torch.arange(0, -key_length, -1, device=query.device)  # relative positions j - i = 0, -1, ...
+        encoding = sinusoidal_embedding(distances, self.config.hidden_size).to(query.dtype)
+        position_keys = self.position_key_proj(encoding).view(key_length, self.num_heads, self.head_dim)
+        by_distance = torch.einsum("bhqd,khd->bhqk", query, position_keys) * self.scaling  # [B, H, Tq, dist]
+        query_pos = torch.arange(key_length - query_length, key_length, device=query.device)
+        key_pos = torch.arange(key_length, device=query.device)
+        distance_index = (query_pos[:, None] - key_pos[None, :]).clamp(0, key_length - 1)
+        return by_distance.gather(-1, distance_index.expand(*by_distance.shape[:2], -1, -1))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, _ = hidden_states.shape
+        heads_shape = (batch, length, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
+        key = self.k_proj(hidden_states).view(heads_shape).transpose(1, 2)
+        value = self.project_values(hidden_states).transpose(1, 2)  # [B, H, T, dh], already expert-mixed
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
+
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        extra = {}
+        if self.position_encoding == "xl":
+            extra["position_bias"] = self.xl_position_bias(query, key.shape[2])
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attended, probs = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **extra,
+            **kwargs,
+        )  # attended: [B, T, H, dh]
+        return self.project_output(attended.view(heads_shape), hidden_states), probs
+
+
+class SwitchHeadAttention(SwitchHeadAttentionBase):
+    """SwitchHead: sigma-MoE value and output projections, E experts per head, k active per head."""
+
+    def __init__(self, config: SwitchHeadConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        heads, experts, d = self.num_heads, config.num_attention_experts, config.hidden_size
+        self.num_experts = experts
+        self.top_k = config.num_attention_experts_per_tok
+        selection_args = (d, heads, experts, self.top_k, config.attention_expert_dropout, False)
+        self.value_selection = ExpertSelection(*selection_args)  # W_S: source side
+        self.output_selection = ExpertSelection(*selection_args)  # W_D: destination side
+        self.value_experts = nn.Parameter(torch.empty(heads * experts, d, self.head_dim))  # W_V [H*E, d, dh]
+        self.output_experts = nn.Parameter(torch.empty(heads * experts, self.head_dim, d))  # W_O [H*E, dh, d]
+
+    def project_values(self, hidden_states):
+        batch, length, d = hidden_states.shape
+        tokens = hidden_states.reshape(-1, 1, d)
+        _, gates, index = self.value_selection(tokens[:, 0])
+        values = expert_projection(tokens, index, self.value_experts, gates, out_groups=self.num_heads)
+        return values.view(batch, length, self.num_heads, self.head_dim)
+
+    def project_output(self, attended, hidden_states):
+        batch, length, d = hidden_states.shape
+        _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
+        rows = attended.reshape(-1, self.num_heads, self.head_dim)
+        # one weighted sum over all heads and their selected experts
+        return expert_projection(rows, index, self.output_experts, gates, out_groups=1).view(batch, length, d)
+
+
+class MultiHeadAttention(SwitchHeadAttentionBase):
+    """The dense baseline: plain multi-head attention with dense value and output projections."""
+
+    def __init__(self, config: SwitchHeadConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        inner = self.num_heads * self.head_dim
+        self.v_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.o_proj = nn.Linear(inner, config.hidden_size, bias=False)
+
+    def project_values(self, hidden_states):
+        return self.v_proj(hidden_states).view(*hidden_states.shape[:2], self.num_heads, self.head_dim)
+
+    def project_output(self, attended, hidden_states):
+        return self.o_proj(attended.flatten(2))
+
+
+ATTENTION_CLASSES = {"switchhead": SwitchHeadAttention, "dense": MultiHeadAttention}
+
+
+# ==================================================================================================== MLPs
+class SwitchHeadMLP(nn.Module):
+    """The paper's dense feed-forward block: Linear (bias) -> ReLU -> Linear (bias)."""
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(hidden_states)))
+
+
+class SigmaMoeMLP(nn.Module):
+    """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T)."""
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__()
+        d, experts, size = config.hidden_size, config.num_mlp_experts, config.mlp_expert_size
+        self.top_k = config.num_mlp_experts_per_tok
+        self.expert_selection = ExpertSelection(d, 1, experts, self.top_k, config.mlp_expert_dropout, True)
+        self.keys = nn.Parameter(torch.empty(experts, d, size))  # [E, d, S]
+        self.values = nn.Parameter(torch.empty(experts, size, d))  # [E, S, d]
+        self.act_fn = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, 1, shape[-1])
+        _, gates, index = self.expert_selection(tokens[:, 0])
+        inner = self.act_fn(expert_projection(tokens, index, self.keys))  # [N, k, S]
+        return expert_projection(inner, index, self.values, gates, out_groups=1).view(shape)
+
+
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+MLP_CLASSES = {"dense": SwitchHeadMLP, "sigma_moe": SigmaMoeMLP}
+
+
+# ==================================================================================================== blocks
+class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
+    """Pre-LayerNorm block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x)))."""
+
+    def __init__(self, config: SwitchHeadConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = ATTENTION_CLASSES[config.attention_type](config, layer_idx)
+        self.mlp = MLP_CLASSES[config.mlp_type](config)
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attended, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = hidden_states + self.dropout(attended)
+        return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+
+
+class SwitchHeadPreTrainedModel(PreTrainedModel):
+    config_class = SwitchHeadConfig
+    config: SwitchHeadConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SwitchHeadDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_flash_attn = False  # XL needs an additive score bias; RoPE SwitchHead would work, but is untested
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False  # the PyTorch expert path syncs once per op; the kernels path does not
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(ExpertSelection, index=0),
+        "hidden_states": SwitchHeadDecoderLayer,
+        "attentions": [OutputRecorder(SwitchHeadAttention, index=1), OutputRecorder(MultiHeadAttention, index=1)],
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The paper's initialisation, scaled by `config.init_scale` (default sqrt(2 / num_hidden_layers))."""
+        config = self.config
+        scale, d = config.init_scale, config.hidden_size
+        if isinstance(module, SwitchHeadAttentionBase):
+            init.normal_(module.q_proj.weight, std=scale / math.sqrt(d))
+            init.normal_(module.k_proj.weight, std=scale / math.sqrt(d))
+            if hasattr(module, "position_key_proj"):  # left uninitialised by the public reference; not here
+                init.normal_(module.position_key_proj.weight, std=scale / math.sqrt(d))
+        if isinstance(module, SwitchHeadAttention):
+            init.normal_(module.value_experts, std=scale / math.sqrt(d))
+            init.normal_(module.output_experts, std=scale / math.sqrt(module.num_heads * module.head_dim))
+            for selection in (module.value_selection, module.output_selection):
+                _init_selection(selection.weight, std=scale / math.sqrt(d))
+        elif isinstance(module, MultiHeadAttention):
+            init.normal_(module.v_proj.weight, std=scale / math.sqrt(d))
+            init.normal_(module.o_proj.weight, std=scale / math.sqrt(module.num_heads * module.head_dim))
+        elif isinstance(module, SigmaMoeMLP):
+            experts, size = module.keys.shape[0], module.keys.shape[2]
+            init.normal_(module.keys, std=scale / math.sqrt(d))
+            init.normal_(module.values, std=scale / math.sqrt(experts * size))
+            _init_selection(module.expert_selection.weight, std=scale / math.sqrt(d))
+        elif isinstance(module, SwitchHeadMLP):
+            for linear in (module.up_proj, module.down_proj):
+                init.normal_(linear.weight, std=scale / math.sqrt(linear.in_features))
+                if linear.bias is not None:
+                    init.zeros_(linear.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, std=1.0 / math.sqrt(d))
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear) and module is getattr(self, "lm_head", None):
+            init.normal_(module.weight, std=1.0 / math.sqrt(d))
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, ExpertSelection):
+            module.group_offsets.copy_(torch.arange(module.num_groups, device=module.group_offsets.device)
+                                       * module.num_experts)
+        elif isinstance(module, SwitchHeadRotaryEmbedding):
+            rotary = config.num_rotary_channels
+            base = config.rope_parameters.get("rope_theta", config.default_theta)
+            positions = torch.arange(0, rotary, 2, dtype=torch.float, device=module.inv_freq.device)
+            module.inv_freq.copy_(1.0 / (base ** (positions / rotary)))
+
+
+def _init_selection(weight: torch.Tensor, std: float) -> None:
+    """Normal init, each row scaled to unit norm, then the whole tensor rescaled to the std it had."""
+    init.normal_(weight, std=std)
+    if getattr(weight, "_is_hf_initialized", False):
+        return
+    drawn_std = weight.std()
+    weight.div_(weight.norm(dim=-1, keepdim=True)).mul_(drawn_std / weight.std())
+
+
+class SwitchHeadModel(SwitchHeadPreTrainedModel):
+    """The decoder stack: token embedding, `num_hidden_layers` pre-LN blocks, final LayerNorm."""
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(
+            [SwitchHeadDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = self.embed_dropout(inputs_embeds)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=causal_mask,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+def sigma_moe_entropy_loss(
+    mlp_router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The sigma-MoE regulariser: sum over layers of sum_e p_e log p_e, p = mean over tokens of softmax(logits).
+
+    Minimising it maximises the entropy of the batch's average expert distribution (balanced usage). Padding
+    tokens (attention_mask == 0) are left out of the mean.
+    """
+    total = 0.0
+    for logits in mlp_router_logits:
+        log_probs = F.log_softmax(logits.float(), dim=-1)  # [N, E]
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() == logits.shape[0]:
+            keep = attention_mask.reshape(-1).bool().to(log_probs.device)
+            log_probs = log_probs[keep]
+        log_mean = torch.logsumexp(log_probs, dim=0) - math.log(max(log_probs.shape[0], 1))
+        total = total + (log_mean.exp() * log_mean).sum()
+    return torch.as_tensor(total, dtype=torch.float32)
+
+
+class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
+    """SwitchHead / SwitchAll language model: the decoder stack plus an (untied, biased) output layer."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__(config)
+        self.model = SwitchHeadModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def mlp_router_logits(self, router_logits: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The sigma-MoE routers among all recorded ones (each block records value, output, then MLP router)."""
+        if self.config.mlp_type != "sigma_moe" or not router_logits:
+            return ()
+        per_layer = self.config.routers_per_layer
+        return tuple(router_logits[per_layer - 1 :: per_layer])
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeCausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Token ids for the language-modelling loss (shifted inside; -100 is ignored). In training, the sigma-MoE
+            entropy regulariser times `config.entropy_reg_coef` is added to the loss.
+        output_router_logits (`bool`, *optional*):
+            Return the logits of every expert router (value, output and sigma-MoE selections) and `aux_loss`.
+        logits_to_keep (`int` or `torch.Tensor`, *optional*):
+            Compute logits only for the last `logits_to_keep` positions (or the given indices); 0 keeps all.
+        """
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        regularise = self.training and self.config.mlp_type == "sigma_moe" and self.config.entropy_reg_coef > 0
+        outputs: MoeModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits or regularise,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+
+        aux_loss = None
+        mlp_logits = self.mlp_router_logits(outputs.router_logits or ())
+        if mlp_logits:
+            aux_loss = sigma_moe_entropy_loss(mlp_logits, attention_mask)
+            if loss is not None and regularise:
+                loss = loss + self.config.entropy_reg_coef * aux_loss.to(loss.device)
+
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits if output_router_logits else None,
+        )
+
+
+__all__ = [
+    "SwitchHeadPreTrainedModel",
+    "SwitchHeadModel",
+    "SwitchHeadForCausalLM",
+    "SwitchHeadAttention",
+    "MultiHeadAttention",
+    "SigmaMoeMLP",
+    "ExpertSelection",
+    "expert_projection",
+    "expert_projection_torch",
+    "sigma_moe_entropy_loss",
+]

@@ -1,0 +1,59 @@
+"""Distribution `switchhead`: the top-level folders map into one import namespace.
+
+modeling_switchhead/ -> switchhead, kernels/ -> switchhead.kernels, training/ -> switchhead.training,
+evaluation/ -> switchhead.evaluation, conversion/ -> switchhead.conversion. No top-level `kernels`,
+`evaluation` or `conversion` package is installed (those names belong to other PyPI projects).
+"""
+
+import os
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SUBPACKAGES = {"kernels": "kernels", "training": "training", "evaluation": "evaluation", "conversion": "conversion"}
+
+package_dir = {"switchhead": "modeling_switchhead"}
+packages = ["switchhead"]
+for name, folder in SUBPACKAGES.items():
+    if os.path.isfile(os.path.join(HERE, folder, "__init__.py")):
+        package_dir[f"switchhead.{name}"] = folder
+        packages.append(f"switchhead.{name}")
+        # nested packages (e.g. the lm-eval task folder) keep their relative layout
+        for root, dirs, files in os.walk(os.path.join(HERE, folder)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            rel = os.path.relpath(root, os.path.join(HERE, folder))
+            if rel != "." and "__init__.py" in files:
+                sub = f"switchhead.{name}." + rel.replace(os.sep, ".")
+                package_dir[sub] = os.path.join(folder, rel)
+                packages.append(sub)
+
+setup(
+    name="switchhead",
+    version="0.1.0",
+    description="SwitchHead / SwitchAll mixture-of-experts attention models for Hugging Face Transformers",
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    if os.path.exists(os.path.join(HERE, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir=package_dir,
+    include_package_data=True,
+    package_data={"": ["*.yaml", "*.jinja", "*.md", "*.txt", "*.json"]},
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=5.0,<6",
+        "safetensors",
+        "accelerate",
+        "datasets",
+        "tokenizers",
+        "huggingface_hub",
+        "tqdm",
+    ],
+    extras_require={
+        "triton": ["triton>=3.6"],
+        "eval": ["lm-eval==0.4.13", "matplotlib", "jinja2"],
+        "train": ["tensorboard"],
+        "test": ["pytest", "hypothesis", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard"],
+    },
+    entry_points={"console_scripts": ["switchhead=switchhead.cli:main"]},
+)
