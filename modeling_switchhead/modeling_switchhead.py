@@ -43,6 +43,8 @@ from .configuration_switchhead import SwitchHeadConfig
 
 try:  # our fused kernels, when the package is installed; the Hub copy of this file runs without them
     _kernels = importlib.import_module("switchhead.kernels")
+    if not hasattr(_kernels, "cvmm"):
+        _kernels = None
 except Exception:  # noqa: BLE001 - any failure means "use the PyTorch path"
     _kernels = None
 

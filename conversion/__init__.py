@@ -1,0 +1,1 @@
+"""switchhead.conversion (work in progress)."""

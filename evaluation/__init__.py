@@ -1,0 +1,1 @@
+"""switchhead.evaluation (work in progress)."""

@@ -1,0 +1,1 @@
+"""switchhead.kernels (work in progress)."""

@@ -1,0 +1,1 @@
+"""switchhead.training (work in progress)."""
