@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -119,7 +120,8 @@ class ExpertSelection(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`)."""
-        logits = F.linear(hidden_states, self.weight).float()
+        logits = F.linear(hidden_states, self.weight)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32, as in the paper
         scores = torch.sigmoid(logits).view(-1, self.num_groups, self.num_experts)
         ranked = scores
         if self.training and self.expert_dropout > 0:
@@ -135,19 +137,23 @@ class ExpertSelection(nn.Module):
 
 # ==================================================================================================== positions
 class SwitchHeadRotaryEmbedding(nn.Module):
-    """NeoX-style RoPE on the first `num_rotary_channels` channels of each head (the paper rotates half)."""
+    """NeoX-style RoPE on the first `num_rotary_channels` channels of each head (the paper rotates half).
+
+    Frequencies are computed on the fly (a handful of values) in at least fp32, in fp64 for an fp64 model, so the
+    table is never stale after a dtype or device change.
+    """
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
-        rotary = config.num_rotary_channels
-        base = config.rope_parameters.get("rope_theta", config.default_theta)
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary, 2, dtype=torch.float) / rotary))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary = config.num_rotary_channels
+        self.base = float(config.rope_parameters.get("rope_theta", config.default_theta))
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids `[B, T]` -> (cos, sin), each `[B, T, num_rotary_channels]` in x's dtype."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        inv_freq = self.base ** (-torch.arange(0, self.rotary, 2, device=x.device, dtype=dtype) / self.rotary)
+        freqs = position_ids[..., None].to(dtype) * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
@@ -165,11 +171,17 @@ def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
 
 
-def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """Transformer-XL's sinusoidal encoding of (relative) positions `[P]` -> `[P, dim]` float32: [sin | cos]."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float) / dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    return torch.cat((angles.sin(), angles.cos()), dim=-1)[:, :dim]
+def sinusoidal_embedding(positions: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sinusoidal encoding of (relative) positions `[P]` -> `[P, dim]`, the authors' layout (interleaved).
+
+    Channel 2f holds sin(p * w_f) and channel 2f + 1 holds cos(p * w_f), w_f = 10000^(-2f / dim): the layout of
+    `sinusoidal_pos_embedding` in the authors' code, which their `pos_to_pk` weights were trained against.
+    `dtype` is the computation dtype (at least float32; float64 for float64 models).
+    """
+    dtype = torch.promote_types(dtype, torch.float32)
+    inv_freq = torch.exp(torch.arange(0, dim, 2, device=positions.device, dtype=dtype) * (-math.log(10000.0) / dim))
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]  # [P, ceil(dim / 2)]
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[:, :dim]
 
 
 # ==================================================================================================== attention
@@ -197,7 +209,7 @@ def eager_attention_forward(
         causal = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
         causal = causal.tril(key.shape[2] - query.shape[2])
         scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
@@ -239,21 +251,27 @@ class SwitchHeadAttentionBase(nn.Module):
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
-    def xl_position_bias(self, query: torch.Tensor, key_length: int) -> torch.Tensor:
-        """The Transformer-XL term scaling * q_i . (W_pk PE(j - i)) for query i, key j: `[B, H, Tq, Tk]`.
+    def xl_position_bias(self, query: torch.Tensor, key_length: int, query_offset: int = 0) -> torch.Tensor:
+        """The Transformer-XL position term for query i and key j, as an additive score bias `[B, H, Tq, Tk]`.
 
-        Queries are the last Tq of the Tk key positions (cache prefix first). Entries with j > i are masked
-        later; they get the value of distance 0.
+        bias[b, h, i, j] = scaling * q_i . (W_pk PE(j - i))_h, where i and j are indices into the key sequence
+        (XL memory or cache first, then the current tokens; query t of this call sits at index query_offset + t).
+        PE is `sinusoidal_embedding` of the signed relative position j - i (<= 0 for the visible past), W_pk is
+        `position_key_proj` applied to PE and then split into heads, and `scaling = head_dim**-0.5` multiplies the
+        term exactly as it multiplies q . k. This is the authors' convention (their code scales q and PE by
+        head_dim**-0.25 each and takes `shift(q @ (PE W_pk^T)^T)`), without the u/v biases. Future keys (j > i)
+        get the value of distance 0; the causal mask removes them.
         """
         query_length = query.shape[2]
-        distances = torch.arange(0, -key_length, -1, device=query.device)  # relative positions j - i = 0, -1, ...
-        encoding = sinusoidal_embedding(distances, self.config.hidden_size).to(query.dtype)
-        position_keys = self.position_key_proj(encoding).view(key_length, self.num_heads, self.head_dim)
-        by_distance = torch.einsum("bhqd,khd->bhqk", query, position_keys) * self.scaling  # [B, H, Tq, dist]
-        query_pos = torch.arange(key_length - query_length, key_length, device=query.device)
-        key_pos = torch.arange(key_length, device=query.device)
-        distance_index = (query_pos[:, None] - key_pos[None, :]).clamp(0, key_length - 1)
-        return by_distance.gather(-1, distance_index.expand(*by_distance.shape[:2], -1, -1))
+        num_distances = key_length  # the largest distance seen is (last query) - (first key) <= key_length - 1
+        distances = -torch.arange(num_distances, device=query.device)  # relative positions j - i = 0, -1, -2, ...
+        encoding = sinusoidal_embedding(distances, self.config.hidden_size, query.dtype).to(query.dtype)
+        position_keys = self.position_key_proj(encoding).view(num_distances, self.num_heads, self.head_dim)
+        by_distance = torch.einsum("bhqd,khd->bhqk", query, position_keys) * self.scaling  # [B, H, Tq, distance]
+        query_index = torch.arange(query_length, device=query.device) + query_offset
+        key_index = torch.arange(key_length, device=query.device)
+        distance = (query_index[:, None] - key_index[None, :]).clamp(0, num_distances - 1)  # [Tq, Tk]
+        return by_distance.gather(-1, distance.expand(*by_distance.shape[:2], -1, -1))
 
     def forward(
         self,
@@ -261,23 +279,31 @@ class SwitchHeadAttentionBase(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None = None,
+        memory: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states `[B, T, d]` (normalised); memory `[B, M, d]` (normalised XL memory, or None) -> `[B, T, d]`.
+
+        Memory tokens are extra sources: they give keys and (expert-mixed) values, never queries.
+        """
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, self.num_heads, self.head_dim)
+        sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
-        key = self.k_proj(hidden_states).view(heads_shape).transpose(1, 2)
-        value = self.project_values(hidden_states).transpose(1, 2)  # [B, H, T, dh], already expert-mixed
+        key = self.k_proj(sources).view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
+        value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
+        query_offset = key.shape[2] - length  # index of the first query among the keys: the memory length
         if past_key_values is not None:
+            query_offset = past_key_values.get_seq_length(self.layer_idx)  # before the update: what it held
             key, value = past_key_values.update(key, value, self.layer_idx)
 
         extra = {}
         if self.position_encoding == "xl":
-            extra["position_bias"] = self.xl_position_bias(query, key.shape[2])
+            extra["position_bias"] = self.xl_position_bias(query, key.shape[2], query_offset)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -384,7 +410,11 @@ MLP_CLASSES = {"dense": SwitchHeadMLP, "sigma_moe": SigmaMoeMLP}
 
 # ==================================================================================================== blocks
 class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
-    """Pre-LayerNorm block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x)))."""
+    """Pre-LayerNorm block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))).
+
+    With XL memory (the detached inputs of this block on the previous segment, `[B, M, d]`), attention also reads
+    LN(memory), normalised by the same LayerNorm, as in the authors' code.
+    """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
         super().__init__()
@@ -400,6 +430,7 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        memory: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         attended, _ = self.self_attn(
@@ -407,10 +438,18 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
+            memory=self.input_layernorm(memory) if memory is not None else None,
             **kwargs,
         )
         hidden_states = hidden_states + self.dropout(attended)
         return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_switchhead.SwitchHeadConfig",
+    "AutoModel": "modeling_switchhead.SwitchHeadModel",
+    "AutoModelForCausalLM": "modeling_switchhead.SwitchHeadForCausalLM",
+}
 
 
 class SwitchHeadPreTrainedModel(PreTrainedModel):
@@ -430,6 +469,15 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
         "hidden_states": SwitchHeadDecoderLayer,
         "attentions": [OutputRecorder(SwitchHeadAttention, index=1), OutputRecorder(MultiHeadAttention, index=1)],
     }
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, with an `auto_map` for all three Auto classes.
+
+        Transformers records only the saved class; we add the others so that one folder serves AutoConfig,
+        AutoModel and AutoModelForCausalLM with `trust_remote_code=True` (the model files are copied beside it).
+        """
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -471,11 +519,6 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
         elif isinstance(module, ExpertSelection):
             module.group_offsets.copy_(torch.arange(module.num_groups, device=module.group_offsets.device)
                                        * module.num_experts)
-        elif isinstance(module, SwitchHeadRotaryEmbedding):
-            rotary = config.num_rotary_channels
-            base = config.rope_parameters.get("rope_theta", config.default_theta)
-            positions = torch.arange(0, rotary, 2, dtype=torch.float, device=module.inv_freq.device)
-            module.inv_freq.copy_(1.0 / (base ** (positions / rotary)))
 
 
 def _init_selection(weight: torch.Tensor, std: float) -> None:
@@ -485,6 +528,74 @@ def _init_selection(weight: torch.Tensor, std: float) -> None:
         return
     drawn_std = weight.std()
     weight.div_(weight.norm(dim=-1, keepdim=True)).mul_(drawn_std / weight.std())
+
+
+@dataclass
+class SwitchHeadModelOutputWithPast(MoeModelOutputWithPast):
+    r"""
+    xl_memory (`list[torch.Tensor]`, *optional*):
+        One detached `[B, M, d]` tensor per layer: the last `config.xl_memory_length` positions of that layer's
+        input hidden states (previous memory, then this segment). Pass it as `xl_memory=` with the next segment.
+        Returned for XL models with `xl_memory_length > 0` when called without a KV cache (`use_cache=False`).
+    """
+
+    xl_memory: list[torch.Tensor] | None = None
+
+
+@dataclass
+class SwitchHeadCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    r"""
+    xl_memory (`list[torch.Tensor]`, *optional*):
+        The XL memory for the next segment; see `SwitchHeadModelOutputWithPast.xl_memory`.
+    """
+
+    xl_memory: list[torch.Tensor] | None = None
+
+
+def create_xl_memory_mask(
+    config: SwitchHeadConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    memory_length: int,
+):
+    """The paper's masking with XL memory, in the format of the configured attention backend.
+
+    Query t (of T) sees all `memory_length` memory positions and the current positions <= t: the causal mask of
+    queries placed at key indices M..M+T-1, like a cache prefix. `attention_mask` is a 2D padding mask over the
+    current tokens `[B, T]` (memory all valid) or over memory and current tokens `[B, M + T]`; a 4D mask is
+    returned unchanged. The mask is always materialised, so that no backend falls back to its own causal mask
+    (sdpa's `is_causal` aligns to the top-left and would hide the memory from the first queries).
+    """
+    batch, length = inputs_embeds.shape[:2]
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] not in (length, memory_length + length):
+            raise ValueError(
+                f"with xl_memory, attention_mask must be 2D [batch, {length}] (current tokens) or "
+                f"[batch, {memory_length + length}] (memory then current tokens), got {tuple(attention_mask.shape)}"
+            )
+        attention_mask = attention_mask.to(device=inputs_embeds.device, dtype=torch.bool)
+        if attention_mask.shape[-1] == length:
+            attention_mask = F.pad(attention_mask, (memory_length, 0), value=True)
+    if config._attn_implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"xl_memory needs attn_implementation 'eager', 'sdpa' or 'flex_attention', "
+            f"got {config._attn_implementation!r}"
+        )
+    return ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation](
+        batch_size=batch,
+        q_length=length,
+        kv_length=memory_length + length,
+        q_offset=memory_length,
+        kv_offset=0,
+        mask_function=causal_mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        dtype=inputs_embeds.dtype,
+        config=config,
+        device=inputs_embeds.device,
+    )
 
 
 class SwitchHeadModel(SwitchHeadPreTrainedModel):
@@ -519,10 +630,20 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        xl_memory: list[torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
+    ) -> SwitchHeadModelOutputWithPast:
+        r"""
+        xl_memory (`list[torch.Tensor]`, *optional*):
+            Transformer-XL memory: one `[B, M, d]` tensor per layer, the `xl_memory` of the previous segment's
+            output. Every query of this segment attends to all M memory positions, and relative positions continue
+            across the boundary. Only for `position_encoding="xl"` and without a KV cache (`use_cache=False`).
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if xl_memory is not None:
+            batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            self._check_xl_memory(xl_memory, batch, use_cache, past_key_values)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if inputs_embeds is None:
@@ -531,27 +652,67 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
+        memory_length = xl_memory[0].shape[1] if xl_memory is not None else 0
+        if memory_length > 0:
+            causal_mask = create_xl_memory_mask(self.config, inputs_embeds, attention_mask, memory_length)
+        else:
+            causal_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
+        keep_memory = (
+            self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and past_key_values is None
         )
+        new_memory = [] if keep_memory else None
         hidden_states = self.embed_dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            memory = xl_memory[layer_idx].to(hidden_states) if memory_length > 0 else None
+            if keep_memory:  # this layer's input, as the authors keep it: before the LayerNorm, detached
+                inputs = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)
+                new_memory.append(inputs[:, -self.config.xl_memory_length :].detach())
             hidden_states = decoder_layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=causal_mask,
                 past_key_values=past_key_values,
+                memory=memory,
                 use_cache=use_cache,
                 position_ids=position_ids,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return SwitchHeadModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=past_key_values, xl_memory=new_memory
+        )
+
+    def _check_xl_memory(self, xl_memory, batch: int, use_cache, past_key_values) -> None:
+        """Reject XL memory that does not fit this model or call, saying what to change."""
+        config = self.config
+        if config.position_encoding != "xl":
+            raise ValueError(f"xl_memory needs position_encoding='xl', this model uses {config.position_encoding!r}")
+        if use_cache or past_key_values is not None:
+            raise ValueError(
+                "xl_memory cannot be combined with a KV cache: pass use_cache=False (and no past_key_values); "
+                "generation continues a sequence through the KV cache instead"
+            )
+        if not isinstance(xl_memory, (list, tuple)) or len(xl_memory) != config.num_hidden_layers:
+            raise ValueError(
+                f"xl_memory must be a list of {config.num_hidden_layers} tensors (one per layer), got "
+                f"{type(xl_memory).__name__} of length {len(xl_memory) if hasattr(xl_memory, '__len__') else '?'}"
+            )
+        shape = tuple(xl_memory[0].shape)
+        if len(shape) != 3 or shape[0] != batch:
+            raise ValueError(f"xl_memory tensors must be [batch={batch}, memory_length, d], got {shape}")
+        for layer_idx, memory in enumerate(xl_memory):
+            if memory.dim() != 3 or memory.shape[-1] != config.hidden_size or tuple(memory.shape) != shape:
+                raise ValueError(
+                    f"xl_memory[{layer_idx}] must have shape [batch, memory_length, {config.hidden_size}] like "
+                    f"xl_memory[0] {shape}, got {tuple(memory.shape)}"
+                )
 
 
 def sigma_moe_entropy_loss(
@@ -616,8 +777,9 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        xl_memory: list[torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeCausalLMOutputWithPast:
+    ) -> SwitchHeadCausalLMOutputWithPast:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids for the language-modelling loss (shifted inside; -100 is ignored). In training, the sigma-MoE
@@ -626,17 +788,21 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
             Return the logits of every expert router (value, output and sigma-MoE selections) and `aux_loss`.
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
             Compute logits only for the last `logits_to_keep` positions (or the given indices); 0 keeps all.
+        xl_memory (`list[torch.Tensor]`, *optional*):
+            Transformer-XL memory from the previous segment's output (`out.xl_memory`), with `use_cache=False`:
+            `out = model(input_ids=seg, labels=seg, xl_memory=mem, use_cache=False); mem = out.xl_memory`.
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         regularise = self.training and self.config.mlp_type == "sigma_moe" and self.config.entropy_reg_coef > 0
-        outputs: MoeModelOutputWithPast = self.model(
+        outputs: SwitchHeadModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            xl_memory=xl_memory,
             output_router_logits=output_router_logits or regularise,
             **kwargs,
         )
@@ -655,7 +821,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
             if loss is not None and regularise:
                 loss = loss + self.config.entropy_reg_coef * aux_loss.to(loss.device)
 
-        return MoeCausalLMOutputWithPast(
+        return SwitchHeadCausalLMOutputWithPast(
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
@@ -663,6 +829,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits if output_router_logits else None,
+            xl_memory=outputs.xl_memory,
         )
 
 
@@ -677,4 +844,6 @@ __all__ = [
     "expert_projection",
     "expert_projection_torch",
     "sigma_moe_entropy_loss",
+    "SwitchHeadModelOutputWithPast",
+    "SwitchHeadCausalLMOutputWithPast",
 ]
