@@ -1,1 +1,35 @@
-"""switchhead.kernels (work in progress)."""
+"""switchhead.kernels: the CVMM expert-projection op (Triton kernels, their PyTorch twin, one dispatch point).
+
+`cvmm(inputs, expert_index, weight, gates=None, out_groups=1)` is what `switchhead`'s model calls for every
+expert projection; see `cvmm.py` for the contract and the switches (`set_backend` / `SWITCHHEAD_CVMM_BACKEND`,
+`set_deterministic` / `SWITCHHEAD_CVMM_DETERMINISTIC`). Triton is imported only when a Triton kernel first runs.
+"""
+
+from .cvmm import (
+    BACKEND_ENV,
+    BACKENDS,
+    DETERMINISTIC_ENV,
+    cvmm,
+    get_backend,
+    is_deterministic,
+    resolve_backend,
+    set_backend,
+    set_deterministic,
+    use_backend,
+)
+from .cvmm_reference import cvmm_backward_reference, cvmm_forward_reference
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "DETERMINISTIC_ENV",
+    "cvmm",
+    "cvmm_backward_reference",
+    "cvmm_forward_reference",
+    "get_backend",
+    "is_deterministic",
+    "resolve_backend",
+    "set_backend",
+    "set_deterministic",
+    "use_backend",
+]

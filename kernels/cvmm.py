@@ -1,0 +1,257 @@
+"""CVMM ("conditional vector-matrix multiplication"): the expert projection of SwitchHead and sigma-MoE.
+
+    cvmm(inputs, expert_index, weight, gates=None, out_groups=1)
+
+inputs `[N, R, d_in]` (R input rows per token), expert_index `[N, S]` (integer indices into weight's first
+dimension), weight `[G, d_in, d_out]`, gates `[N, S]` or None. Slot s of token n multiplies input row
+`s // (S // R)` by matrix `weight[expert_index[n, s]]`. Without gates the result is `[N, S, d_out]`; with gates
+each slot is scaled by its gate and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`.
+In SwitchHead: values (R=1, S=H*k, out_groups=H), output (R=H, S=H*k, out_groups=1: the sum over heads and their
+experts); sigma-MoE: keys (R=1, S=k, no gates), values (R=k, S=k, out_groups=1).
+
+This module is the one dispatch point. The op and its backward are registered with `torch.library` as
+`switchhead::cvmm_forward` / `switchhead::cvmm_backward` (custom_op + register_fake + register_autograd), so
+`torch.compile(fullgraph=True)` traces through them. Each call picks its implementation at run time:
+
+- `cvmm_triton` (Triton kernels) for CUDA tensors, and for CPU tensors when `TRITON_INTERPRET=1` was set before
+  the first use (the Triton interpreter, for tests);
+- `cvmm_reference` (PyTorch) otherwise: CPU, float64, or Triton not installed.
+
+Force one with `set_backend("triton" | "torch" | "auto")`, the `use_backend(...)` context manager, or the
+environment variable `SWITCHHEAD_CVMM_BACKEND`. The Triton forward and input gradient add the slots that share an
+output row with fp32 atomics (fast, not bitwise reproducible); `SWITCHHEAD_CVMM_DETERMINISTIC=1`,
+`set_deterministic(True)` or `torch.use_deterministic_algorithms(True)` make them sum in a fixed order instead.
+Weight gradients never use atomics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from .cvmm_reference import cvmm_backward_reference, cvmm_forward_reference
+
+BACKENDS = ("auto", "triton", "torch")
+BACKEND_ENV = "SWITCHHEAD_CVMM_BACKEND"
+DETERMINISTIC_ENV = "SWITCHHEAD_CVMM_DETERMINISTIC"
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_backend_override: str | None = None
+_deterministic_override: bool | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- switches
+def _check_backend(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source} must be one of {', '.join(BACKENDS)}; got {name!r}")
+    return name
+
+
+def get_backend() -> str:
+    """The requested backend: `set_backend`'s value, else `$SWITCHHEAD_CVMM_BACKEND`, else "auto"."""
+    if _backend_override is not None:
+        return _backend_override
+    return _check_backend(os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto", BACKEND_ENV)
+
+
+def set_backend(name: str | None) -> None:
+    """Force "triton" or "torch" for every CVMM call, or "auto" (the default); None defers to the env var."""
+    global _backend_override
+    _backend_override = None if name is None else _check_backend(name, "backend")
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """`with use_backend("torch"): ...` runs the block with that backend, then restores the previous setting."""
+    global _backend_override
+    previous, _backend_override = _backend_override, _check_backend(name, "backend")
+    try:
+        yield
+    finally:
+        _backend_override = previous
+
+
+def set_deterministic(enabled: bool | None) -> None:
+    """Make the Triton path bitwise reproducible (no atomics); None defers to the env var / torch's flag."""
+    global _deterministic_override
+    _deterministic_override = enabled
+
+
+def is_deterministic() -> bool:
+    if _deterministic_override is not None:
+        return _deterministic_override
+    return os.environ.get(DETERMINISTIC_ENV, "0") == "1" or torch.are_deterministic_algorithms_enabled()
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def resolve_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The implementation ("triton" or "torch") a call with tensors on `device` of `dtype` runs."""
+    requested = get_backend()
+    if requested == "torch":
+        return "torch"
+    usable = triton_installed() and _triton_runs_on(device) and dtype in TRITON_DTYPES
+    if requested == "triton" and not usable:
+        raise RuntimeError(
+            f"CVMM backend 'triton' cannot run {dtype} tensors on {device.type}: it needs triton installed, CUDA "
+            f"tensors (or TRITON_INTERPRET=1 for CPU tensors) and one of {[str(t) for t in TRITON_DTYPES]}; "
+            f"use set_backend('auto') or {BACKEND_ENV}=auto to fall back to PyTorch"
+        )
+    return "triton" if usable else "torch"
+
+
+def _triton_module():
+    # imported on first use only: TRITON_INTERPRET is read when the kernels are decorated
+    from . import cvmm_triton
+
+    return cvmm_triton
+
+
+# ---------------------------------------------------------------------------------------------------- the ops
+def sort_slots(expert_index: Tensor) -> tuple[Tensor, Tensor]:
+    """Flat slots sorted by expert: (expert of each sorted slot `[M]`, slot id of each sorted slot `[M]`).
+
+    The sort is stable, so the rows of one expert keep token order and every reduction order is fixed.
+    """
+    return torch.sort(expert_index.reshape(-1), stable=True)
+
+
+@torch.library.custom_op("switchhead::cvmm_forward", mutates_args=())
+def cvmm_forward(
+    inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | None, out_groups: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The CVMM op: returns (output, sorted experts `[M]`, sorted slot ids `[M]`); the latter two feed the backward."""
+    n, slots = expert_index.shape
+    sorted_expert, order = sort_slots(expert_index)
+    groups = out_groups if gates is not None else slots
+    if n == 0:
+        return inputs.new_zeros(0, groups, weight.shape[2]), sorted_expert, order
+    if resolve_backend(inputs.device, inputs.dtype) == "triton":
+        out = _triton_module().cvmm_forward_triton(inputs, weight, gates, sorted_expert, order, out_groups,
+                                                   is_deterministic())
+    else:
+        if expert_index.device.type == "cpu" and (sorted_expert[0] < 0 or sorted_expert[-1] >= weight.shape[0]):
+            raise ValueError(f"expert_index values must lie in [0, {weight.shape[0]}) (weight has "
+                             f"{weight.shape[0]} experts); got [{sorted_expert[0]}, {sorted_expert[-1]}]")
+        out = cvmm_forward_reference(inputs, weight, gates, sorted_expert, order, out_groups)
+    return out, sorted_expert, order
+
+
+@cvmm_forward.register_fake
+def _cvmm_forward_fake(inputs, expert_index, weight, gates, out_groups):
+    n, slots = expert_index.shape
+    groups = out_groups if gates is not None else slots
+    flat = expert_index.new_empty(n * slots)
+    return inputs.new_empty(n, groups, weight.shape[2]), flat, flat.new_empty(n * slots)
+
+
+@torch.library.custom_op("switchhead::cvmm_backward", mutates_args=())
+def cvmm_backward(
+    grad: Tensor, inputs: Tensor, weight: Tensor, gates: Tensor | None, sorted_expert: Tensor, order: Tensor,
+    out_groups: int, need_inputs: bool, need_weight: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(d inputs, d weight, d gates); a gradient not needed (or d gates without gates) is an empty tensor."""
+    grad = grad.to(inputs.dtype)
+    if inputs.shape[0] == 0:
+        return _gradient_buffers(grad, inputs, weight, gates, need_inputs, need_weight, torch.zeros)
+    if resolve_backend(inputs.device, inputs.dtype) == "triton":
+        return _triton_module().cvmm_backward_triton(grad, inputs, weight, gates, sorted_expert, order, out_groups,
+                                                     need_inputs, need_weight, is_deterministic())
+    return cvmm_backward_reference(grad, inputs, weight, gates, sorted_expert, order, out_groups, need_inputs,
+                                   need_weight)
+
+
+def _gradient_buffers(grad, inputs, weight, gates, need_inputs, need_weight, make):
+    d_inputs = make(inputs.shape if need_inputs else (0,), dtype=inputs.dtype, device=inputs.device)
+    d_weight = make(weight.shape if need_weight else (0,), dtype=weight.dtype, device=weight.device)
+    d_gates = make(gates.shape if gates is not None else (0,), dtype=gates.dtype if gates is not None else grad.dtype,
+                   device=grad.device)
+    return d_inputs, d_weight, d_gates
+
+
+@cvmm_backward.register_fake
+def _cvmm_backward_fake(grad, inputs, weight, gates, sorted_expert, order, out_groups, need_inputs, need_weight):
+    return _gradient_buffers(grad, inputs, weight, gates, need_inputs, need_weight, torch.empty)
+
+
+def _setup_context(ctx, inputs, output):
+    x, _, weight, gates, out_groups = inputs
+    _, sorted_expert, order = output
+    ctx.save_for_backward(x, weight, gates, sorted_expert, order)
+    ctx.out_groups = out_groups
+    ctx.mark_non_differentiable(sorted_expert, order)
+
+
+def _backward(ctx, grad, _sorted_expert_grad, _order_grad):
+    x, weight, gates, sorted_expert, order = ctx.saved_tensors
+    need_inputs, _, need_weight, need_gates, _ = ctx.needs_input_grad
+    d_inputs, d_weight, d_gates = cvmm_backward(grad, x, weight, gates, sorted_expert, order, ctx.out_groups,
+                                                need_inputs, need_weight)
+    return (d_inputs if need_inputs else None, None, d_weight if need_weight else None,
+            d_gates if need_gates else None, None)
+
+
+cvmm_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------- public
+def _check_arguments(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | None,
+                     out_groups: int) -> None:
+    if inputs.dim() != 3 or expert_index.dim() != 2 or weight.dim() != 3:
+        raise ValueError(f"cvmm expects inputs [N, R, d_in], expert_index [N, S], weight [G, d_in, d_out]; got "
+                         f"{tuple(inputs.shape)}, {tuple(expert_index.shape)}, {tuple(weight.shape)}")
+    (n, r, d_in), (n_index, slots) = inputs.shape, expert_index.shape
+    if n != n_index:
+        raise ValueError(f"inputs has {n} tokens but expert_index has {n_index}; they must match")
+    if expert_index.dtype.is_floating_point or expert_index.dtype == torch.bool:
+        raise ValueError(f"expert_index must be an integer tensor; got {expert_index.dtype}")
+    if r < 1 or slots % r:
+        raise ValueError(f"the slot count S={slots} must be a multiple of the input rows per token R={r}")
+    if weight.shape[1] != d_in:
+        raise ValueError(f"weight is [G, {weight.shape[1]}, d_out] but inputs have d_in={d_in}; they must match")
+    if gates is not None:
+        if gates.shape != expert_index.shape:
+            raise ValueError(f"gates must have expert_index's shape {tuple(expert_index.shape)}; "
+                             f"got {tuple(gates.shape)}")
+        if out_groups < 1 or slots % out_groups:
+            raise ValueError(f"out_groups={out_groups} must divide the slot count S={slots}")
+
+
+def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | None = None,
+         out_groups: int = 1) -> Tensor:
+    """Rows times their selected expert's matrix, with an optional gate-weighted sum (see the module docstring).
+
+    Args:
+        inputs: `[N, R, d_in]`.
+        expert_index: `[N, S]` integers in `[0, G)`.
+        weight: `[G, d_in, d_out]`.
+        gates: `[N, S]` or None.
+        out_groups: output rows per token when `gates` is given.
+
+    Returns:
+        `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them, in the inputs' dtype (the autocast dtype
+        under autocast). Differentiable w.r.t. inputs, weight and gates.
+    """
+    _check_arguments(inputs, expert_index, weight, gates, out_groups)
+    device_type = inputs.device.type
+    if torch.is_autocast_enabled(device_type):  # as a matmul would: compute in the autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        inputs, weight = inputs.to(dtype), weight.to(dtype)
+    elif inputs.dtype != weight.dtype:
+        dtype = torch.promote_types(inputs.dtype, weight.dtype)
+        inputs, weight = inputs.to(dtype), weight.to(dtype)
+    out, _, _ = cvmm_forward(inputs, expert_index.long(), weight, gates, out_groups)
+    return out
