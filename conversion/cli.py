@@ -1,0 +1,116 @@
+"""`switchhead convert`: the authors' checkpoints to `save_pretrained` folders and back.
+
+    switchhead convert authors-to-hf model-100000.pth out/          # training-code checkpoint -> folder
+    switchhead convert hf-to-authors out/ model.pth                 # folder -> training-code checkpoint
+    switchhead convert module-to-hf my.pt out/ --preset tiny-switchhead-xl \\
+        --layer-prefix 'blocks.{i}.attn.' --map 'blocks.{i}.ln1.=model.layers.{i}.input_layernorm.' ...
+    switchhead convert hf-to-module out/ my.pt --layer-prefix 'blocks.{i}.attn.' --map ...
+
+Loading uses `torch.load(weights_only=True)`. `--allow-pickle` fully unpickles files that need it: that runs
+any code stored in the file, so only use it for checkpoints from a source you trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from switchhead.cli import UsageError
+
+
+def _common(parser: argparse.ArgumentParser, reads_pickle: bool, writes_folder: bool) -> None:
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"],
+                        help="convert floating-point tensors to this dtype on the way out (default: keep)")
+    if reads_pickle:
+        parser.add_argument("--allow-pickle", action="store_true",
+                            help="WARNING: fully unpickle inputs that a safe load refuses; this can execute code "
+                                 "stored in the file, so use it only for files you trust")
+    if writes_folder:
+        parser.add_argument("--max-shard-size", default="5GB",
+                            help="largest safetensors shard, e.g. 500MB or 2GB (default 5GB)")
+
+
+def _module_layout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layer-prefix", required=True,
+                        help="prefix of the SwitchHead module of layer {i} in your state dict, e.g. 'blocks.{i}.attn.'")
+    parser.add_argument("--map", action="append", default=[], metavar="THEIRS=OURS",
+                        help="prefix rename for the rest of your model, e.g. 'tok_emb.=model.embed_tokens.' or "
+                             "'blocks.{i}.ln1.=model.layers.{i}.input_layernorm.' (repeatable)")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("convert", help="convert the authors' checkpoints to/from save_pretrained folders",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    directions = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+
+    p = directions.add_parser("authors-to-hf", help="the authors' training checkpoint -> save_pretrained folder")
+    p.add_argument("input", help="training checkpoint (.pth) with 'model' and run_invariants['args']")
+    p.add_argument("output", help="new folder to write")
+    _common(p, reads_pickle=True, writes_folder=True)
+
+    p = directions.add_parser("hf-to-authors", help="save_pretrained folder -> the authors' training checkpoint")
+    p.add_argument("input", help="save_pretrained folder")
+    p.add_argument("output", help="new .pth file to write")
+    _common(p, reads_pickle=False, writes_folder=False)
+
+    p = directions.add_parser("module-to-hf", help="model around the authors' SwitchHead module -> folder")
+    p.add_argument("input", help="your state dict (.pt/.pth or .safetensors)")
+    p.add_argument("output", help="new folder to write")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="config.json (SwitchHeadConfig fields) describing your model")
+    source.add_argument("--preset", help="a SwitchHeadConfig preset name describing your model")
+    _module_layout(p)
+    _common(p, reads_pickle=True, writes_folder=True)
+
+    p = directions.add_parser("hf-to-module", help="save_pretrained folder -> state dict for your model")
+    p.add_argument("input", help="save_pretrained folder")
+    p.add_argument("output", help="new file to write (.safetensors, else torch.save)")
+    _module_layout(p)
+    _common(p, reads_pickle=False, writes_folder=False)
+
+    parser.set_defaults(handler=run)
+
+
+def _config(args):
+    from switchhead import SwitchHeadConfig
+
+    try:
+        if args.preset:
+            return SwitchHeadConfig.from_preset(args.preset)
+        if not os.path.isfile(args.config):
+            raise UsageError(f"--config {args.config} does not exist")
+        with open(args.config, encoding="utf-8") as handle:
+            return SwitchHeadConfig(**{k: v for k, v in json.load(handle).items()
+                                       if k not in ("model_type", "architectures", "auto_map",
+                                                    "transformers_version")})
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"invalid model description: {error}") from None
+
+
+def run(args) -> int:
+    from . import convert
+    from .authors_format import parse_renames
+    from .checkpoint_io import ConversionError, parse_dtype
+
+    try:
+        dtype = parse_dtype(args.dtype)
+        if args.direction == "authors-to-hf":
+            config = convert.convert_authors_checkpoint(args.input, args.output, args.allow_pickle, dtype,
+                                                        args.max_shard_size)
+            print(f"wrote {args.output} ({config.attention_type}, {config.position_encoding}, {config.mlp_type} MLP, "
+                  f"{config.num_hidden_layers} layers)")
+        elif args.direction == "hf-to-authors":
+            convert.export_authors_checkpoint(args.input, args.output, dtype)
+            print(f"wrote {args.output}")
+        elif args.direction == "module-to-hf":
+            convert.convert_module_checkpoint(args.input, args.output, _config(args), args.layer_prefix,
+                                              parse_renames(args.map), args.allow_pickle, dtype, args.max_shard_size)
+            print(f"wrote {args.output}")
+        else:
+            convert.export_module_checkpoint(args.input, args.output, args.layer_prefix, parse_renames(args.map),
+                                             dtype)
+            print(f"wrote {args.output}")
+    except ConversionError as error:
+        raise UsageError(str(error)) from None
+    return 0
