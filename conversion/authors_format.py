@@ -13,32 +13,33 @@ Two layouts exist (PAPER.md, "Source"):
 
 Tensor mapping (layer `i`; `H` heads, `E` experts per head, `d` width, `dh` head width, `S` expert size):
 
-| ours (`SwitchHeadForCausalLM`)                   | training code (`unique_layers.{i}.` ...) | module | shape         |
-|--------------------------------------------------|------------------------------------------|--------|---------------|
-| model.embed_tokens.weight                        | embedding.weight (no prefix)             | -      | [V, d]        |
-| model.layers.{i}.input_layernorm.{weight,bias}   | norm1.{weight,bias}                      | -      | [d]           |
-| model.layers.{i}.self_attn.q_proj.weight         | self_attn.projections.q  (old: data_to_q)| q.weight | [H*dh, d]   |
-| model.layers.{i}.self_attn.k_proj.weight         | self_attn.projections.k  (old: data_to_k)| k.weight | [H*dh, d]   |
-| model.layers.{i}.self_attn.value_experts         | self_attn.projections.v  (old: data_to_v)| v      | [H*E, d, dh]  |
-| model.layers.{i}.self_attn.output_experts        | self_attn.projections.o  (old: out_proj) | o      | [H*E, dh, d]  |
-| model.layers.{i}.self_attn.value_selection.weight| self_attn.selections.v   (old: sel_src)  | sel_v  | [H*E, d]      |
-| model.layers.{i}.self_attn.output_selection.weight| self_attn.selections.o  (old: sel_dst)  | sel_o  | [H*E, d]      |
-| model.layers.{i}.self_attn.position_key_proj.weight (XL) | self_attn.pos_to_pk (*)          | pos_to_pk (*) | [H*dh, d] |
-| model.layers.{i}.post_attention_layernorm.*      | norm2.{weight,bias}                      | -      | [d]           |
-| model.layers.{i}.mlp.up_proj.{weight,bias}       | linear1.{weight,bias}                    | -      | [d_ff, d]     |
-| model.layers.{i}.mlp.down_proj.{weight,bias}     | linear2.{weight,bias}                    | -      | [d, d_ff]     |
-| model.layers.{i}.mlp.keys (SwitchAll)            | pkm.keys                                 | -      | [E_mlp, d, S] |
-| model.layers.{i}.mlp.values (SwitchAll)          | pkm.values                               | -      | [E_mlp, S, d] |
-| model.layers.{i}.mlp.expert_selection.weight     | pkm.expert_sel                           | -      | [E_mlp, d]    |
-| model.norm.{weight,bias}                         | out_norm.{weight,bias} (no prefix)       | -      | [d]           |
-| lm_head.{weight,bias}                            | output.{weight,bias} (no prefix)         | -      | [V, d], [V]   |
+| ours (in `model.layers.{i}.`)          | training code (in `unique_layers.{i}.`)  | module     | shape             |
+|----------------------------------------|------------------------------------------|------------|-------------------|
+| model.embed_tokens.weight (top)        | embedding.weight (top)                   | -          | [V, d]            |
+| input_layernorm.{weight,bias}          | norm1.{weight,bias}                      | -          | [d]               |
+| self_attn.q_proj.weight                | self_attn.projections.q (old: data_to_q) | q.weight   | [H*dh, d]         |
+| self_attn.k_proj.weight                | self_attn.projections.k (old: data_to_k) | k.weight   | [H*dh, d]         |
+| self_attn.value_experts                | self_attn.projections.v (old: data_to_v) | v          | [H*E, d, dh]      |
+| self_attn.output_experts               | self_attn.projections.o (old: out_proj)  | o          | [H*E, dh, d]      |
+| self_attn.value_selection.weight       | self_attn.selections.v (old: sel_src)    | sel_v      | [H*E, d]          |
+| self_attn.output_selection.weight      | self_attn.selections.o (old: sel_dst)    | sel_o      | [H*E, d]          |
+| self_attn.position_key_proj.weight     | self_attn.pos_to_pk (XL only)*           | pos_to_pk* | [H*dh, d]         |
+| post_attention_layernorm.{weight,bias} | norm2.{weight,bias}                      | -          | [d]               |
+| mlp.up_proj.{weight,bias}              | linear1.{weight,bias}                    | -          | [d_ff, d], [d_ff] |
+| mlp.down_proj.{weight,bias}            | linear2.{weight,bias}                    | -          | [d, d_ff], [d]    |
+| mlp.keys                               | pkm.keys (SwitchAll)                     | -          | [E_mlp, d, S]     |
+| mlp.values                             | pkm.values (SwitchAll)                   | -          | [E_mlp, S, d]     |
+| mlp.expert_selection.weight            | pkm.expert_sel (SwitchAll)               | -          | [E_mlp, d]        |
+| model.norm.{weight,bias} (top)         | out_norm.{weight,bias} (top)             | -          | [d]               |
+| lm_head.{weight,bias} (top)            | output.{weight,bias} (top)               | -          | [V, d], [V]       |
 
-Old names may carry a `.weight` suffix. Expert `h*E + e` is expert `e` of head `h` on both sides, so the
-expert tensors are copied unchanged. (*) `pos_to_pk` multiplies the sinusoidal encoding; the authors
-interleave its channels (`sin f0, cos f0, sin f1, ...`), so its columns are permuted if our encoding orders
-them differently (a pure permutation: bit-exact both ways). Dropped on import: the sigma-MoE usage statistics
-buffers (`pkm.kv_sel_counts_100`, and `kv_sel_counts`, `index_sel_counts*`, `coocurence`, `iter`, `seq` in
-older checkpoints); export writes `pkm.kv_sel_counts_100` as zeros because the authors' loader expects it.
+(top): not inside a layer. Old names may carry a `.weight` suffix. Expert `h*E + e` is expert `e` of head `h`
+on both sides, so the expert tensors are copied unchanged. *`pos_to_pk` multiplies the sinusoidal encoding;
+the authors interleave its channels (`sin f0, cos f0, sin f1, ...`), so its columns are permuted if our
+encoding orders them differently (a pure permutation: bit-exact both ways). Dropped on import: the sigma-MoE
+usage statistics buffers (`pkm.kv_sel_counts_100`, and `kv_sel_counts`, `index_sel_counts*`, `coocurence`,
+`iter`, `seq` in older checkpoints); export writes `pkm.kv_sel_counts_100` as zeros because the authors'
+loader expects it.
 
 The attention arithmetic is the same on both sides: q and k are each scaled by dh^-1/4 (ours: one dh^-1/2 on
 the scores), the XL term is q . (W_pk PE(j - i)) with the same scaling, gates are sigmoid scores of the top-k
@@ -269,7 +270,9 @@ def config_from_authors_args(args: dict[str, Any], vocab_size: int, intermediate
     d, heads, layers = int(a["state_size"]), int(a["transformer.n_heads"]), int(a["transformer.encoder_n_layers"])
     xl = a["moe.att.variant"] == "full"
     unroll = a["lm.unroll"]
-    attention_dropout_expert = a["moe.att.drop_expert"] if a["moe.att.drop_expert"] is not None else a["moe.drop_expert"]
+    attention_dropout_expert = a["moe.att.drop_expert"]
+    if attention_dropout_expert is None:  # the training code falls back to the MLP's expert dropout
+        attention_dropout_expert = a["moe.drop_expert"]
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
         head_dim=a["transformer.head_projection_size"] or d // heads, attention_type="switchhead",
@@ -410,7 +413,8 @@ def state_dict_to_authors(state_dict: dict[str, torch.Tensor], config: SwitchHea
            for key, t in state_dict.items()}
     if config.mlp_type == "sigma_moe":  # a persistent buffer of the authors' MoE layer; their strict load needs it
         for i in range(config.num_hidden_layers):
-            out[f"unique_layers.{i}.pkm.kv_sel_counts_100"] = torch.zeros(config.num_mlp_experts, config.mlp_expert_size)
+            statistics = torch.zeros(config.num_mlp_experts, config.mlp_expert_size)
+            out[f"unique_layers.{i}.pkm.kv_sel_counts_100"] = statistics
     return out
 
 

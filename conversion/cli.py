@@ -13,7 +13,6 @@ any code stored in the file, so only use it for checkpoints from a source you tr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from switchhead.cli import UsageError
@@ -58,7 +57,8 @@ def register(subparsers) -> None:
     p.add_argument("input", help="your state dict (.pt/.pth or .safetensors)")
     p.add_argument("output", help="new folder to write")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="config.json (SwitchHeadConfig fields) describing your model")
+    source.add_argument("--config", help="config.json (SwitchHeadConfig fields) or a saved model folder "
+                                         "describing your model")
     source.add_argument("--preset", help="a SwitchHeadConfig preset name describing your model")
     _module_layout(p)
     _common(p, reads_pickle=True, writes_folder=True)
@@ -78,13 +78,12 @@ def _config(args):
     try:
         if args.preset:
             return SwitchHeadConfig.from_preset(args.preset)
+        if os.path.isdir(args.config):  # a saved model folder
+            return SwitchHeadConfig.from_pretrained(args.config)
         if not os.path.isfile(args.config):
             raise UsageError(f"--config {args.config} does not exist")
-        with open(args.config, encoding="utf-8") as handle:
-            return SwitchHeadConfig(**{k: v for k, v in json.load(handle).items()
-                                       if k not in ("model_type", "architectures", "auto_map",
-                                                    "transformers_version")})
-    except (ValueError, TypeError) as error:
+        return SwitchHeadConfig.from_json_file(args.config)
+    except (ValueError, TypeError, OSError) as error:
         raise UsageError(f"invalid model description: {error}") from None
 
 

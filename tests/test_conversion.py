@@ -283,7 +283,8 @@ def test_module_layout_round_trip_is_bit_exact_and_uses_module_names(tmp_path):
     prefix = "blocks.{i}.attn.core."
     renames = {"tok.": "model.embed_tokens.", "final_ln.": "model.norm.", "head.": "lm_head.",
                "blocks.{i}.ln1.": "model.layers.{i}.input_layernorm.",
-               "blocks.{i}.ln2.": "model.layers.{i}.post_attention_layernorm.", "blocks.{i}.ff.": "model.layers.{i}.mlp."}
+               "blocks.{i}.ln2.": "model.layers.{i}.post_attention_layernorm.",
+               "blocks.{i}.ff.": "model.layers.{i}.mlp."}
     export_module_checkpoint(str(tmp_path / "ours"), str(tmp_path / "user.safetensors"), prefix, renames)
     from safetensors.torch import load_file
 
@@ -381,7 +382,8 @@ def test_module_state_dict_errors_name_the_key(tmp_path):
     prefix = "layers.{i}.attn."
     renames = {"emb.": "model.embed_tokens.", "norm.": "model.norm.", "out.": "lm_head.",
                "layers.{i}.n1.": "model.layers.{i}.input_layernorm.",
-               "layers.{i}.n2.": "model.layers.{i}.post_attention_layernorm.", "layers.{i}.mlp.": "model.layers.{i}.mlp."}
+               "layers.{i}.n2.": "model.layers.{i}.post_attention_layernorm.",
+               "layers.{i}.mlp.": "model.layers.{i}.mlp."}
     export_module_checkpoint(str(tmp_path / "ours"), str(tmp_path / "user.pt"), prefix, renames)
     config, _ = load_hf_folder(str(tmp_path / "ours"))
     user = torch.load(tmp_path / "user.pt", weights_only=True)
@@ -394,3 +396,20 @@ def test_module_state_dict_errors_name_the_key(tmp_path):
     with pytest.raises(ConversionError, match=r"missing keys: model\.embed_tokens\.weight"):
         convert_module_checkpoint(str(tmp_path / "bad.pt"), str(tmp_path / "hf"), config, prefix, renames)
     assert not os.path.exists(tmp_path / "hf")
+
+
+def test_cli_module_directions_round_trip(tmp_path):
+    _random_model("tiny-switchall").save_pretrained(tmp_path / "ours")
+    layout = ["--layer-prefix", "h.{i}.sh.", "--map", "wte.=model.embed_tokens.", "--map", "ln_f.=model.norm.",
+              "--map", "head.=lm_head.", "--map", "h.{i}.=model.layers.{i}."]
+    assert cli_main(["convert", "hf-to-module", str(tmp_path / "ours"), str(tmp_path / "user.pt"), *layout]) == 0
+    assert "h.1.sh.sel_v" in torch.load(tmp_path / "user.pt", weights_only=True)
+    config_path = str(tmp_path / "ours" / "config.json")
+    assert cli_main(["convert", "module-to-hf", str(tmp_path / "user.pt"), str(tmp_path / "back"),
+                     "--config", config_path, *layout]) == 0
+    _, tensors_a = load_hf_folder(str(tmp_path / "ours"))
+    _, tensors_b = load_hf_folder(str(tmp_path / "back"))
+    assert tensors_a.keys() == tensors_b.keys() and all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
+    assert cli_main(["convert", "module-to-hf", str(tmp_path / "user.pt"), str(tmp_path / "other"),
+                     "--preset", "tiny-switchhead", *layout]) == 2  # wrong architecture: shapes/keys do not fit
+    assert not os.path.exists(tmp_path / "other")
