@@ -34,9 +34,8 @@ Tensor mapping (layer `i`; `H` heads, `E` experts per head, `d` width, `dh` head
 | lm_head.{weight,bias} (top)            | output.{weight,bias} (top)               | -          | [V, d], [V]       |
 
 (top): not inside a layer. Old names may carry a `.weight` suffix. Expert `h*E + e` is expert `e` of head `h`
-on both sides, so the expert tensors are copied unchanged. *`pos_to_pk` multiplies the sinusoidal encoding;
-the authors interleave its channels (`sin f0, cos f0, sin f1, ...`), so its columns are permuted if our
-encoding orders them differently (a pure permutation: bit-exact both ways). Dropped on import: the sigma-MoE
+on both sides, so the expert tensors are copied unchanged. *`pos_to_pk` multiplies the sinusoidal encoding,
+whose channels both sides interleave (`sin f0, cos f0, sin f1, ...`; checked on every XL conversion). Dropped on import: the sigma-MoE
 usage statistics buffers (`pkm.kv_sel_counts_100`, and `kv_sel_counts`, `index_sel_counts*`, `coocurence`,
 `iter`, `seq` in older checkpoints); export writes `pkm.kv_sel_counts_100` as zeros because the authors'
 loader expects it.
@@ -105,7 +104,6 @@ _MODULE = {  # the user-facing module's names -> ours inside model.layers.{i}.
     "sel_o": "self_attn.output_selection.weight",
     "pos_to_pk": "self_attn.position_key_proj.weight",
 }
-_POSITION_KEY = "self_attn.position_key_proj.weight"
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -153,34 +151,18 @@ def authors_sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return encoding
 
 
-def position_channel_order(dim: int) -> torch.Tensor | None:
-    """`perm` with our encoding's channel j == the authors' channel perm[j], or None when they are the same.
+def check_position_encoding(dim: int) -> None:
+    """Make sure our XL encoding is the authors' channel for channel, so `pos_to_pk` can be copied unchanged.
 
-    Our model's encoding is checked against the authors' at concrete positions, so the mapping stays right
-    whichever of the two known channel orders (interleaved, or all sines then all cosines) the model uses.
+    A model version whose encoding differs would silently change every converted XL model; refuse instead.
     """
     from switchhead.modeling_switchhead import sinusoidal_embedding
 
     positions = torch.arange(-64, 64)
     ours = sinusoidal_embedding(positions, dim).to(torch.float64)
-    theirs = authors_sinusoid(positions, dim)
-    interleaved = torch.arange(dim)
-    halves = torch.cat((torch.arange(0, dim, 2), torch.arange(1, dim, 2)))  # [sin ... | cos ...]
-    for perm in (interleaved, halves):
-        if torch.allclose(ours, theirs[:, perm], atol=1e-5, rtol=1e-4):
-            return None if perm is interleaved else perm
-    raise ConversionError("the model's XL sinusoidal encoding is neither of the known channel orders, so pos_to_pk "
-                          "cannot be mapped; the converter needs updating for this model version")
-
-
-def _position_keys_to_ours(weight: torch.Tensor) -> torch.Tensor:
-    perm = position_channel_order(weight.shape[1])
-    return weight if perm is None else weight[:, perm].contiguous()
-
-
-def _position_keys_to_authors(weight: torch.Tensor) -> torch.Tensor:
-    perm = position_channel_order(weight.shape[1])
-    return weight if perm is None else weight[:, torch.argsort(perm)].contiguous()
+    if not torch.allclose(ours, authors_sinusoid(positions, dim), atol=1e-5, rtol=1e-4):
+        raise ConversionError("this model version's XL sinusoidal encoding differs from the authors' (interleaved "
+                              "sin/cos), so pos_to_pk cannot be copied; the converter needs updating")
 
 
 # ----------------------------------------------------------------------------------------------- run arguments
@@ -401,7 +383,9 @@ def state_dict_from_authors(model_state: dict[str, torch.Tensor], config: Switch
     for ours, authors in _authors_names(expected).items():
         source_name.setdefault(ours, authors)
     check_tensors(tensors, expected, source_name, "the checkpoint's model state dict")
-    return {key: _position_keys_to_ours(t) if key.endswith(_POSITION_KEY) else t for key, t in tensors.items()}
+    if config.position_encoding == "xl":
+        check_position_encoding(config.hidden_size)
+    return tensors
 
 
 def state_dict_to_authors(state_dict: dict[str, torch.Tensor], config: SwitchHeadConfig) -> dict[str, torch.Tensor]:
@@ -409,8 +393,9 @@ def state_dict_to_authors(state_dict: dict[str, torch.Tensor], config: SwitchHea
     expected = expected_shapes(config)
     check_tensors(state_dict, expected, {}, "the model's state dict")
     names = _authors_names(expected)
-    out = {names[key]: (_position_keys_to_authors(t) if key.endswith(_POSITION_KEY) else t)
-           for key, t in state_dict.items()}
+    if config.position_encoding == "xl":
+        check_position_encoding(config.hidden_size)
+    out = {names[key]: t for key, t in state_dict.items()}
     if config.mlp_type == "sigma_moe":  # a persistent buffer of the authors' MoE layer; their strict load needs it
         for i in range(config.num_hidden_layers):
             statistics = torch.zeros(config.num_mlp_experts, config.mlp_expert_size)
@@ -504,7 +489,9 @@ def state_dict_from_module(state_dict: dict[str, torch.Tensor], config: SwitchHe
             raise ConversionError(f"{source_name[ours]} and {key} both map to {ours}")
         tensors[ours], source_name[ours] = tensor, key
     check_tensors(tensors, expected_shapes(config), source_name, "the module state dict")
-    return {key: _position_keys_to_ours(t) if key.endswith(_POSITION_KEY) else t for key, t in tensors.items()}
+    if config.position_encoding == "xl":
+        check_position_encoding(config.hidden_size)
+    return tensors
 
 
 def state_dict_to_module(state_dict: dict[str, torch.Tensor], config: SwitchHeadConfig, layer_prefix: str,
@@ -513,6 +500,8 @@ def state_dict_to_module(state_dict: dict[str, torch.Tensor], config: SwitchHead
     if "{i}" not in layer_prefix:
         raise ConversionError(f"--layer-prefix must contain '{{i}}' for the layer index, got {layer_prefix!r}")
     check_tensors(state_dict, expected_shapes(config), {}, "the model's state dict")
+    if config.position_encoding == "xl":
+        check_position_encoding(config.hidden_size)
     module_names = {ours: theirs for theirs, ours in _MODULE.items()}
     inverse = {ours: theirs for theirs, ours in (renames or {}).items()}
     out = {}
@@ -520,7 +509,6 @@ def state_dict_to_module(state_dict: dict[str, torch.Tensor], config: SwitchHead
         match = _LAYER_KEY.match(key)
         if match and match.group(2) in module_names:
             theirs = layer_prefix.replace("{i}", match.group(1)) + module_names[match.group(2)]
-            tensor = _position_keys_to_authors(tensor) if key.endswith(_POSITION_KEY) else tensor
         else:
             theirs = _rename(key, inverse)
             if theirs is None:
@@ -534,6 +522,6 @@ def state_dict_to_module(state_dict: dict[str, torch.Tensor], config: SwitchHead
 __all__ = [
     "authors_checkpoint", "authors_args_from_config", "authors_sinusoid", "check_tensors",
     "config_and_state_from_authors_checkpoint", "config_from_authors_args", "expected_shapes", "parse_renames",
-    "position_channel_order", "state_dict_from_authors", "state_dict_from_module", "state_dict_to_authors",
+    "check_position_encoding", "state_dict_from_authors", "state_dict_from_module", "state_dict_to_authors",
     "state_dict_to_module",
 ]
