@@ -36,9 +36,9 @@ Tensor mapping (layer `i`; `H` heads, `E` experts per head, `d` width, `dh` head
 (top): not inside a layer. Old names may carry a `.weight` suffix. Expert `h*E + e` is expert `e` of head `h`
 on both sides, so the expert tensors are copied unchanged. *`pos_to_pk` multiplies the sinusoidal encoding,
 whose channels both sides interleave (`sin f0, cos f0, sin f1, ...`; checked on every XL conversion).
-Dropped on import: the sigma-MoE usage statistics buffers (`pkm.kv_sel_counts_100`, and `kv_sel_counts`, `index_sel_counts*`, `coocurence`,
-`iter`, `seq` in older checkpoints); export writes `pkm.kv_sel_counts_100` as zeros because the authors'
-loader expects it.
+Dropped on import: the sigma-MoE usage statistics buffers (`pkm.kv_sel_counts_100`, and `kv_sel_counts`,
+`index_sel_counts*`, `coocurence`, `iter`, `seq` in older checkpoints); export writes `pkm.kv_sel_counts_100` as
+zeros because the authors' loader expects it.
 
 The attention arithmetic is the same on both sides: q and k are each scaled by dh^-1/4 (ours: one dh^-1/2 on
 the scores), the XL term is q . (W_pk PE(j - i)) with the same scaling, gates are sigmoid scores of the top-k
