@@ -1,1 +1,8 @@
-"""switchhead.training (work in progress)."""
+"""Pretraining of SwitchHead / SwitchAll models and their dense baselines with Accelerate (`switchhead train`)."""
+
+from .data import TokenBatches, load_documents, load_tokenizer, stdlib_documents, tokenize_documents, train_tokenizer
+from .trainer import TINY_TRAINING, TrainingConfig, TrainingError, TrainResult, checkpoint_dirs, learning_rate_at, train
+
+__all__ = ["TINY_TRAINING", "TokenBatches", "TrainResult", "TrainingConfig", "TrainingError", "checkpoint_dirs",
+           "learning_rate_at", "load_documents", "load_tokenizer", "stdlib_documents", "tokenize_documents",
+           "train", "train_tokenizer"]

@@ -1,0 +1,125 @@
+"""`switchhead train`: pretrain a SwitchHead / SwitchAll / dense model, resume a run, or run the demo.
+
+    switchhead train --demo                                   # the README demo (stdlib corpus, ~10 min on 2 cores)
+    switchhead train --preset tiny-switchhead --data ../shared/data/wikitext-2 --output-dir runs/wt2
+    switchhead train --output-dir runs/wt2 --resume           # continue from the newest checkpoint
+    accelerate launch --num_processes 8 -m switchhead.cli train --preset wt103-47m-switchhead-xl --data DIR
+"""
+
+from __future__ import annotations
+
+import json
+
+# command-line option -> TrainingConfig field; options left out keep the preset's (or the resumed run's) value
+OPTIONS: dict[str, tuple[str, type, str]] = {
+    "--data": ("data", str, "a .txt/.tokens/.jsonl file, a folder of them (train/valid split by file name), or a "
+                            "Hub dataset name; default: the Python standard library corpus (no download)"),
+    "--valid-data": ("valid_data", str, "a file or folder for validation (default: the data's valid split or a "
+                                        "held-out share)"),
+    "--text-field": ("text_field", str, "field of .jsonl records / Hub rows holding the text (default: text)"),
+    "--valid-fraction": ("valid_fraction", float, "share held out for validation when there is no split (0.05)"),
+    "--tokenizer": ("tokenizer", str, "tokenizer folder (e.g. ../shared/data/tokenizers/gpt2); default: train a "
+                                      "BPE tokenizer on the training split"),
+    "--vocab-size": ("vocab_size", int, "vocabulary of the trained BPE tokenizer (paper: 8000; tiny presets: 2048)"),
+    "--block-size": ("block_size", int, "tokens per sequence T (<= the model's max_position_embeddings)"),
+    "--batch-size": ("batch_size", int, "sequences per optimizer step over all processes (paper: 64)"),
+    "--gradient-accumulation-steps": ("gradient_accumulation_steps", int, "micro-batches per optimizer step"),
+    "--learning-rate": ("learning_rate", float, "peak learning rate (paper: 2.5e-4)"),
+    "--min-learning-rate": ("min_learning_rate", float, "learning rate at the end of the cosine decay (0)"),
+    "--warmup-steps": ("warmup_steps", int, "linear warmup steps"),
+    "--max-steps": ("max_steps", int, "optimizer steps (paper: 100000)"),
+    "--weight-decay": ("weight_decay", float, "AdamW weight decay (paper: 0)"),
+    "--grad-clip": ("grad_clip", float, "gradient-norm clipping kappa; 0 disables it"),
+    "--mixed-precision": ("mixed_precision", str, "no, bf16 or fp16 (GPU)"),
+    "--seed": ("seed", int, "seed of initialisation and data order"),
+    "--eval-every": ("eval_every", int, "steps between validations"),
+    "--eval-batches": ("eval_batches", int, "validation segments per evaluation (0: the whole split)"),
+    "--log-every": ("log_every", int, "steps between log rows"),
+    "--save-every": ("save_every", int, "steps between checkpoints"),
+    "--keep-checkpoints": ("keep_checkpoints", int, "newest checkpoints kept"),
+}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="pretrain a SwitchHead / SwitchAll / dense language model (Accelerate)",
+        description="Pretrain a model from a preset with an Accelerate loop: AdamW, warmup + cosine, clipping, "
+                    "gradient accumulation, periodic validation, atomic checkpoints with --resume. Run it under "
+                    "`accelerate launch` for several GPUs or processes. Options not given keep the preset's "
+                    "training settings (the paper's for paper presets).")
+    parser.add_argument("--preset", default=None, help="model preset (see --list-presets; default tiny-switchhead)")
+    parser.add_argument("--output-dir", default=None, help="run folder (default runs/switchhead, runs/demo for --demo)")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                        help="continue the run in --output-dir from its newest checkpoint, or from CHECKPOINT")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a model configuration field, e.g. --set hidden_size=128 (repeatable)")
+    for flag, (_, kind, help_text) in OPTIONS.items():
+        parser.add_argument(flag, type=kind, default=None, help=help_text)
+    parser.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard logs")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--list-presets", action="store_true", help="list the model presets and exit")
+    parser.add_argument("--demo", action="store_true",
+                        help="train a tiny SwitchHead model and its parameter-matched dense baseline on the Python "
+                             "standard library corpus, compare them, reload one and generate a sample")
+    parser.set_defaults(handler=run)
+
+
+def parse_model_overrides(items: list[str]) -> dict:
+    from ..cli import UsageError
+
+    overrides = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
+        try:
+            overrides[name] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[name] = value  # a bare string such as --set position_encoding=xl
+    return overrides
+
+
+def run(args) -> int:
+    from .. import PAPER_TRAINING, PRESETS
+    from ..cli import UsageError
+    from .trainer import TrainingConfig, find_checkpoint, read_checkpoint_state, train
+
+    if args.list_presets:
+        for name in sorted(PRESETS):
+            print(f"{name:28s} {'paper training settings' if name in PAPER_TRAINING else 'tiny (CPU)'}")
+        return 0
+    explicit = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in OPTIONS.items()}
+    explicit = {field: value for field, value in explicit.items() if value is not None}
+    if args.no_tensorboard:
+        explicit["tensorboard"] = False
+    if args.no_progress:
+        explicit["progress"] = False
+    model_overrides = parse_model_overrides(args.set)
+
+    if args.demo:
+        from .demo import run_demo
+
+        if args.resume:
+            raise UsageError("--demo always starts fresh; drop --resume")
+        return run_demo(output_dir=args.output_dir or "runs/demo", **explicit)
+
+    if args.resume:
+        import os
+
+        output_dir = args.output_dir
+        if output_dir is None and args.resume != "latest":  # CHECKPOINT lies in OUTPUT/checkpoints/
+            output_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
+        probe = TrainingConfig(output_dir=output_dir or "runs/switchhead", resume=args.resume)
+        stored = read_checkpoint_state(find_checkpoint(probe))["config"]
+        if args.preset is not None:
+            explicit["preset"] = args.preset
+        if model_overrides:
+            explicit["model"] = {**stored["model"], **model_overrides}
+        config = TrainingConfig(**{**stored, **explicit, "output_dir": probe.output_dir, "resume": args.resume})
+    else:
+        config = TrainingConfig.from_preset(args.preset or "tiny-switchhead", output_dir=args.output_dir
+                                            or "runs/switchhead", model=model_overrides, **explicit)
+    result = train(config)
+    print(f"step {result.step}: validation loss {result.valid_loss:.4f}, perplexity {result.valid_perplexity:.2f} "
+          f"(unigram {result.unigram_perplexity:.1f}); saved to {result.output_dir}")
+    return 0

@@ -1,0 +1,127 @@
+"""`switchhead train --demo`: the paper's comparison in miniature, on any machine, in minutes.
+
+Trains a tiny SwitchHead model and a dense multi-head baseline with the same number of parameters on the
+embedded Python standard library corpus (its reference documentation and sources: no download, no data on
+disk), prints validation perplexity, attention MACs and attention memory side by side, saves both models,
+reloads one with `AutoModelForCausalLM` and generates a sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from .. import SwitchHeadConfig, SwitchHeadForCausalLM
+from .data import load_documents, train_tokenizer
+from .trainer import TrainingConfig, TrainingError, train
+
+DEMO_PRESET = "tiny-switchhead"
+DEMO_DENSE_HEADS = 4  # the baseline has as many heads as SwitchHead has (heads x active experts)
+DEMO_TRAINING = dict(max_steps=300, eval_every=100, save_every=300, log_every=20, eval_batches=20)
+DEMO_PROMPT = "def "
+
+
+def attention_cost(config: SwitchHeadConfig, context: int) -> tuple[int, int]:
+    """Attention MACs and memory (activations, in numbers) of one layer for one sequence of `context` tokens.
+
+    The formulas of PAPER.md section 6 (the ones that reproduce the paper's tables, not its Eq. 13):
+    C = 1 + memory chunks (2 for XL with its one-segment memory, else 1), n_sel = 2 selection matrices.
+        SwitchHead: MACs = 2 H dh T^2 C + (E k + 4 - E) d H dh T + E H k T dh + n_sel E d T C  [+ 2 H d T dh for XL]
+                    memory = 2 H T^2 C + 4 H dh T + n_sel E T C                                 [+ 2 H T dh for XL]
+        Dense:      MACs = 2 H dh T^2 C + 4 d H dh T [+ 2 H d T dh],  memory = 2 H T^2 C + 4 H dh T [+ 2 H T dh]
+    """
+    h, dh, d, t = config.num_attention_heads, config.head_dim, config.hidden_size, context
+    xl = config.position_encoding == "xl"
+    chunks = 2 if xl and config.xl_memory_length > 0 else 1
+    macs = 2 * h * dh * t * t * chunks
+    memory = 2 * h * t * t * chunks + 4 * h * dh * t
+    if config.attention_type == "switchhead":
+        e, k = config.num_attention_experts, config.num_attention_experts_per_tok
+        macs += (e * k + 4 - e) * d * h * dh * t + e * h * k * t * dh + 2 * e * d * t * chunks
+        memory += 2 * e * t * chunks
+    else:
+        macs += 4 * d * h * dh * t
+    if xl:
+        macs += 2 * h * d * t * dh
+        memory += 2 * h * t * dh
+    return macs, memory
+
+
+def parameter_matched_dense(config: SwitchHeadConfig, num_heads: int) -> dict:
+    """Model overrides that turn `config` into a dense baseline with `num_heads` heads and (as nearly as an integer
+    feed-forward width allows) the same parameter count: the paper's matching, done by widening the MLP."""
+
+    def count(**overrides) -> int:
+        fields = {**config.to_diff_dict(), "attention_type": "dense", "num_attention_heads": num_heads, **overrides}
+        fields.pop("model_type", None)
+        fields.pop("transformers_version", None)
+        with torch.device("meta"):
+            return SwitchHeadForCausalLM(SwitchHeadConfig(**fields)).num_parameters()
+
+    with torch.device("meta"):
+        target = SwitchHeadForCausalLM(config).num_parameters()
+    base, slope = count(intermediate_size=1), count(intermediate_size=2) - count(intermediate_size=1)
+    width = max(1, round((target - base) / slope) + 1)
+    return dict(attention_type="dense", num_attention_heads=num_heads, intermediate_size=width)
+
+
+def _format(number: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if number >= size:
+            return f"{number / size:.2f}{unit}"
+    return f"{number:.0f}"
+
+
+def run_demo(output_dir: str = "runs/demo", **training_overrides) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if os.path.exists(output_dir) and os.listdir(output_dir):
+        raise TrainingError(f"demo output folder {output_dir!r} is not empty: remove it or pass --output-dir")
+    settings = {**DEMO_TRAINING, **training_overrides}
+    base = TrainingConfig.from_preset(DEMO_PRESET, **settings)
+
+    # one tokenizer for both models, so that their perplexities compare
+    print(f"demo: training a {base.vocab_size}-token BPE tokenizer on the Python standard library corpus")
+    train_documents, _ = load_documents(base.data, base.text_field, base.valid_data, base.valid_fraction)
+    tokenizer_dir = os.path.join(output_dir, "tokenizer")
+    train_tokenizer(train_documents, base.vocab_size).save_pretrained(tokenizer_dir)
+
+    switchhead_config = SwitchHeadConfig.from_preset(DEMO_PRESET)
+    runs = {
+        f"SwitchHead (H={switchhead_config.num_attention_heads}, E={switchhead_config.num_attention_experts}, "
+        f"k={switchhead_config.num_attention_experts_per_tok})": {},
+        f"Dense (H={DEMO_DENSE_HEADS})": parameter_matched_dense(switchhead_config, DEMO_DENSE_HEADS),
+    }
+    rows = []
+    for (label, model_overrides), folder in zip(runs.items(), ("switchhead", "dense")):
+        print(f"demo: training {label}")
+        config = dataclasses.replace(base, output_dir=os.path.join(output_dir, folder), tokenizer=tokenizer_dir,
+                                     model={**base.model, **model_overrides})
+        result = train(config)
+        model_config = SwitchHeadConfig.from_pretrained(result.output_dir)
+        macs, memory = attention_cost(model_config, config.block_size)
+        rows.append((label, result, macs, memory, result.output_dir))
+
+    print(f"\nvalidation on held-out standard library text, context {base.block_size}, {base.max_steps} steps "
+          f"(unigram perplexity {rows[0][1].unigram_perplexity:.1f}); attention cost per layer and sequence "
+          "(PAPER.md section 6 formulas):")
+    print(f"{'model':28s} {'params':>8s} {'valid ppl':>10s} {'attn MACs':>10s} {'attn memory':>12s} {'minutes':>8s}")
+    for label, result, macs, memory, _ in rows:
+        print(f"{label:28s} {_format(result.num_parameters):>8s} {result.valid_perplexity:10.2f} {_format(macs):>10s} "
+              f"{_format(memory):>12s} {result.seconds / 60:8.1f}")
+    dense_macs, dense_memory = rows[1][2], rows[1][3]
+    print(f"SwitchHead uses {rows[0][2] / dense_macs:.0%} of the dense attention MACs and "
+          f"{rows[0][3] / dense_memory:.0%} of its attention memory.")
+
+    folder = rows[0][4]
+    print(f"\ndemo: reloading {folder} with AutoModelForCausalLM and sampling from the prompt {DEMO_PROMPT!r}:")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.manual_seed(0)
+    inputs = tokenizer(DEMO_PROMPT, return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=60, do_sample=True, temperature=0.8, top_k=40,
+                            pad_token_id=tokenizer.pad_token_id)
+    print(tokenizer.decode(output[0], skip_special_tokens=True))
+    return 0

@@ -1,0 +1,525 @@
+"""Pretraining of SwitchHead / SwitchAll / dense language models: one short, linear loop over Accelerate.
+
+    config = TrainingConfig.from_preset("tiny-switchhead", data="../shared/data/wikitext-2", max_steps=300)
+    result = train(config)          # -> TrainResult(output_dir, step, valid_loss, ...)
+
+The loop (read `train` top to bottom): tokenizer and data -> model from a preset -> AdamW -> for each step:
+learning rate (linear warmup, cosine decay), `gradient_accumulation_steps` micro-batches with backward, gradient
+clipping, optimizer step, logs, periodic validation, periodic checkpoint. Run it under `accelerate launch` for
+several processes (DDP, FSDP, several nodes): every process cuts its own rows out of the same global batch, so
+the numbers do not depend on how many processes share the work.
+
+Output folder layout:
+    OUTPUT/                         save_pretrained folder (config, weights, model code, tokenizer) at the end
+    OUTPUT/training_config.json     the TrainingConfig of the run
+    OUTPUT/log.csv                  one row per logged step (loss, lr, grad norm, tokens/s, peak memory, validation)
+    OUTPUT/tensorboard/             the same numbers for TensorBoard (when it is installed)
+    OUTPUT/checkpoints/step-NNNNNNN model, optimizer, RNG states, XL memory and the step (the data position)
+
+Checkpoints are written to a hidden temporary folder and renamed into place when complete, so a crash or kill
+never leaves a half-written checkpoint under a `step-*` name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import inspect
+import json
+import math
+import os
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
+from .data import DataError, TokenBatches, load_documents, load_tokenizer, tokenize_documents, train_tokenizer, \
+    unigram_perplexity
+
+# Training settings of the tiny presets: a few minutes on 2 CPU cores.
+TINY_TRAINING: dict[str, Any] = dict(block_size=128, batch_size=16, learning_rate=2e-3, max_steps=400,
+                                     warmup_steps=40, grad_clip=0.25, vocab_size=2048, eval_every=100,
+                                     save_every=200, log_every=10)
+
+LOG_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_memory_mb", "valid_loss",
+              "valid_perplexity")
+
+# options that may change when a run is resumed: they do not change what is computed
+CHANGEABLE_ON_RESUME = ("output_dir", "resume", "eval_every", "save_every", "log_every", "keep_checkpoints",
+                        "progress", "tensorboard")
+
+
+class TrainingError(ValueError):
+    """The training run cannot start or continue as asked (one-line reason for the user)."""
+
+
+@dataclass
+class TrainingConfig:
+    """Everything a pretraining run needs; the defaults are the paper's (PAPER.md section 4).
+
+    `from_preset(name)` fills in the paper's training settings of a model preset (or the tiny ones); `model`
+    overrides single fields of the model preset (e.g. `{"hidden_size": 128}`).
+    """
+
+    preset: str = "tiny-switchhead"
+    output_dir: str = "runs/switchhead"
+    model: dict[str, Any] = field(default_factory=dict)
+    # data
+    data: str | None = None  # a file, a folder, a Hub dataset name; None: the Python standard library corpus
+    valid_data: str | None = None
+    text_field: str = "text"
+    valid_fraction: float = 0.05
+    tokenizer: str | None = None  # a tokenizer folder; None: train a BPE tokenizer on the training split
+    vocab_size: int = 8000  # of the BPE tokenizer trained when no tokenizer is given
+    block_size: int = 256  # tokens per sequence (T)
+    # optimisation
+    batch_size: int = 64  # sequences per optimizer step, over all processes and accumulation steps
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 2.5e-4
+    min_learning_rate: float = 0.0
+    warmup_steps: int = 0
+    max_steps: int = 100_000
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 0.25  # kappa; 0 disables clipping
+    mixed_precision: str = "no"  # "no", "bf16" or "fp16" (GPU)
+    seed: int = 0
+    # evaluation, logging, checkpoints
+    eval_every: int = 500
+    eval_batches: int = 50  # validation segments per process and evaluation; 0: the whole split
+    log_every: int = 10
+    save_every: int = 1000
+    keep_checkpoints: int = 2
+    tensorboard: bool = True
+    progress: bool = True
+    resume: str | None = None  # "latest" or a checkpoint folder
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides: Any) -> "TrainingConfig":
+        """The model preset `preset` with its training settings: the paper's (PAPER_TRAINING) or the tiny ones."""
+        if preset not in PRESETS:
+            raise TrainingError(f"unknown preset {preset!r}; choose one of: {', '.join(sorted(PRESETS))}")
+        if preset in PAPER_TRAINING:
+            paper = PAPER_TRAINING[preset]
+            settings = dict(block_size=paper["context"], batch_size=paper["batch_size"],
+                            learning_rate=paper["learning_rate"], max_steps=paper["steps"], grad_clip=paper["grad_clip"])
+        else:
+            settings = dict(TINY_TRAINING)
+        settings.update(overrides)
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TrainingError(f"unknown training option(s): {', '.join(unknown)}")
+        return cls(preset=preset, **settings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainResult:
+    output_dir: str
+    step: int
+    train_loss: float
+    valid_loss: float
+    valid_perplexity: float
+    unigram_perplexity: float
+    num_parameters: int
+    seconds: float
+
+
+# ================================================================================================ pieces
+def learning_rate_at(step: int, config: TrainingConfig) -> float:
+    """Linear warmup over `warmup_steps`, then cosine decay to `min_learning_rate` at `max_steps`."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_learning_rate + (config.learning_rate - config.min_learning_rate) * cosine
+
+
+def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_processes: int) -> None:
+    """Raise TrainingError naming the option and the rule for settings the loop cannot run."""
+    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "max_steps", "log_every", "eval_every",
+                 "save_every", "keep_checkpoints"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TrainingError(f"{name} must be an integer >= 1, got {value!r}")
+    if config.block_size > model_config.max_position_embeddings:
+        raise TrainingError(f"block_size ({config.block_size}) must be <= the model's max_position_embeddings "
+                            f"({model_config.max_position_embeddings}); lower --block-size or choose another preset")
+    slots = num_processes * config.gradient_accumulation_steps
+    if config.batch_size % slots:
+        raise TrainingError(f"batch_size ({config.batch_size}) must be divisible by processes ({num_processes}) x "
+                            f"gradient_accumulation_steps ({config.gradient_accumulation_steps})")
+    if config.mixed_precision not in ("no", "bf16", "fp16"):
+        raise TrainingError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {config.mixed_precision!r}")
+    if config.learning_rate <= 0 or config.min_learning_rate < 0 or config.min_learning_rate > config.learning_rate:
+        raise TrainingError(f"need 0 <= min_learning_rate ({config.min_learning_rate}) <= learning_rate "
+                            f"({config.learning_rate}) and learning_rate > 0")
+    if config.warmup_steps < 0 or config.grad_clip < 0 or config.eval_batches < 0:
+        raise TrainingError("warmup_steps, grad_clip and eval_batches must be >= 0")
+
+
+def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
+    """The preset's model configuration with the user's overrides and the tokenizer's vocabulary."""
+    try:
+        return SwitchHeadConfig.from_preset(config.preset, **{**config.model, "vocab_size": len(tokenizer),
+                                                              "eos_token_id": tokenizer.eos_token_id,
+                                                              "bos_token_id": tokenizer.bos_token_id,
+                                                              "pad_token_id": tokenizer.pad_token_id})
+    except (TypeError, ValueError) as error:
+        raise TrainingError(f"model configuration: {error}") from None
+
+
+def _detach(memory):
+    """XL memory with the autograd graph cut (tensors, or tuples / lists of them)."""
+    if isinstance(memory, torch.Tensor):
+        return memory.detach()
+    if isinstance(memory, (tuple, list)):
+        return type(memory)(_detach(m) for m in memory)
+    return memory
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# ================================================================================================ checkpoints
+CHECKPOINT_STATE = "trainer_state.json"  # written last: its presence marks a complete checkpoint
+
+
+def checkpoint_dirs(output_dir: str) -> list[str]:
+    """Complete checkpoints of a run, oldest first (temporary folders of interrupted saves are not listed)."""
+    root = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    names = sorted(n for n in os.listdir(root) if n.startswith("step-") and
+                   os.path.isfile(os.path.join(root, n, CHECKPOINT_STATE)))
+    return [os.path.join(root, n) for n in names]
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingConfig, memory: list) -> str:
+    """Write model, optimizer, RNG states, XL memory and the step; atomically (temporary folder, then rename)."""
+    root = os.path.join(output_dir, "checkpoints")
+    final = os.path.join(root, f"step-{step:07d}")
+    temporary = os.path.join(root, f".tmp-step-{step:07d}")
+    if accelerator.is_main_process:
+        shutil.rmtree(temporary, ignore_errors=True)  # leftovers of a save that was killed
+        os.makedirs(temporary)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)  # model, optimizer, RNG states of every process
+    torch.save(memory, os.path.join(temporary, f"xl_memory_{accelerator.process_index}.pt"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state = dict(step=step, num_processes=accelerator.num_processes, config=config.to_dict())
+        with open(os.path.join(temporary, CHECKPOINT_STATE), "w") as handle:
+            json.dump(state, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.path.exists(final):  # the same step saved again (a resumed run): replace the whole folder
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        for old in checkpoint_dirs(output_dir)[: -config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def find_checkpoint(config: TrainingConfig) -> str:
+    """The folder `config.resume` names ("latest": the newest complete checkpoint of `output_dir`)."""
+    if config.resume in ("latest", True):
+        found = checkpoint_dirs(config.output_dir)
+        if not found:
+            raise TrainingError(f"--resume: {config.output_dir!r} has no complete checkpoint to resume from")
+        return found[-1]
+    path = str(config.resume)
+    if not os.path.isdir(path):
+        raise TrainingError(f"--resume: checkpoint folder {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, CHECKPOINT_STATE)):
+        raise TrainingError(f"--resume: {path!r} is not a complete checkpoint (no {CHECKPOINT_STATE})")
+    return path
+
+
+def read_checkpoint_state(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, CHECKPOINT_STATE)) as handle:
+            state = json.load(handle)
+        state["config"]["adam_betas"] = tuple(state["config"]["adam_betas"])
+        return state
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise TrainingError(f"--resume: checkpoint {path!r} is corrupt ({CHECKPOINT_STATE}: {error})") from None
+
+
+def merge_resumed_config(config: TrainingConfig, stored: dict[str, Any]) -> TrainingConfig:
+    """The stored configuration of the run being resumed; the new one may only change harmless options."""
+    resumed = TrainingConfig(**stored)
+    different = [f"{name} ({getattr(resumed, name)!r} -> {getattr(config, name)!r})"
+                 for name in stored if name not in CHANGEABLE_ON_RESUME and getattr(config, name) != stored[name]]
+    if different:
+        raise TrainingError("--resume continues a run with its own settings; these differ: " + ", ".join(different))
+    for name in CHANGEABLE_ON_RESUME:
+        setattr(resumed, name, getattr(config, name))
+    return resumed
+
+
+# ================================================================================================ logs
+class RunLog:
+    """log.csv (and TensorBoard) of the main process. On resume the CSV is cut back to the checkpoint's step, so
+    the log of an interrupted and resumed run reads like that of an uninterrupted one."""
+
+    def __init__(self, output_dir: str, start_step: int, tensorboard: bool, enabled: bool):
+        self.enabled = enabled
+        self.path = os.path.join(output_dir, "log.csv")
+        self.writer = None
+        if not enabled:
+            return
+        rows = []
+        if start_step > 0 and os.path.exists(self.path):
+            with open(self.path, newline="") as handle:
+                rows = [row for row in csv.DictReader(handle) if int(row["step"]) <= start_step]
+        temporary = self.path + ".tmp"
+        with open(temporary, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, LOG_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(temporary, self.path)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is an optional extra (pip install switchhead[train])
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", newline="") as handle:
+            csv.DictWriter(handle, LOG_FIELDS).writerow(row)
+        if self.writer is not None:
+            for key, value in row.items():
+                if key != "step" and value not in ("", None):
+                    self.writer.add_scalar(f"train/{key}" if "valid" not in key else f"valid/{key}", value, row["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ================================================================================================ the loop
+def prepare_tokenizer(config: TrainingConfig, train_documents: list[str], is_main: bool):
+    """The run's tokenizer: the one saved in `output_dir` (resume), the given folder, or a freshly trained BPE."""
+    saved = os.path.join(config.output_dir, "tokenizer_config.json")
+    if config.resume and os.path.exists(saved):
+        return load_tokenizer(config.output_dir)
+    if config.tokenizer is not None:
+        return load_tokenizer(config.tokenizer)
+    return train_tokenizer(train_documents, config.vocab_size)
+
+
+@torch.no_grad()
+def evaluate(model, batches: TokenBatches, accelerator, memory_supported: bool, max_batches: int) -> float:
+    """Mean next-token loss over the validation stream (in order, XL memory carried), over all processes."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # [sum of losses * tokens, tokens]
+    memory = None
+    steps = len(batches) if max_batches == 0 else min(len(batches), max_batches)
+    for step in range(steps):
+        rows = batches.micro_batch(step, 0, accelerator.process_index, accelerator.num_processes, 1)
+        rows = rows.to(accelerator.device)
+        extra = {"xl_memory": memory, "use_cache": False} if memory_supported else {"use_cache": False}
+        with accelerator.autocast():
+            out = model(input_ids=rows, labels=rows, **extra)
+        memory = getattr(out, "xl_memory", None)
+        tokens = rows.shape[0] * (rows.shape[1] - 1)  # the loss shifts inside each block
+        total += torch.stack([out.loss.double() * tokens, torch.tensor(tokens, dtype=torch.float64,
+                                                                       device=total.device)])
+    model.train()
+    total = accelerator.reduce(total, reduction="sum")
+    return float(total[0] / total[1])
+
+
+def train(config: TrainingConfig) -> TrainResult:
+    """Run (or resume) the pretraining job `config` describes; returns the final numbers."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    started = time.time()
+    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    is_main = accelerator.is_main_process
+
+    # ---------------------------------------------------------------- resume: the stored settings rule
+    checkpoint = None
+    if config.resume:
+        checkpoint = find_checkpoint(config)
+        state = read_checkpoint_state(checkpoint)
+        config = merge_resumed_config(config, state["config"])
+    elif checkpoint_dirs(config.output_dir):
+        raise TrainingError(f"{config.output_dir!r} already holds checkpoints of a run: pass --resume to continue "
+                            "it, or choose another --output-dir")
+    if config.preset not in PRESETS:
+        raise TrainingError(f"unknown preset {config.preset!r}; choose one of: {', '.join(sorted(PRESETS))}")
+
+    # ---------------------------------------------------------------- data and tokenizer
+    train_documents, valid_documents = load_documents(config.data, config.text_field, config.valid_data,
+                                                      config.valid_fraction)
+    tokenizer = prepare_tokenizer(config, train_documents, is_main)
+    model_config = build_model_config(config, tokenizer)
+    check_config(config, model_config, accelerator.num_processes)
+    train_ids = tokenize_documents(tokenizer, train_documents)
+    valid_ids = tokenize_documents(tokenizer, valid_documents)
+    ordered = model_config.position_encoding == "xl"  # XL memory needs each row to continue the previous segment
+    train_batches = TokenBatches(train_ids, config.block_size, config.batch_size, config.seed, ordered)
+    eval_rows = max(1, min(config.batch_size, valid_ids.numel() // (config.block_size * 2)))
+    eval_rows = max(accelerator.num_processes, eval_rows // accelerator.num_processes * accelerator.num_processes)
+    try:
+        valid_batches = TokenBatches(valid_ids, config.block_size, eval_rows, ordered=True)
+    except DataError as error:
+        raise DataError(f"validation split: {error}") from None
+    unigram = unigram_perplexity(train_ids, valid_ids, len(tokenizer))
+
+    if is_main:
+        os.makedirs(config.output_dir, exist_ok=True)
+        if checkpoint is None:
+            _save_tokenizer(tokenizer, config.output_dir)
+            _write_json(os.path.join(config.output_dir, "training_config.json"), config.to_dict())
+    accelerator.wait_for_everyone()
+
+    # ---------------------------------------------------------------- model and optimizer
+    set_seed(config.seed)  # the same initial weights in every process
+    model = SwitchHeadForCausalLM(model_config)
+    num_parameters = model.num_parameters()
+    memory_supported = (model_config.position_encoding == "xl" and model_config.xl_memory_length > 0
+                        and "xl_memory" in inspect.signature(model.forward).parameters)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
+                                  weight_decay=config.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accumulation = config.gradient_accumulation_steps
+    memory: list = [None] * accumulation  # XL memory of each micro-batch slot (each is its own set of streams)
+
+    step = 0
+    if checkpoint is not None:
+        try:
+            accelerator.load_state(checkpoint)
+            memory_file = os.path.join(checkpoint, f"xl_memory_{accelerator.process_index}.pt")
+            memory = torch.load(memory_file, map_location=accelerator.device, weights_only=True)
+        except Exception as error:  # noqa: BLE001 - truncated or foreign files fail in many ways
+            raise TrainingError(f"--resume: checkpoint {checkpoint!r} is corrupt or incomplete "
+                                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+                                ) from None
+        step = state["step"]
+
+    log = RunLog(config.output_dir, step, config.tensorboard, is_main)
+    if is_main:
+        accelerator.print(f"{config.preset} ({model_config.attention_type} attention): {num_parameters / 1e6:.2f}M parameters, {train_ids.numel():,} training "
+                          f"tokens, {valid_ids.numel():,} validation tokens, unigram perplexity {unigram:.1f}"
+                          + (f", resuming at step {step}" if step else ""))
+    progress = tqdm(total=config.max_steps, initial=step, disable=not (is_main and config.progress),
+                    desc=f"train {config.preset}", dynamic_ncols=True)
+
+    # ---------------------------------------------------------------- the loop
+    model.train()
+    loss_value, valid_loss = float("nan"), float("nan")
+    tokens_per_step = config.batch_size * config.block_size
+    tick, steps_since_tick = time.time(), 0
+    while step < config.max_steps:
+        learning_rate = learning_rate_at(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
+        if train_batches.segment_index(step) == 0:
+            memory = [None] * accumulation  # a new pass over the streams: no previous segment to remember
+
+        step_loss = torch.zeros((), device=accelerator.device)
+        for micro in range(accumulation):
+            rows = train_batches.micro_batch(step, micro, accelerator.process_index, accelerator.num_processes,
+                                             accumulation).to(accelerator.device)
+            extra = {"xl_memory": memory[micro], "use_cache": False} if memory_supported else {"use_cache": False}
+            # gradients are synchronised between processes only on the last micro-batch
+            sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
+            with sync, accelerator.autocast():
+                out = model(input_ids=rows, labels=rows, **extra)
+                accelerator.backward(out.loss / accumulation)
+            memory[micro] = _detach(getattr(out, "xl_memory", None))
+            step_loss += out.loss.detach() / accumulation
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip) if config.grad_clip > 0 \
+            else torch.tensor(float("nan"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        steps_since_tick += 1
+        progress.update(1)
+
+        is_log = step % config.log_every == 0 or step == config.max_steps
+        is_eval = step % config.eval_every == 0 or step == config.max_steps
+        if is_log or is_eval:
+            loss_value = float(accelerator.reduce(step_loss, reduction="mean"))
+            throughput = tokens_per_step * steps_since_tick / max(time.time() - tick, 1e-9)
+            row = dict(step=step, loss=repr(loss_value), learning_rate=repr(learning_rate),
+                       grad_norm=f"{float(grad_norm):.6g}", peak_memory_mb=f"{_peak_memory_mb(accelerator.device):.1f}",
+                       tokens_per_second=f"{throughput:.1f}",
+                       valid_loss="", valid_perplexity="")
+            if is_eval:
+                valid_loss = evaluate(model, valid_batches, accelerator, memory_supported, config.eval_batches)
+                row.update(valid_loss=repr(valid_loss), valid_perplexity=f"{math.exp(valid_loss):.4f}")
+            log.write(row)
+            tick, steps_since_tick = time.time(), 0  # validation and logging time is not training throughput
+            progress.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{math.exp(valid_loss):.1f}"
+                                 if valid_loss == valid_loss else "-")
+        if step % config.save_every == 0 or step == config.max_steps:
+            save_checkpoint(accelerator, config.output_dir, step, config, memory)
+    progress.close()
+    log.close()
+
+    # ---------------------------------------------------------------- the result folder
+    accelerator.wait_for_everyone()
+    if is_main:
+        _save_model(accelerator.unwrap_model(model), tokenizer, config.output_dir)
+    accelerator.wait_for_everyone()
+    if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
+        valid_loss = evaluate(model, valid_batches, accelerator, memory_supported, config.eval_batches)
+    accelerator.end_training()
+    return TrainResult(config.output_dir, step, loss_value, valid_loss, math.exp(valid_loss), unigram,
+                       num_parameters, time.time() - started)
+
+
+# ================================================================================================ saving
+def _write_json(path: str, content: dict) -> None:
+    with open(path + ".tmp", "w") as handle:
+        json.dump(content, handle, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _save_tokenizer(tokenizer, output_dir: str) -> None:
+    _save_into(output_dir, lambda folder: tokenizer.save_pretrained(folder))
+
+
+def _save_model(model, tokenizer, output_dir: str) -> None:
+    """save_pretrained (safetensors, model code for trust_remote_code) plus the tokenizer, file by file atomic."""
+    def write(folder):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    _save_into(output_dir, write)
+
+
+def _save_into(output_dir: str, write) -> None:
+    """Let `write` fill a temporary folder, then move each file into `output_dir` with an atomic rename: a file
+    there is always either the old complete one or the new complete one."""
+    temporary = os.path.join(output_dir, ".tmp-save")
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    write(temporary)
+    for name in os.listdir(temporary):
+        os.replace(os.path.join(temporary, name), os.path.join(output_dir, name))
+    os.rmdir(temporary)
+
+
+__all__ = ["TINY_TRAINING", "TrainResult", "TrainingConfig", "TrainingError", "checkpoint_dirs", "learning_rate_at",
+           "train"]
