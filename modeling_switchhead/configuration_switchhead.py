@@ -41,6 +41,10 @@ class SwitchHeadConfig(PreTrainedConfig):
         num_attention_experts_per_tok: active experts per head `k` (top-k of the sigmoid gate).
         attention_expert_dropout: probability of excluding a (token, head, expert) score from the top-k during
             training.
+        attention_output_gate: only with `attention_type="dense"`: scale each head's attention result by a
+            sigmoid gate computed from the attending token, `sigmoid(x W_gate^T)` with W_gate `[H, d]`, before the
+            output projection. This is the authors' SwitchHead module with one expert per head (E = 1), for the
+            paper's ablations. Off by default (the paper's dense baselines have no gate).
         position_encoding: `"rope"` (rotary, partial) or `"xl"` (Transformer-XL relative attention without u/v
             biases).
         partial_rotary_factor: fraction of each head's channels that RoPE rotates (the paper uses 0.5).
@@ -84,6 +88,7 @@ class SwitchHeadConfig(PreTrainedConfig):
     num_attention_experts: int = 5
     num_attention_experts_per_tok: int = 2
     attention_expert_dropout: float = 0.0
+    attention_output_gate: bool = False
     position_encoding: str = "rope"
     partial_rotary_factor: float = 0.5
     rope_parameters: dict | None = None
@@ -153,6 +158,13 @@ class SwitchHeadConfig(PreTrainedConfig):
         for name in ("attention_expert_dropout", "mlp_expert_dropout", "attention_dropout", "hidden_dropout"):
             probability(name)
         choice("attention_type", ATTENTION_TYPES)
+        if not isinstance(self.attention_output_gate, bool):
+            raise ValueError(f"attention_output_gate must be True or False, got {self.attention_output_gate!r}")
+        if self.attention_output_gate and self.attention_type != "dense":
+            raise ValueError(
+                f"attention_output_gate=True needs attention_type='dense' (it is SwitchHead with one expert per "
+                f"head), got {self.attention_type!r}; SwitchHead attention already gates its output experts"
+            )
         choice("position_encoding", POSITION_ENCODINGS)
         choice("mlp_type", MLP_TYPES)
         if self.hidden_act not in ("relu", "gelu", "silu"):
@@ -178,11 +190,10 @@ class SwitchHeadConfig(PreTrainedConfig):
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError(f"partial_rotary_factor ({self.partial_rotary_factor}) must be in (0, 1]")
         if self.position_encoding == "rope":
-            rotary = int(self.partial_rotary_factor * self.head_dim)
-            if rotary < 2 or rotary % 2:
+            if self.num_rotary_channels < 2:
                 raise ValueError(
                     f"partial_rotary_factor ({self.partial_rotary_factor}) times head_dim ({self.head_dim}) gives "
-                    f"{rotary} rotary channels; RoPE needs an even number >= 2"
+                    f"{self.num_rotary_channels} rotary channels; RoPE needs at least 2"
                 )
         if not isinstance(self.rope_parameters, dict):
             raise ValueError(f"rope_parameters must be a dict, got {self.rope_parameters!r}")
@@ -205,8 +216,10 @@ class SwitchHeadConfig(PreTrainedConfig):
     # ------------------------------------------------------------------------------------------------ helpers
     @property
     def num_rotary_channels(self) -> int:
-        """Channels of each head that RoPE rotates (the first ones), `int(partial_rotary_factor * head_dim)`."""
-        return int(self.partial_rotary_factor * self.head_dim)
+        """Channels of each head that RoPE rotates (the first ones): `int(partial_rotary_factor * head_dim)`,
+        rounded down to even because RoPE rotates channel pairs (so the default 412 / 2 heads, dh=206, rotates 102).
+        """
+        return int(self.partial_rotary_factor * self.head_dim) // 2 * 2
 
     @property
     def routers_per_layer(self) -> int:

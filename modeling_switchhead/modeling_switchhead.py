@@ -18,8 +18,8 @@ The file is Hub-ready: it imports only torch, transformers and its sibling confi
 through the pure-PyTorch implementation below, which gives the same results.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Transformers reads the `**kwargs: Unpack[TransformersKwargs]`
+# annotations at run time (e.g. to know that forward accepts output_attentions), which needs real objects.
 import importlib
 import math
 from collections.abc import Callable
@@ -352,18 +352,27 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
 
 
 class MultiHeadAttention(SwitchHeadAttentionBase):
-    """The dense baseline: plain multi-head attention with dense value and output projections."""
+    """The dense baseline: plain multi-head attention with dense value and output projections.
+
+    With `config.attention_output_gate`, each head's result is scaled by `sigmoid(x_dst W_gate^T)[h]` before the
+    output projection: the authors' SwitchHead module with E = 1 (no value-side gate, no top-k).
+    """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         inner = self.num_heads * self.head_dim
         self.v_proj = nn.Linear(config.hidden_size, inner, bias=False)
         self.o_proj = nn.Linear(inner, config.hidden_size, bias=False)
+        # W_gate [H, d]: the reference's `sel_o` with one expert per head
+        self.output_gate = nn.Parameter(torch.empty(self.num_heads, config.hidden_size)) \
+            if config.attention_output_gate else None
 
     def project_values(self, hidden_states):
         return self.v_proj(hidden_states).view(*hidden_states.shape[:2], self.num_heads, self.head_dim)
 
     def project_output(self, attended, hidden_states):
+        if self.output_gate is not None:
+            attended = attended * torch.sigmoid(F.linear(hidden_states, self.output_gate)).unsqueeze(-1)  # [B,T,H,dh]
         return self.o_proj(attended.flatten(2))
 
 
@@ -497,6 +506,8 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
         elif isinstance(module, MultiHeadAttention):
             init.normal_(module.v_proj.weight, std=scale / math.sqrt(d))
             init.normal_(module.o_proj.weight, std=scale / math.sqrt(module.num_heads * module.head_dim))
+            if module.output_gate is not None:  # a selection matrix in the reference: rows renormalised
+                _init_selection(module.output_gate, std=scale / math.sqrt(d))
         elif isinstance(module, SigmaMoeMLP):
             experts, size = module.keys.shape[0], module.keys.shape[2]
             init.normal_(module.keys, std=scale / math.sqrt(d))
@@ -514,6 +525,13 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
         elif isinstance(module, nn.Linear) and module is getattr(self, "lm_head", None):
             init.normal_(module.weight, std=1.0 / math.sqrt(d))
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
+            # q, k, v, o, W_pk and the dense MLP: std init_scale / sqrt(fan_in), as in the branches above. Needed
+            # here too because Transformers never passes custom-code modules without parameters of their own
+            # (MultiHeadAttention, SwitchHeadMLP) to `_init_weights`; it only visits their Linear children.
+            init.normal_(module.weight, std=scale / math.sqrt(module.in_features))
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, ExpertSelection):
