@@ -7,9 +7,12 @@
 
 * CBT: each candidate substituted into the question; the choice with the highest *mean log-probability per
   token* of the continuation wins (lm-eval's acc sums log-probabilities, acc_norm divides by bytes).
-* LAMBADA (teacher-forced greedy last word) and BLiMP (summed log-probability, mean over paradigms) are the
-  same computation as lm-eval's; they are scored here too, by `ContinuationScorer`, so that one run gives all
-  three numbers of the paper's zero-shot table.
+* BLiMP: summed log-probability of each sentence as is, after the BOS/EOS token (lm-eval scores the sentence
+  with its target delimiter, a space, in front); no length normalisation; mean over paradigms (as lm-eval's
+  group).
+* LAMBADA (teacher-forced greedy prediction of every token of the last word, and its perplexity) is the same
+  computation as lm-eval's; it is scored here too so that one run gives all three numbers of the paper's
+  zero-shot table.
 """
 
 from __future__ import annotations

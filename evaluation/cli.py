@@ -1,0 +1,239 @@
+"""`switchhead eval`, `switchhead flops`, `switchhead card` and `switchhead publish`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="zero-shot tasks (lm-eval), perplexity and analysis plots for a saved model",
+        description="Evaluate a save_pretrained folder: zero-shot LAMBADA / BLiMP / CBT / WikiText through lm-eval "
+                    "with the task folder shipped in this package (or the authors' protocol), perplexity / bits per "
+                    "byte on a text file, and attention / expert-selection plots. Everything runs offline.")
+    parser.add_argument("model", nargs="?", help="model folder (with its tokenizer)")
+    parser.add_argument("--tasks", default="lambada,blimp,wikitext",
+                        help="comma-separated: lambada, blimp, cbt, cbt_cn, cbt_ne, wikitext (=wikitext103), "
+                             "wikitext2, or switchhead_* task names; 'none' for no zero-shot tasks")
+    parser.add_argument("--blimp-paradigms", help="comma-separated BLiMP paradigms instead of all 67")
+    parser.add_argument("--protocol", choices=("lm-eval", "paper"), default="lm-eval",
+                        help="'paper': the authors' scoring for LAMBADA, BLiMP and CBT (CBT: mean log-probability "
+                             "per token); WikiText always uses lm-eval")
+    parser.add_argument("--limit", type=_limit, help="examples per task (an integer, or a fraction < 1)")
+    parser.add_argument("--data-dir", help="folder with lambada/, blimp/, wikitext-2/, wikitext-103/, cbt/ "
+                                           "(default: $SWITCHHEAD_DATA_DIR, else the checkout's ../shared/data)")
+    parser.add_argument("--cbt-dir", help="folder with cbtest_CN_test_2500ex.txt and cbtest_NE_test_2500ex.txt")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--perplexity", action="append", default=[], metavar="FILE",
+                        help="text file (.txt, .tokens, .jsonl 'text' field) to score; repeatable")
+    parser.add_argument("--ppl-protocol", choices=("sliding", "chunked"), default="sliding")
+    parser.add_argument("--context", type=int, help="perplexity window (default: max_position_embeddings)")
+    parser.add_argument("--stride", type=int, help="sliding-window stride (default: context / 2)")
+    parser.add_argument("--plots", metavar="DIR", help="write attention and expert-selection PNGs for --text here")
+    parser.add_argument("--text", default="The cat sat on the mat because it was tired of standing.",
+                        help="text for --plots")
+    parser.add_argument("--output", metavar="FILE", help="write the results as JSON (input of `switchhead card`)")
+    parser.add_argument("--task-dir", action="store_true", help="print the lm-eval task folder (for "
+                                                                "--include_path) and exit")
+    parser.set_defaults(handler=run_eval)
+
+    parser = subparsers.add_parser(
+        "flops", help="per-layer attention MACs / memory (the paper's accounting), model MACs, KV cache",
+        description="MAC and memory accounting of a configuration, per attention layer and sequence, with the "
+                    "formula the paper's tables used and the printed Eq. 13 labelled, plus whole-model forward "
+                    "MACs and KV-cache bytes per token.")
+    parser.add_argument("config", help="a preset name (see `--list`), a config.json, or a model folder")
+    parser.add_argument("--context", type=int, help="sequence length T (default: max_position_embeddings)")
+    parser.add_argument("--memory-chunks", type=int,
+                        help="previous chunks attended to, C - 1 (default: the XL memory of the config, 0 for RoPE)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a config field, e.g. --set num_attention_heads=2 --set head_dim=206")
+    parser.add_argument("--dtype", default="float32", help="KV-cache element type: float32, bfloat16, float16")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.set_defaults(handler=run_flops)
+
+    for name, text in (("card", "render the model card (README.md) of a saved model"),
+                       ("publish", "push a saved model folder and its model card to the Hugging Face Hub")):
+        parser = subparsers.add_parser(name, help=text, description=text + ".")
+        parser.add_argument("model", help="model folder")
+        if name == "publish":
+            parser.add_argument("repo", help="Hub repository id, owner/name")
+            parser.add_argument("--private", action="store_true")
+            parser.add_argument("--token", help="Hub token (default: the logged-in one)")
+        else:
+            parser.add_argument("--repo-id", help="Hub repository id shown in the usage snippet")
+            parser.add_argument("--output", help="where to write the card (default: MODEL/README.md; '-' for stdout)")
+        parser.add_argument("--results", help="JSON written by `switchhead eval --output`")
+        parser.add_argument("--training-data", help="one paragraph on the training data")
+        parser.add_argument("--dataset", action="append", default=[], help="Hub dataset id for the metadata")
+        parser.add_argument("--license", default="apache-2.0")
+        parser.set_defaults(handler=run_card if name == "card" else run_publish)
+
+
+def _limit(value: str) -> int | float:
+    number = float(value)
+    if number <= 0:
+        raise ValueError
+    return number if number < 1 else int(number)
+
+
+def _usage_error(message: str):
+    from switchhead.cli import UsageError
+
+    return UsageError(message)
+
+
+# ---------------------------------------------------------------------------------------------------- eval
+def run_eval(args) -> int:
+    from . import TASKS_DIR
+
+    if args.task_dir:
+        print(TASKS_DIR)
+        return 0
+    if not args.model or not (Path(args.model) / "config.json").is_file():
+        raise _usage_error(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
+    if args.batch_size < 1:
+        raise _usage_error("--batch-size must be >= 1")
+    from .zero_shot import expand_tasks
+
+    names = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    paradigms = [p.strip() for p in args.blimp_paradigms.split(",")] if args.blimp_paradigms else None
+    tasks = expand_tasks(names, paradigms)
+    metadata = {}
+    if args.data_dir:
+        metadata["data_dir"] = str(Path(args.data_dir).resolve())
+    if args.cbt_dir:
+        metadata["cbt_dir"] = str(Path(args.cbt_dir).resolve())
+    for path in args.perplexity:
+        if not Path(path).is_file():
+            raise _usage_error(f"--perplexity file {path!r} does not exist")
+
+    report: dict = {"model": str(Path(args.model).resolve()), "protocol": args.protocol, "limit": args.limit,
+                    "results": {}, "perplexity": []}
+    lm_eval_tasks = tasks
+    model = tokenizer = None
+    if args.protocol == "paper" or args.perplexity or args.plots:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        import switchhead  # noqa: F401 - registers the Auto classes
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
+    if args.protocol == "paper":
+        from .zero_shot import run_paper_protocol
+
+        paper_tasks = [t for t in tasks if not t.startswith("switchhead_wikitext")]
+        lm_eval_tasks = [t for t in tasks if t.startswith("switchhead_wikitext")]
+        report["results"].update(run_paper_protocol(model, tokenizer, paper_tasks, limit=args.limit,
+                                                    metadata=metadata, batch_size=args.batch_size))
+    if lm_eval_tasks:
+        from .zero_shot import blimp_mean, run_lm_eval, summarize
+
+        summary = summarize(run_lm_eval(args.model, lm_eval_tasks, limit=args.limit, batch_size=args.batch_size,
+                                        device=args.device, metadata=metadata))
+        if "switchhead_blimp" not in summary and blimp_mean(summary) is not None and paradigms:
+            summary["switchhead_blimp"] = {"acc": blimp_mean(summary)}
+        report["results"].update(summary)
+    for path in args.perplexity:
+        from .perplexity import evaluate_perplexity, read_text
+
+        result = evaluate_perplexity(model, tokenizer, read_text(path), context=args.context, stride=args.stride,
+                                     protocol=args.ppl_protocol, batch_size=args.batch_size)
+        report["perplexity"].append({"data": Path(path).name, **result.as_dict()})
+    if args.plots:
+        from .analysis import analyse
+
+        written = analyse(model, tokenizer, args.text, args.plots)
+        report["plots"] = [str(path) for path in written]
+
+    for task, metrics in sorted(report["results"].items()):
+        print(f"{task:60s} " + "  ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items())))
+    for run in report["perplexity"]:
+        print(f"{run['data']}: perplexity {run['perplexity']:.3f}, bits/byte {run['bits_per_byte']:.4f} "
+              f"({run['protocol']}, context {run['context']}, stride {run['stride']}, {run['scored_tokens']} tokens)")
+    for path in report.get("plots", []):
+        print(f"wrote {path}")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"wrote {args.output}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- flops
+def load_config(spec: str, assignments: list[str]):
+    """A SwitchHeadConfig from a preset name, a config.json or a model folder, with FIELD=VALUE overrides."""
+    from switchhead import PRESETS, SwitchHeadConfig
+
+    overrides = {}
+    for assignment in assignments:
+        field, sep, value = assignment.partition("=")
+        if not sep or not field:
+            raise _usage_error(f"--set expects FIELD=VALUE, got {assignment!r}")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[field] = value
+    if spec in PRESETS:
+        return SwitchHeadConfig.from_preset(spec, **overrides)
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise _usage_error(f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config file/folder")
+    fields = json.loads(path.read_text(encoding="utf-8"))
+    if fields.get("model_type", "switchhead") != "switchhead":
+        raise _usage_error(f"{path} describes a {fields['model_type']!r} model, not a switchhead one")
+    fields.update(overrides)
+    for key in ("auto_map", "architectures", "transformers_version", "model_type"):
+        fields.pop(key, None)
+    return SwitchHeadConfig(**fields)
+
+
+def run_flops(args) -> int:
+    from .flops import cost_report, format_report
+
+    config = load_config(args.config, args.set)
+    if args.context is not None and args.context < 1:
+        raise _usage_error("--context must be >= 1")
+    if args.memory_chunks is not None and args.memory_chunks < 0:
+        raise _usage_error("--memory-chunks must be >= 0")
+    report = cost_report(config, args.context, args.memory_chunks, args.dtype)
+    if args.json:
+        print(json.dumps({"config": args.config, "overrides": args.set, **report.as_dict()}, indent=2))
+    else:
+        print(format_report(args.config, config, report))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- card
+def _card(args, repo_id):
+    from .card import build_card, load_results
+
+    evaluation = load_results(args.results) if args.results else None
+    return build_card(args.model, evaluation, repo_id=repo_id, training_data=args.training_data,
+                      datasets=args.dataset or None, license=args.license)
+
+
+def run_card(args) -> int:
+    card = _card(args, args.repo_id)
+    if args.output == "-":
+        sys.stdout.write(str(card))
+        return 0
+    output = Path(args.output or os.path.join(args.model, "README.md"))
+    output.write_text(str(card), encoding="utf-8")
+    print(f"wrote {output}")
+    return 0
+
+
+def run_publish(args, api=None) -> int:
+    from .card import publish
+
+    card = _card(args, args.repo)
+    url = publish(args.model, args.repo, card, api=api, private=args.private, token=args.token)
+    print(f"published {args.model} to {url}")
+    return 0
