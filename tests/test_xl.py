@@ -177,7 +177,18 @@ def test_xl_generate_with_cache_equals_without():
 
 
 # ------------------------------------------------------------------------------------------ backends
-def test_eager_sdpa_and_flex_agree_on_padding_cache_and_memory():
+def test_eager_sdpa_and_flex_agree_on_padding_cache_and_memory(monkeypatch):
+    # Transformers runs FlexAttention through torch.compile; the CPU (inductor C++) template of torch 2.13 fails to
+    # compile a score_mod that reads a captured bias tensor together with a BlockMask, so here the same integration
+    # (its score_mod adding our position bias, its BlockMask) runs with the uncompiled flex_attention. On GPU the
+    # compiled path is used unchanged.
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations import flex_attention as flex_integration
+
+    def uncompiled(query, key, value, training=False, **kwargs):
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(flex_integration, "compile_friendly_flex_attention", uncompiled)
     models = {impl: tiny_model("tiny-switchhead-xl", impl, xl_memory_length=6)
               for impl in ("eager", "sdpa", "flex_attention")}
     ids, mask = left_padded_batch(512)
