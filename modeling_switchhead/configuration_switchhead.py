@@ -49,7 +49,9 @@ class SwitchHeadConfig(PreTrainedConfig):
             biases).
         partial_rotary_factor: fraction of each head's channels that RoPE rotates (the paper uses 0.5).
         rope_parameters: RoPE settings in the Transformers v5 format; `rope_theta` defaults to 10000.
-        xl_memory_length: number of previous-segment positions each XL layer may attend to (0: no memory).
+        xl_memory_length: number of previous-segment positions each XL layer may attend to (0: no memory). When
+            positive, a forward with `use_cache=False` returns `xl_memory` (each layer's last inputs, detached) to
+            pass with the next segment; generation uses the KV cache instead.
         mlp_type: `"dense"` (ReLU MLP with biases) or `"sigma_moe"` (SwitchAll's sigma-MoE, no biases).
         intermediate_size: width of the dense MLP (`d_ff`).
         num_mlp_experts: experts of the sigma-MoE MLP.

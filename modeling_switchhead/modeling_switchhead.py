@@ -222,7 +222,17 @@ class SwitchHeadAttentionBase(nn.Module):
 
     Backends: `config._attn_implementation` picks eager (this file, the reference), sdpa or flex from
     `ALL_ATTENTION_FUNCTIONS`. With RoPE and no padding the sdpa path gets no mask (flash-eligible). With XL
-    positions the relative-position term is passed as `position_bias` (an additive `[B, H, Tq, Tk]` score bias).
+    positions the relative-position term (`xl_position_bias`, `[B, H, Tq, Tk]`) is passed as `position_bias`:
+    eager adds it to the scores; sdpa folds it into a float `attn_mask` (memory-efficient or math kernel, never
+    flash); flex adds it in its `score_mod` and masks with a BlockMask (compiled FlexAttention, the fast path on
+    GPU). All three give the same results (tests/test_xl.py). Keys are indexed cache (or XL memory) first, and
+    query t of a call sits at key index `query_offset + t`, so relative distances are the same in one pass, in
+    chunks through the cache, and across the XL memory boundary. With XL memory the mask is always materialised
+    (see `create_xl_memory_mask`), so sdpa never substitutes its top-left-aligned `is_causal` mask.
+
+    Deviations from the authors' code, on purpose: attention dropout acts on the probabilities (theirs drops
+    entries of k and of the projected positions; the paper's runs use 0), and the dense XL baseline has no u/v
+    biases and a fixed 1/sqrt(dh) scale (their `preln_relative` baseline layer learns both).
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
