@@ -152,7 +152,7 @@ def test_blimp_scores_equal_hand_computed_sentence_logprobs(python_run, loaded, 
 
 def test_wikitext_articles_and_every_blimp_paradigm_have_tasks(data_dir):
     pages = task_data.wikitext_documents("wikitext-2", "test", {"data_dir": str(data_dir)})
-    assert len(pages) == 62 and all(p["page"].startswith(" = ") for p in pages)  # lm-eval's wikitext-2 test: 62
+    assert len(pages) == 62 and all(p["page"].lstrip().startswith("= ") for p in pages)  # lm-eval's wikitext-2 test: 62
     paradigms = task_data.blimp_paradigms({"data_dir": str(data_dir)})
     assert len(paradigms) == 67
     group = yaml.safe_load((TASKS_DIR / "switchhead_blimp.yaml").read_text())
@@ -222,7 +222,7 @@ def test_perplexity_equals_a_single_forward_when_the_text_fits(loaded, data_dir)
     from switchhead.evaluation.perplexity import evaluate_perplexity
 
     model, tokenizer = loaded
-    text = (data_dir / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:300]
+    text = (data_dir / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:200]
     ids = tokenizer(text).input_ids
     assert len(ids) < 128
     nll = -hand_logprob(model, tokenizer, ids[:1], ids[1:])[0]
