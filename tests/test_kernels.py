@@ -7,6 +7,7 @@ switched on before Triton decorates the kernels and must not leak into the other
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -225,3 +226,23 @@ def test_triton_kernels_under_interpreter():
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
     assert " passed" in report and "skipped" not in report and "failed" not in report, report
+
+
+def test_benchmark_script_runs_and_writes_json(tmp_path):
+    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
+    import bench_cvmm
+
+    out = tmp_path / "bench.json"
+    assert bench_cvmm.main(["--tokens", "8", "--only", "47m-switchall", "--reps", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] and report["machine"] and report["cvmm_backend"] == "torch"
+    timed = {(row["problem"].split("/")[1], row["impl"], row["mode"]) for row in report["results"] if "ms" in row}
+    for impl in ("dense_mm", "cvmm", "reference", "per_expert_loop"):
+        for mode in ("forward", "backward", "forward+backward"):
+            assert ("mlp_values", impl, mode) in timed
+    dense = [r for r in report["results"] if r["impl"] == "dense_mm"]
+    assert all(r["fraction_of_dense"] == 1.0 and r["tflops"] > 0 for r in dense)
+    # the full paper shapes: tokens = batch x context of the preset
+    problems = {p["name"]: p for p in bench_cvmm.paper_problems(None)}
+    assert problems["wt103-262m-switchhead-xl/value"]["tokens"] == 64 * 512
+    assert problems["wt103-262m-switchhead-xl/output"]["d_in"] == 132

@@ -1,0 +1,251 @@
+"""Benchmark of the CVMM expert projections on the paper's shapes.
+
+For the value and output projections of the 47M and 262M SwitchHead presets and the sigma-MoE keys / values of
+the SwitchAll presets (tokens = batch x context of PAPER_TRAINING), times forward, backward and forward+backward
+of: our `switchhead.kernels.cvmm` (Triton on a GPU), the PyTorch reference (`expert_projection_torch`),
+`torch.nn.functional.grouped_mm` (bf16), a naive per-expert loop, and a dense `torch.mm` with the same FLOPs (the
+practical limit). Prints TFLOP/s and each one's throughput as a fraction of the dense mm (dense time / its time),
+and writes a JSON with the machine and device names to benchmarks/results/.
+
+    python benchmarks/bench_cvmm.py --full        # GPU: the full paper shapes, bf16, triton.testing.do_bench medians
+    python benchmarks/bench_cvmm.py               # anywhere: small token counts (CPU: wall-clock medians)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from switchhead import PAPER_TRAINING, SwitchHeadConfig
+from switchhead import kernels
+from switchhead.modeling_switchhead import expert_projection_torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SWITCHHEAD_PRESETS = ("wt103-47m-switchhead-xl", "c4-47m-switchhead-xl", "wt103-262m-switchhead-xl",
+                      "c4-262m-switchhead-xl")
+SWITCHALL_PRESETS = ("wt103-47m-switchall-xl", "wt103-259m-switchall-xl")
+
+
+# ---------------------------------------------------------------------------------------------------- problems
+def paper_problems(token_override: int | None) -> list[dict]:
+    """One dict per projection: name, tokens N, rows R, slots S, gated, out_groups, G, heads, d_in, d_out."""
+    problems = []
+    for preset in SWITCHHEAD_PRESETS + SWITCHALL_PRESETS:
+        config = SwitchHeadConfig.from_preset(preset)
+        training = PAPER_TRAINING[preset]
+        tokens = token_override or training["batch_size"] * training["context"]
+        heads, k, d, dh = (config.num_attention_heads, config.num_attention_experts_per_tok, config.hidden_size,
+                           config.head_dim)
+        experts = heads * config.num_attention_experts
+        if preset in SWITCHHEAD_PRESETS:
+            problems += [
+                dict(name=f"{preset}/value", tokens=tokens, rows=1, slots=heads * k, gated=True, out_groups=heads,
+                     experts=experts, heads=heads, d_in=d, d_out=dh),
+                dict(name=f"{preset}/output", tokens=tokens, rows=heads, slots=heads * k, gated=True, out_groups=1,
+                     experts=experts, heads=heads, d_in=dh, d_out=d),
+            ]
+        else:
+            k_mlp, size = config.num_mlp_experts_per_tok, config.mlp_expert_size
+            problems += [
+                dict(name=f"{preset}/mlp_keys", tokens=tokens, rows=1, slots=k_mlp, gated=False, out_groups=1,
+                     experts=config.num_mlp_experts, heads=1, d_in=d, d_out=size),
+                dict(name=f"{preset}/mlp_values", tokens=tokens, rows=k_mlp, slots=k_mlp, gated=True, out_groups=1,
+                     experts=config.num_mlp_experts, heads=1, d_in=size, d_out=d),
+            ]
+    return problems
+
+
+def make_inputs(problem: dict, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
+    n, heads = problem["tokens"], problem["heads"]
+    per_head, k = problem["experts"] // heads, problem["slots"] // heads
+    # uniform top-k routing: each head picks k distinct experts of its own
+    picks = torch.rand(n, heads, per_head, generator=generator).argsort(-1)[..., :k]
+    index = (picks + torch.arange(heads)[:, None] * per_head).reshape(n, heads * k).to(device)
+    inputs = torch.randn(n, problem["rows"], problem["d_in"], generator=generator).to(device, dtype)
+    weight = (torch.randn(problem["experts"], problem["d_in"], problem["d_out"], generator=generator)
+              * problem["d_in"] ** -0.5).to(device, dtype)
+    gates = None
+    if problem["gated"]:
+        gates = torch.rand(n, problem["slots"], generator=generator).to(device)  # fp32, as the router gives them
+    return inputs, index, weight, gates
+
+
+# ---------------------------------------------------------------------------------------------------- contenders
+def grouped_mm_projection(inputs, expert_index, weight, gates, out_groups):
+    """Sort rows by expert, one `grouped_mm`, unsort; dims padded to 8 (grouped_mm needs 16-byte rows)."""
+    n, r, d_in = inputs.shape
+    slots, (g, _, d_out) = expert_index.shape[1], weight.shape
+    flat = expert_index.reshape(-1)
+    _, order = torch.sort(flat, stable=True)
+    offsets = torch.cumsum(torch.bincount(flat, minlength=g), 0).to(torch.int32)
+    rows = inputs.reshape(n * r, d_in).index_select(0, order // (slots // r))
+    pad_in, pad_out = -d_in % 8, -d_out % 8
+    padded_weight = F.pad(weight, (0, pad_out, 0, pad_in))
+    sorted_out = F.grouped_mm(F.pad(rows, (0, pad_in)), padded_weight, offs=offsets)[:, :d_out]
+    out = torch.empty_like(sorted_out).index_copy(0, order, sorted_out).view(n, slots, d_out)
+    if gates is None:
+        return out
+    return (out * gates.unsqueeze(-1).to(out.dtype)).view(n, out_groups, slots // out_groups, d_out).sum(2)
+
+
+def per_expert_loop(inputs, expert_index, weight, gates, out_groups):
+    """The naive MoE loop: for each expert, find its rows (a host sync), matmul, scatter back."""
+    n, r, d_in = inputs.shape
+    slots, (g, _, d_out) = expert_index.shape[1], weight.shape
+    rows = inputs.unsqueeze(2).expand(n, r, slots // r, d_in).reshape(n * slots, d_in)
+    flat = expert_index.reshape(-1)
+    out = rows.new_zeros(n * slots, d_out)
+    for e in range(g):
+        chosen = (flat == e).nonzero().squeeze(1)
+        out = out.index_add(0, chosen, rows.index_select(0, chosen) @ weight[e])
+    out = out.view(n, slots, d_out)
+    if gates is None:
+        return out
+    return (out * gates.unsqueeze(-1).to(out.dtype)).view(n, out_groups, slots // out_groups, d_out).sum(2)
+
+
+def ours(inputs, expert_index, weight, gates, out_groups):
+    return kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
+
+
+def reference(inputs, expert_index, weight, gates, out_groups):
+    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups)
+
+
+CONTENDERS: dict[str, Callable] = {
+    "cvmm": ours, "reference": reference, "grouped_mm": grouped_mm_projection, "per_expert_loop": per_expert_loop,
+}
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, return_mode="median"))
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def time_modes(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor], device, reps) -> dict[str, float]:
+    """Median ms of forward, backward (all leaves' gradients) and forward+backward."""
+    out = forward()
+    upstream = torch.randn_like(out)
+
+    def backward_only():
+        torch.autograd.grad(out, leaves, upstream, retain_graph=True)
+
+    def forward_backward():
+        torch.autograd.grad(forward(), leaves, upstream)
+
+    with torch.no_grad():
+        fwd = median_ms(forward, device, reps)
+    return {"forward": fwd, "backward": median_ms(backward_only, device, reps),
+            "forward+backward": median_ms(forward_backward, device, reps)}
+
+
+def bench_problem(problem, device, dtype, reps, generator) -> list[dict]:
+    inputs, index, weight, gates = make_inputs(problem, device, dtype, generator)
+    m, d_in, d_out = problem["tokens"] * problem["slots"], problem["d_in"], problem["d_out"]
+    flops = {"forward": 2 * m * d_in * d_out}
+    flops["backward"] = 2 * flops["forward"]  # d inputs and d weight
+    flops["forward+backward"] = 3 * flops["forward"]
+    # the practical limit: one dense matmul with the same FLOPs
+    a = torch.randn(m, d_in, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(d_in, d_out, device=device, dtype=dtype, requires_grad=True)
+    timings = {"dense_mm": time_modes(lambda: a @ b, [a, b], device, reps)}
+    leaves = [t.requires_grad_() for t in (inputs, weight, gates) if t is not None]
+    for name, fn in CONTENDERS.items():
+        if name == "grouped_mm" and dtype != torch.bfloat16:
+            continue  # grouped_mm is a bf16 kernel
+        try:
+            timings[name] = time_modes(lambda fn=fn: fn(inputs, index, weight, gates, problem["out_groups"]), leaves,
+                                       device, reps)
+        except Exception as error:  # noqa: BLE001 - a contender that cannot run here is reported, not fatal
+            timings[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    rows = []
+    for name, modes in timings.items():
+        for mode, ms in modes.items():
+            if mode == "error":
+                rows.append(dict(problem=problem["name"], impl=name, mode="all", error=ms))
+                continue
+            rows.append(dict(problem=problem["name"], impl=name, mode=mode, ms=ms,
+                             tflops=flops[mode] / ms / 1e9, fraction_of_dense=timings["dense_mm"][mode] / ms))
+    return rows
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="paper token counts (batch x context); needs a GPU")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per problem (default: 64 without --full)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--only", default="", help="run only problems whose name contains this text")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU uses do_bench)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/...)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.full and device.type != "cuda":
+        print("--full needs a CUDA GPU (the paper shapes take minutes per contender on a CPU); "
+              "run without it for the small CPU benchmark", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    tokens = None if args.full else (args.tokens or 64)
+    backend = kernels.resolve_backend(device, dtype)
+    print(f"device: {device_name(device)} | dtype {dtype} | cvmm backend: {backend} | torch {torch.__version__}")
+
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    header = f"{'problem':44} {'impl':16} {'mode':17} {'ms':>9} {'TFLOP/s':>8} {'x dense':>8}"
+    print(header)
+    for problem in paper_problems(tokens):
+        if args.only not in problem["name"]:
+            continue
+        for row in bench_problem(problem, device, dtype, args.reps, generator):
+            rows.append(row)
+            if "error" in row:
+                print(f"{row['problem']:44} {row['impl']:16} error: {row['error']}")
+            else:
+                print(f"{row['problem']:44} {row['impl']:16} {row['mode']:17} {row['ms']:9.3f} "
+                      f"{row['tflops']:8.2f} {row['fraction_of_dense']:8.2f}")
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    report = dict(machine=platform.node(), device=device_name(device), device_type=device.type, dtype=str(dtype),
+                  cvmm_backend=backend, full_paper_shapes=args.full, tokens_override=tokens,
+                  torch=torch.__version__, triton=triton_version, timing="triton.testing.do_bench median"
+                  if device.type == "cuda" else f"wall-clock median of {args.reps}", results=rows)
+    slug = "".join(c if c.isalnum() else "-" for c in device_name(device).lower()).strip("-")
+    path = args.out or RESULTS / f"cvmm_{slug}_{'full' if args.full else 'small'}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
