@@ -24,13 +24,13 @@ output row with fp32 atomics (fast, not bitwise reproducible); `SWITCHHEAD_CVMM_
 Weight gradients never use atomics.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations` here: torch.library reads the op signatures' annotations at run time
 import contextlib
 import functools
 import importlib.util
 import os
 from collections.abc import Iterator
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -131,7 +131,7 @@ def sort_slots(expert_index: Tensor) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("switchhead::cvmm_forward", mutates_args=())
 def cvmm_forward(
-    inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | None, out_groups: int
+    inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Optional[Tensor], out_groups: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The CVMM op: returns (output, sorted experts `[M]`, sorted slot ids `[M]`); the latter two feed the backward."""
     n, slots = expert_index.shape
@@ -160,7 +160,7 @@ def _cvmm_forward_fake(inputs, expert_index, weight, gates, out_groups):
 
 @torch.library.custom_op("switchhead::cvmm_backward", mutates_args=())
 def cvmm_backward(
-    grad: Tensor, inputs: Tensor, weight: Tensor, gates: Tensor | None, sorted_expert: Tensor, order: Tensor,
+    grad: Tensor, inputs: Tensor, weight: Tensor, gates: Optional[Tensor], sorted_expert: Tensor, order: Tensor,
     out_groups: int, need_inputs: bool, need_weight: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(d inputs, d weight, d gates); a gradient not needed (or d gates without gates) is an empty tensor."""

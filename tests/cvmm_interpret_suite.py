@@ -131,3 +131,15 @@ def test_model_forward_backward_triton_equals_reference(preset):
     assert any("experts" in n for n in names) and len(grads) == len(names)
     for name, got, want in zip(names, grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_stride_zero_upstream_gradient_from_sum():
+    # out.sum() sends an expanded (all strides 0) gradient into the backward kernels
+    case = random_case(torch.Generator().manual_seed(4), "output", tokens=6, heads=2, experts=3, k=2, d_in=18,
+                       d_out=20, dtype=torch.float32)
+    grads = {}
+    for backend in ("triton", "torch"):
+        with kernels.use_backend(backend):
+            grads[backend] = torch.autograd.grad(kernels.cvmm(*case.args()).sum(), case.leaves())
+    for got, want in zip(grads["triton"], grads["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
