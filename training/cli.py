@@ -80,6 +80,8 @@ def parse_model_overrides(items: list[str]) -> dict:
 
 
 def run(args) -> int:
+    from accelerate import PartialState
+
     from .. import PAPER_TRAINING, PRESETS
     from ..cli import UsageError
     from .trainer import TrainingConfig, find_checkpoint, read_checkpoint_state, train
@@ -120,6 +122,7 @@ def run(args) -> int:
         config = TrainingConfig.from_preset(args.preset or "tiny-switchhead", output_dir=args.output_dir
                                             or "runs/switchhead", model=model_overrides, **explicit)
     result = train(config)
-    print(f"step {result.step}: validation loss {result.valid_loss:.4f}, perplexity {result.valid_perplexity:.2f} "
-          f"(unigram {result.unigram_perplexity:.1f}); saved to {result.output_dir}")
+    if PartialState().is_main_process:
+        print(f"step {result.step}: validation loss {result.valid_loss:.4f}, perplexity {result.valid_perplexity:.2f} "
+              f"(unigram {result.unigram_perplexity:.1f}); saved to {result.output_dir}")
     return 0

@@ -49,9 +49,10 @@ TINY_TRAINING: dict[str, Any] = dict(block_size=128, batch_size=16, learning_rat
 LOG_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_memory_mb", "valid_loss",
               "valid_perplexity")
 
-# options that may change when a run is resumed: they do not change what is computed
+# options that may change when a run is resumed: they do not change what is computed, except max_steps, which
+# extends (or shortens) the run and so stretches the cosine schedule from the resumed step on
 CHANGEABLE_ON_RESUME = ("output_dir", "resume", "eval_every", "save_every", "log_every", "keep_checkpoints",
-                        "progress", "tensorboard")
+                        "progress", "tensorboard", "eval_batches", "max_steps")
 
 
 class TrainingError(ValueError):
@@ -416,6 +417,11 @@ def train(config: TrainingConfig) -> TrainResult:
                                 f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
                                 ) from None
         step = state["step"]
+        if is_main:  # folders of saves that were interrupted are not checkpoints: clear them away
+            root = os.path.join(config.output_dir, "checkpoints")
+            for name in os.listdir(root) if os.path.isdir(root) else []:
+                if name.startswith(".tmp-"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
     log = RunLog(config.output_dir, step, config.tensorboard, is_main)
     if is_main:
