@@ -52,7 +52,7 @@ SKIP_BF16_EAGER_SDPA = ("sigma-gated top-k routing: bf16 rounding differences be
 
 def _skipper(reason: str):
     def skipped(self, *args, **kwargs):
-        self.skipTest(reason)  # skipped in the call phase, so the tally fixture below has seen the test
+        self.skipTest(f"[switchhead skip list] {reason}")  # skipped in the call phase, so the tally fixture below has seen the test
 
     return skipped
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -174,6 +175,8 @@ def _install_stand_ins(folder: Path) -> list[str]:
 
 def load_common_tests() -> tuple[types.ModuleType, types.ModuleType, list[str]]:
     """(test_modeling_common, test_configuration_common, names of stand-in modules) of the installed version."""
+    if importlib.util.find_spec("parameterized") is None:
+        raise RuntimeError("Transformers' common tests need the `parameterized` package: pip install parameterized")
     folder = common_tests_dir()
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
