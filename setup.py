@@ -53,7 +53,7 @@ setup(
         "triton": ["triton>=3.6"],
         "eval": ["lm-eval==0.4.13", "matplotlib", "jinja2"],
         "train": ["tensorboard"],
-        "test": ["pytest", "hypothesis", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard"],
+        "test": ["pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard"],
     },
     entry_points={"console_scripts": ["switchhead=switchhead.cli:main"]},
 )
