@@ -117,12 +117,22 @@ def ours(inputs, expert_index, weight, gates, out_groups):
     return kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
 
 
+def ours_deterministic(inputs, expert_index, weight, gates, out_groups):
+    """Our op with the fixed-order reductions instead of fp32 atomics (SWITCHHEAD_CVMM_DETERMINISTIC=1)."""
+    kernels.set_deterministic(True)
+    try:
+        return kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
+    finally:
+        kernels.set_deterministic(None)
+
+
 def reference(inputs, expert_index, weight, gates, out_groups):
     return expert_projection_torch(inputs, expert_index, weight, gates, out_groups)
 
 
 CONTENDERS: dict[str, Callable] = {
-    "cvmm": ours, "reference": reference, "grouped_mm": grouped_mm_projection, "per_expert_loop": per_expert_loop,
+    "cvmm": ours, "cvmm_deterministic": ours_deterministic, "reference": reference,
+    "grouped_mm": grouped_mm_projection, "per_expert_loop": per_expert_loop,
 }
 
 
@@ -172,6 +182,8 @@ def bench_problem(problem, device, dtype, reps, generator) -> list[dict]:
     for name, fn in CONTENDERS.items():
         if name == "grouped_mm" and dtype != torch.bfloat16:
             continue  # grouped_mm is a bf16 kernel
+        if name == "cvmm_deterministic" and kernels.resolve_backend(device, dtype) != "triton":
+            continue  # the PyTorch path is always deterministic
         try:
             timings[name] = time_modes(lambda fn=fn: fn(inputs, index, weight, gates, problem["out_groups"]), leaves,
                                        device, reps)

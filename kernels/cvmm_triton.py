@@ -12,7 +12,9 @@ Two kernels cover the forward and the backward:
   slots) the epilogue adds with fp32 atomics into a zeroed fp32 buffer; in deterministic mode it stores each slot
   to its own row and the host sums the slots in a fixed order.
 - `_expert_weight_grad`: `dW_e = sum_{m of e} x_m^T dy_m`, one program per (expert, d_in tile, d_out tile),
-  looping over that expert's contiguous block of sorted slots: no atomics, deterministic.
+  looping over that expert's contiguous block of sorted slots: no atomics, deterministic. When that grid is too
+  small to fill the GPU, SPLIT programs share an expert's rows and write fp32 partial sums that the host adds in
+  a fixed order (still deterministic).
 
 Row indices are computed from the slot id (`m // A_DIV`), so nothing of size `[M, d]` is gathered on the host.
 Any strides are accepted (they are passed to the kernels); fp32 uses IEEE dots unless
@@ -116,15 +118,16 @@ def _expert_weight_grad(
     x_ptr, stride_xm, stride_xk,  # forward inputs [rows, K]; slot m reads row m // X_DIV
     g_ptr, stride_gm, stride_gn,  # output gradient [rows, NOUT]; slot m reads row m // G_DIV
     gate_ptr, order_ptr, offsets_ptr,  # gates by slot id; sorted slot ids; [G + 1] start of each expert's block
-    dw_ptr, stride_de, stride_dk, stride_dn,  # d weight [G, K, NOUT]
-    K, NOUT, X_DIV, G_DIV,
+    dw_ptr, stride_ds, stride_de, stride_dk, stride_dn,  # d weight [SPLIT, G, K, NOUT] (partial sums if SPLIT > 1)
+    K, NOUT, X_DIV, G_DIV, SPLIT,
     HAS_GATES: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles_n = tl.cdiv(NOUT, BLOCK_N)
-    e = pid // (tiles_k * tiles_n)
+    e = pid // (SPLIT * tiles_k * tiles_n)
+    part = (pid // (tiles_k * tiles_n)) % SPLIT  # which share of the expert's rows this program reduces
     pid_k = (pid // tiles_n) % tiles_k
     pid_n = pid % tiles_n
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -133,10 +136,13 @@ def _expert_weight_grad(
     n_ok = offs_n < NOUT
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
+    share = tl.cdiv(tl.cdiv(end - start, SPLIT), BLOCK_M) * BLOCK_M
+    lo = start + part * share
+    hi = tl.minimum(lo + share, end)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for p0 in range(start, end, BLOCK_M):  # an empty expert runs no step and stores zeros
+    for p0 in range(lo, hi, BLOCK_M):  # an empty expert (or share) runs no step and stores zeros
         offs_p = p0 + tl.arange(0, BLOCK_M)
-        p_ok = offs_p < end
+        p_ok = offs_p < hi
         slot = tl.load(order_ptr + offs_p, mask=p_ok, other=0)
         x_rows = (slot // X_DIV).to(tl.int64)
         g_rows = (slot // G_DIV).to(tl.int64)
@@ -148,7 +154,8 @@ def _expert_weight_grad(
             gate = tl.load(gate_ptr + slot, mask=p_ok, other=0.0).to(tl.float32)
             dy = (dy.to(tl.float32) * gate[:, None]).to(x_t.dtype)
         acc += tl.dot(x_t, dy, input_precision=PRECISION)
-    dw_ptrs = dw_ptr + e.to(tl.int64) * stride_de + offs_k[:, None] * stride_dk + offs_n[None, :] * stride_dn
+    dw_ptrs = dw_ptr + part.to(tl.int64) * stride_ds + e.to(tl.int64) * stride_de + offs_k[:, None] * stride_dk \
+        + offs_n[None, :] * stride_dn
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
 
@@ -235,19 +242,34 @@ def cvmm_backward_triton(grad, inputs, weight, gates, sorted_expert, order, out_
             d_gates = d_gate_flat.view(n, slots).to(gates.dtype)
     d_weight = weight.new_empty(0)
     if need_weight:
-        d_weight = torch.empty(g_count, d_in, d_out, device=weight.device, dtype=weight.dtype)
         offsets = torch.searchsorted(sorted_expert, torch.arange(g_count + 1, device=weight.device,
                                                                  dtype=sorted_expert.dtype))
+        split = _weight_grad_split(weight.device, g_count, d_in, d_out)
+        if split > 1:  # fp32 partial sums over shares of each expert's rows, added below in a fixed order
+            d_weight = torch.empty(split, g_count, d_in, d_out, device=weight.device, dtype=torch.float32)
+        else:
+            d_weight = torch.empty(1, g_count, d_in, d_out, device=weight.device, dtype=weight.dtype)
 
         def grid(meta):
-            return (g_count * triton.cdiv(d_in, meta["BLOCK_K"]) * triton.cdiv(d_out, meta["BLOCK_N"]),)
+            return (g_count * split * triton.cdiv(d_in, meta["BLOCK_K"]) * triton.cdiv(d_out, meta["BLOCK_N"]),)
 
         _expert_weight_grad[grid](
             x, x.stride(0), x.stride(1),
             grad_rows, grad_rows.stride(0), grad_rows.stride(1),
             flat_gates if gates is not None else order, order, offsets,
-            d_weight, d_weight.stride(0), d_weight.stride(1), d_weight.stride(2),
-            d_in, d_out, slots // r, slots // groups,
+            d_weight, d_weight.stride(0), d_weight.stride(1), d_weight.stride(2), d_weight.stride(3),
+            d_in, d_out, slots // r, slots // groups, split,
             HAS_GATES=gates is not None, PRECISION=_precision(inputs.dtype),
         )
+        d_weight = d_weight.sum(0).to(weight.dtype) if split > 1 else d_weight[0]
     return d_inputs, d_weight, d_gates
+
+
+def _weight_grad_split(device: torch.device, experts: int, d_in: int, d_out: int) -> int:
+    """How many programs share one expert's rows in the weight gradient, so that small problems fill the GPU.
+
+    (A 47M layer has 10 experts of 412 x 76: only ~40 output tiles, against 132 SMs on an H100.)
+    """
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    tiles = experts * triton.cdiv(d_in, 128) * triton.cdiv(d_out, 128)
+    return max(1, min(8, triton.cdiv(2 * multiprocessors, tiles)))
