@@ -168,8 +168,33 @@ def time_modes(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor], 
             "forward+backward": median_ms(forward_backward, device, reps)}
 
 
-def bench_problem(problem, device, dtype, reps, generator) -> list[dict]:
+CHECK_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def check_against_reference(problem, inputs, index, weight, gates) -> dict:
+    """Our op vs the fp32 PyTorch reference on the same values: max |error| / max |reference| of the output
+    and of each gradient, so the timings below are known to come from a correct kernel on this machine."""
+    leaves = [t.detach().requires_grad_() for t in (inputs, weight, gates) if t is not None]
+    wide = [t.detach().float().requires_grad_() for t in leaves]
+    args = lambda ts: (ts[0], index, ts[1], ts[2] if len(ts) > 2 else None, problem["out_groups"])  # noqa: E731
+    out, want = ours(*args(leaves)), expert_projection_torch(*args(wide))
+    upstream = torch.randn_like(want)
+    grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype))
+    want_grads = torch.autograd.grad(want, wide, upstream)
+    errors = {}
+    with torch.no_grad():
+        for name, got, ref in zip(("output", "d_inputs", "d_weight", "d_gates"), (out, *grads), (want, *want_grads)):
+            errors[name] = float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    return errors
+
+
+def bench_problem(problem, device, dtype, reps, generator, check_only=False) -> list[dict]:
     inputs, index, weight, gates = make_inputs(problem, device, dtype, generator)
+    errors = check_against_reference(problem, inputs, index, weight, gates)
+    check = dict(problem=problem["name"], impl="cvmm", mode="check", backend=kernels.resolve_backend(device, dtype),
+                 relative_errors=errors, ok=max(errors.values()) <= CHECK_TOLERANCE[dtype])
+    if check_only:
+        return [check]
     m, d_in, d_out = problem["tokens"] * problem["slots"], problem["d_in"], problem["d_out"]
     flops = {"forward": 2 * m * d_in * d_out}
     flops["backward"] = 2 * flops["forward"]  # d inputs and d weight
@@ -189,7 +214,7 @@ def bench_problem(problem, device, dtype, reps, generator) -> list[dict]:
                                        device, reps)
         except Exception as error:  # noqa: BLE001 - a contender that cannot run here is reported, not fatal
             timings[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
-    rows = []
+    rows = [check]
     for name, modes in timings.items():
         for mode, ms in modes.items():
             if mode == "error":
@@ -215,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run only problems whose name contains this text")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU uses do_bench)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/...)")
+    parser.add_argument("--check-only", action="store_true", help="only compare cvmm with the reference; no timing")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.full and device.type != "cuda":
@@ -233,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     for problem in paper_problems(tokens):
         if args.only not in problem["name"]:
             continue
-        for row in bench_problem(problem, device, dtype, args.reps, generator):
+        for row in bench_problem(problem, device, dtype, args.reps, generator, args.check_only):
             rows.append(row)
-            if "error" in row:
+            if row["mode"] == "check":
+                worst = max(row["relative_errors"].values())
+                print(f"{row['problem']:44} {'cvmm':16} {'check':17} max relative error {worst:.2e} "
+                      f"({'ok' if row['ok'] else 'MISMATCH'}, {row['backend']} backend)")
+            elif "error" in row:
                 print(f"{row['problem']:44} {row['impl']:16} error: {row['error']}")
             else:
                 print(f"{row['problem']:44} {row['impl']:16} {row['mode']:17} {row['ms']:9.3f} "
@@ -256,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
+    mismatches = [row["problem"] for row in rows if row["mode"] == "check" and not row["ok"]]
+    if mismatches:
+        print(f"cvmm disagrees with the reference beyond {CHECK_TOLERANCE[dtype]} on: {', '.join(mismatches)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
