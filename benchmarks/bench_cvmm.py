@@ -5,7 +5,9 @@ the SwitchAll presets (tokens = batch x context of PAPER_TRAINING), times forwar
 of: our `switchhead.kernels.cvmm` (Triton on a GPU), the PyTorch reference (`expert_projection_torch`),
 `torch.nn.functional.grouped_mm` (bf16), a naive per-expert loop, and a dense `torch.mm` with the same FLOPs (the
 practical limit). Prints TFLOP/s and each one's throughput as a fraction of the dense mm (dense time / its time),
-and writes a JSON with the machine and device names to benchmarks/results/.
+then times a whole one-layer model of each preset (forward+backward) with our op against the reference, and
+writes a JSON with the machine and device names to benchmarks/results/. Before timing a shape it checks the op
+against the fp32 reference (exit status 1 on a mismatch).
 
     python benchmarks/bench_cvmm.py --full        # GPU: the full paper shapes, bf16, triton.testing.do_bench medians
     python benchmarks/bench_cvmm.py               # anywhere: small token counts (CPU: wall-clock medians)
@@ -117,21 +119,13 @@ def ours(inputs, expert_index, weight, gates, out_groups):
     return kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
 
 
-def ours_deterministic(inputs, expert_index, weight, gates, out_groups):
-    """Our op with the fixed-order reductions instead of fp32 atomics (SWITCHHEAD_CVMM_DETERMINISTIC=1)."""
-    kernels.set_deterministic(True)
-    try:
-        return kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
-    finally:
-        kernels.set_deterministic(None)
-
-
 def reference(inputs, expert_index, weight, gates, out_groups):
     return expert_projection_torch(inputs, expert_index, weight, gates, out_groups)
 
 
 CONTENDERS: dict[str, Callable] = {
-    "cvmm": ours, "cvmm_deterministic": ours_deterministic, "reference": reference,
+    "cvmm": ours, "cvmm_deterministic": ours,  # timed with set_deterministic(True): no atomics
+    "reference": reference,
     "grouped_mm": grouped_mm_projection, "per_expert_loop": per_expert_loop,
 }
 
@@ -209,11 +203,14 @@ def bench_problem(problem, device, dtype, reps, generator, check_only=False) -> 
             continue  # grouped_mm is a bf16 kernel
         if name == "cvmm_deterministic" and kernels.resolve_backend(device, dtype) != "triton":
             continue  # the PyTorch path is always deterministic
+        kernels.set_deterministic(True if name == "cvmm_deterministic" else None)  # forward and backward alike
         try:
             timings[name] = time_modes(lambda fn=fn: fn(inputs, index, weight, gates, problem["out_groups"]), leaves,
                                        device, reps)
         except Exception as error:  # noqa: BLE001 - a contender that cannot run here is reported, not fatal
             timings[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+        finally:
+            kernels.set_deterministic(None)
     rows = [check]
     for name, modes in timings.items():
         for mode, ms in modes.items():
@@ -222,6 +219,41 @@ def bench_problem(problem, device, dtype, reps, generator, check_only=False) -> 
                 continue
             rows.append(dict(problem=problem["name"], impl=name, mode=mode, ms=ms,
                              tflops=flops[mode] / ms / 1e9, fraction_of_dense=timings["dense_mm"][mode] / ms))
+    return rows
+
+
+def bench_layers(device, dtype, token_override, reps, only) -> list[dict]:
+    """A whole decoder layer (attention + MLP, forward+backward) of each preset, cvmm on our op vs the reference.
+
+    One-layer model of the preset, fp32 parameters; on CUDA under autocast in `dtype` as in training.
+    """
+    from switchhead import SwitchHeadModel
+
+    rows = []
+    for preset in SWITCHHEAD_PRESETS + SWITCHALL_PRESETS:
+        if only not in preset:
+            continue
+        config = SwitchHeadConfig.from_preset(preset, num_hidden_layers=1, vocab_size=256, hidden_dropout=0.0,
+                                              use_cache=False)
+        context = PAPER_TRAINING[preset]["context"]
+        batch, length = (PAPER_TRAINING[preset]["batch_size"], context) if token_override is None else (
+            max(1, token_override // context), min(context, token_override))
+        model = SwitchHeadModel(config).to(device).train()
+        embeds = torch.randn(batch, length, config.hidden_size, device=device, requires_grad=True)
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda" and dtype != torch.float32)
+
+        def step():
+            with autocast:
+                hidden = model(inputs_embeds=embeds).last_hidden_state
+            torch.autograd.grad(hidden.float().square().mean(), [embeds, *model.parameters()], allow_unused=True)
+
+        timings = {}
+        for backend in ("auto", "torch"):
+            with kernels.use_backend(backend):
+                timings[backend] = median_ms(step, device, reps)
+        rows.append(dict(problem=f"{preset}/layer", impl="cvmm", mode="layer forward+backward", ms=timings["auto"],
+                         batch=batch, length=length, reference_ms=timings["torch"],
+                         speedup_over_reference=timings["torch"] / timings["auto"]))
     return rows
 
 
@@ -241,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU uses do_bench)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/...)")
     parser.add_argument("--check-only", action="store_true", help="only compare cvmm with the reference; no timing")
+    parser.add_argument("--no-layers", action="store_true", help="skip the whole-layer forward+backward timings")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.full and device.type != "cuda":
@@ -270,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{row['problem']:44} {row['impl']:16} {row['mode']:17} {row['ms']:9.3f} "
                       f"{row['tflops']:8.2f} {row['fraction_of_dense']:8.2f}")
+
+    if not args.check_only and not args.no_layers:
+        print(f"{'layer':44} {'batch x length':16} {'cvmm ms':>9} {'reference ms':>13} {'speed-up':>9}")
+        for row in bench_layers(device, dtype, tokens, args.reps, args.only):
+            rows.append(row)
+            print(f"{row['problem']:44} {str(row['batch']) + ' x ' + str(row['length']):16} {row['ms']:9.3f} "
+                  f"{row['reference_ms']:13.3f} {row['speedup_over_reference']:9.2f}")
 
     try:
         import triton

@@ -243,6 +243,9 @@ def test_benchmark_script_runs_and_writes_json(tmp_path):
     checks = [r for r in report["results"] if r["mode"] == "check"]
     assert len(checks) == 2 and all(r["ok"] and set(r["relative_errors"]) == {"output", "d_inputs", "d_weight"}
                                     | ({"d_gates"} if "values" in r["problem"] else set()) for r in checks)
+    layers = [r for r in report["results"] if r["mode"] == "layer forward+backward"]
+    assert [r["problem"] for r in layers] == ["wt103-47m-switchall-xl/layer"]
+    assert all(r["ms"] > 0 and r["reference_ms"] > 0 for r in layers)
     dense = [r for r in report["results"] if r["impl"] == "dense_mm"]
     assert all(r["fraction_of_dense"] == 1.0 and r["tflops"] > 0 for r in dense)
     # the full paper shapes: tokens = batch x context of the preset
