@@ -138,23 +138,24 @@ def wikitext_run(tmp_path_factory):
     data = Path(os.environ.get("SWITCHHEAD_SHARED_DATA", data.parent)) / "wikitext-2"
     output = tmp_path_factory.mktemp("wikitext-run")
     config = TrainingConfig.from_preset("tiny-switchhead", data=str(data), output_dir=str(output), vocab_size=2048,
-                                        block_size=64, batch_size=16, max_steps=250, warmup_steps=25,
-                                        eval_every=125, eval_batches=20, log_every=25, save_every=125,
-                                        tensorboard=False, progress=False)
+                                        block_size=64, batch_size=16, max_steps=150, warmup_steps=15,
+                                        eval_every=150, eval_batches=20, log_every=25, save_every=75,
+                                        progress=False)
     return output, train(config)
 
 
 def test_tiny_wikitext2_run_gets_well_below_unigram_perplexity(wikitext_run):
     output, result = wikitext_run
-    assert result.step == 250
+    assert result.step == 150
     assert result.valid_perplexity < 0.6 * result.unigram_perplexity, (result.valid_perplexity,
                                                                        result.unigram_perplexity)
     rows = (output / "log.csv").read_text().splitlines()
     header = rows[0].split(",")
     first, last = dict(zip(header, rows[1].split(","))), dict(zip(header, rows[-1].split(",")))
-    assert float(last["loss"]) < float(first["loss"]) - 1.0
+    assert float(last["loss"]) < float(first["loss"]) - 0.5
     assert float(last["tokens_per_second"]) > 0 and float(last["peak_memory_mb"]) > 0
-    assert [Path(p).name for p in checkpoint_dirs(str(output))] == ["step-0000125", "step-0000250"]
+    assert list((output / "tensorboard").glob("events.out.tfevents.*"))
+    assert [Path(p).name for p in checkpoint_dirs(str(output))] == ["step-0000075", "step-0000150"]
 
 
 def test_result_folder_loads_with_automodel_and_generates(wikitext_run):
@@ -182,16 +183,16 @@ def test_result_folder_loads_with_trust_remote_code_without_the_package(wikitext
         "import torch\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f"model = AutoModelForCausalLM.from_pretrained({str(output)!r}, trust_remote_code=True).eval()\n"
-        f"tok = AutoTokenizer.from_pretrained({str(output)!r})\n"
+        f"tok = AutoTokenizer.from_pretrained({str(output)!r}, trust_remote_code=True)\n"
         "assert 'switchhead' not in sys.modules\n"
-        "ids = tok(' The', return_tensors='pt')['input_ids']\n"
+        "ids = tok(' The game was released in Japan', return_tensors='pt')['input_ids']\n"
         "print(float(model(input_ids=ids, labels=ids).loss))\n"
     )
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) > 0
+    assert 0 < float(done.stdout.strip().splitlines()[-1]) < 20  # a finite next-token loss
 
 
 # ================================================================================================ bad input

@@ -167,12 +167,15 @@ def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_pro
 
 
 def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
-    """The preset's model configuration with the user's overrides and the tokenizer's vocabulary."""
+    """The preset's model configuration with the user's overrides and the tokenizer's vocabulary (None: the
+    configured BPE vocabulary size, to check the settings before a tokenizer exists)."""
+    if tokenizer is None:
+        vocabulary = dict(vocab_size=config.vocab_size)
+    else:
+        vocabulary = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                          bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     try:
-        return SwitchHeadConfig.from_preset(config.preset, **{**config.model, "vocab_size": len(tokenizer),
-                                                              "eos_token_id": tokenizer.eos_token_id,
-                                                              "bos_token_id": tokenizer.bos_token_id,
-                                                              "pad_token_id": tokenizer.pad_token_id})
+        return SwitchHeadConfig.from_preset(config.preset, **{**config.model, **vocabulary})
     except (TypeError, ValueError) as error:
         raise TrainingError(f"model configuration: {error}") from None
 
@@ -315,14 +318,21 @@ class RunLog:
 
 
 # ================================================================================================ the loop
-def prepare_tokenizer(config: TrainingConfig, train_documents: list[str], is_main: bool):
-    """The run's tokenizer: the one saved in `output_dir` (resume), the given folder, or a freshly trained BPE."""
-    saved = os.path.join(config.output_dir, "tokenizer_config.json")
-    if config.resume and os.path.exists(saved):
+def prepare_tokenizer(config: TrainingConfig, train_documents: list[str], accelerator):
+    """The run's tokenizer: the one saved in `output_dir` (resume), the given folder, or a BPE trained on the
+    training split by the main process and saved to `output_dir` for the others (all processes must agree)."""
+    if config.resume:
+        if not os.path.exists(os.path.join(config.output_dir, "tokenizer_config.json")):
+            raise TrainingError(f"--resume: {config.output_dir!r} has no saved tokenizer; resume into the run's own "
+                                "--output-dir")
         return load_tokenizer(config.output_dir)
-    if config.tokenizer is not None:
-        return load_tokenizer(config.tokenizer)
-    return train_tokenizer(train_documents, config.vocab_size)
+    if accelerator.is_main_process:
+        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(train_documents,
+                                                                                               config.vocab_size)
+        os.makedirs(config.output_dir, exist_ok=True)
+        _save_into(config.output_dir, tokenizer.save_pretrained)
+    accelerator.wait_for_everyone()
+    return tokenizer if accelerator.is_main_process else load_tokenizer(config.output_dir)
 
 
 @torch.no_grad()
@@ -372,7 +382,10 @@ def train(config: TrainingConfig) -> TrainResult:
     # ---------------------------------------------------------------- data and tokenizer
     train_documents, valid_documents = load_documents(config.data, config.text_field, config.valid_data,
                                                       config.valid_fraction)
-    tokenizer = prepare_tokenizer(config, train_documents, is_main)
+    if config.tokenizer is None and not config.resume:
+        model_config = build_model_config(config, None)  # bad settings fail before the tokenizer is trained
+        check_config(config, model_config, accelerator.num_processes)
+    tokenizer = prepare_tokenizer(config, train_documents, accelerator)
     model_config = build_model_config(config, tokenizer)
     check_config(config, model_config, accelerator.num_processes)
     train_ids = tokenize_documents(tokenizer, train_documents)
@@ -387,12 +400,8 @@ def train(config: TrainingConfig) -> TrainResult:
         raise DataError(f"validation split: {error}") from None
     unigram = unigram_perplexity(train_ids, valid_ids, len(tokenizer))
 
-    if is_main:
-        os.makedirs(config.output_dir, exist_ok=True)
-        if checkpoint is None:
-            _save_tokenizer(tokenizer, config.output_dir)
-            _write_json(os.path.join(config.output_dir, "training_config.json"), config.to_dict())
-    accelerator.wait_for_everyone()
+    if is_main and checkpoint is None:
+        _write_json(os.path.join(config.output_dir, "training_config.json"), config.to_dict())
 
     # ---------------------------------------------------------------- model and optimizer
     set_seed(config.seed)  # the same initial weights in every process
@@ -501,10 +510,6 @@ def _write_json(path: str, content: dict) -> None:
     with open(path + ".tmp", "w") as handle:
         json.dump(content, handle, indent=1)
     os.replace(path + ".tmp", path)
-
-
-def _save_tokenizer(tokenizer, output_dir: str) -> None:
-    _save_into(output_dir, lambda folder: tokenizer.save_pretrained(folder))
 
 
 def _save_model(model, tokenizer, output_dir: str) -> None:
