@@ -2,7 +2,7 @@
 # The README demo: set up a fresh machine (CPU only, package registries only) and run the main job.
 # Trains a tiny SwitchHead model and its parameter-matched dense baseline on the Python standard library corpus,
 # prints validation perplexity, attention MACs and memory side by side, saves both under runs/demo/, reloads one
-# with AutoModelForCausalLM and generates a sample. About 10 minutes on 2 CPU cores.
+# with AutoModelForCausalLM and generates a sample. About 5 minutes on 2 idle CPU cores.
 # torch comes from the pinned CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."

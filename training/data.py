@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+from array import array
 import sysconfig
 
 import torch
@@ -232,7 +233,7 @@ def tokenize_documents(tokenizer, documents: list[str], batch_lines: int = 2048)
     """
     backend = tokenizer.backend_tokenizer
     eos = tokenizer.eos_token_id
-    ids: list[int] = []
+    ids = array("i")  # a compact buffer: a Python list would take ~9x the memory on a large corpus
     pending: list[str] = []
 
     def flush():
@@ -247,7 +248,7 @@ def tokenize_documents(tokenizer, documents: list[str], batch_lines: int = 2048)
                 flush()
         flush()
         ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.frombuffer(ids, dtype=torch.int32).long() if ids else torch.zeros(0, dtype=torch.long)
 
 
 def unigram_perplexity(train_ids: torch.Tensor, valid_ids: torch.Tensor, vocab_size: int) -> float:

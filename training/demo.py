@@ -19,7 +19,7 @@ from .trainer import TrainingConfig, TrainingError, train
 
 DEMO_PRESET = "tiny-switchhead"
 DEMO_DENSE_HEADS = 4  # the baseline has as many heads as SwitchHead has (heads x active experts)
-DEMO_TRAINING = dict(max_steps=500, eval_every=250, save_every=500, log_every=25, eval_batches=20)
+DEMO_TRAINING = dict(max_steps=1500, eval_every=500, save_every=500, log_every=50, eval_batches=20)
 DEMO_PROMPT = "def "
 
 

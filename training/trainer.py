@@ -108,7 +108,8 @@ class TrainingConfig:
         if preset in PAPER_TRAINING:
             paper = PAPER_TRAINING[preset]
             settings = dict(block_size=paper["context"], batch_size=paper["batch_size"],
-                            learning_rate=paper["learning_rate"], max_steps=paper["steps"], grad_clip=paper["grad_clip"])
+                            learning_rate=paper["learning_rate"], max_steps=paper["steps"],
+                            grad_clip=paper["grad_clip"])
         else:
             settings = dict(TINY_TRAINING)
         settings.update(overrides)
@@ -434,7 +435,8 @@ def train(config: TrainingConfig) -> TrainResult:
 
     log = RunLog(config.output_dir, step, config.tensorboard, is_main)
     if is_main:
-        accelerator.print(f"{config.preset} ({model_config.attention_type} attention): {num_parameters / 1e6:.2f}M parameters, {train_ids.numel():,} training "
+        accelerator.print(f"{config.preset} ({model_config.attention_type} attention): {num_parameters / 1e6:.2f}M "
+                          f"parameters, {train_ids.numel():,} training "
                           f"tokens, {valid_ids.numel():,} validation tokens, unigram perplexity {unigram:.1f}"
                           + (f", resuming at step {step}" if step else ""))
     progress = tqdm(total=config.max_steps, initial=step, disable=not (is_main and config.progress),
@@ -495,8 +497,9 @@ def train(config: TrainingConfig) -> TrainResult:
 
     # ---------------------------------------------------------------- the result folder
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # gathers the full weights under FSDP; every process calls it
     if is_main:
-        _save_model(accelerator.unwrap_model(model), tokenizer, config.output_dir)
+        _save_model(accelerator.unwrap_model(model), state_dict, tokenizer, config.output_dir)
     accelerator.wait_for_everyone()
     if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
         valid_loss = evaluate(model, valid_batches, accelerator, memory_supported, config.eval_batches)
@@ -512,10 +515,10 @@ def _write_json(path: str, content: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _save_model(model, tokenizer, output_dir: str) -> None:
+def _save_model(model, state_dict, tokenizer, output_dir: str) -> None:
     """save_pretrained (safetensors, model code for trust_remote_code) plus the tokenizer, file by file atomic."""
     def write(folder):
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=state_dict)
         tokenizer.save_pretrained(folder)
     _save_into(output_dir, write)
 
