@@ -1,6 +1,7 @@
 """Must-show 2: a training process killed with SIGKILL and resumed logs exactly the losses of an uninterrupted run,
 and no checkpoint is ever left half-written. Uses an XL model with memory and gradient accumulation, so the data
-position, the RNG states, the optimizer and the per-slot XL memory all have to survive the kill."""
+position, the RNG states (dropout and expert dropout are on), the optimizer and the per-slot XL memory all have to
+survive the kill."""
 
 import csv
 import json
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-RUN = ["--preset", "tiny-switchhead-xl", "--set", "xl_memory_length=32", "--vocab-size", "512", "--block-size", "32",
+RUN = ["--preset", "tiny-switchhead-xl", "--set", "xl_memory_length=32", "--set", "hidden_dropout=0.1",
+       "--set", "attention_expert_dropout=0.1", "--vocab-size", "512", "--block-size", "32",
        "--batch-size", "8", "--gradient-accumulation-steps", "2", "--max-steps", "30", "--log-every", "1",
        "--eval-every", "10", "--eval-batches", "3", "--save-every", "4", "--keep-checkpoints", "3", "--no-progress",
        "--no-tensorboard"]

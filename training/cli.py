@@ -1,6 +1,6 @@
 """`switchhead train`: pretrain a SwitchHead / SwitchAll / dense model, resume a run, or run the demo.
 
-    switchhead train --demo                                   # the README demo (stdlib corpus, ~10 min on 2 cores)
+    switchhead train --demo                                   # the README demo (stdlib corpus, ~5 min on 2 cores)
     switchhead train --preset tiny-switchhead --data ../shared/data/wikitext-2 --output-dir runs/wt2
     switchhead train --output-dir runs/wt2 --resume           # continue from the newest checkpoint
     accelerate launch --num_processes 8 -m switchhead.cli train --preset wt103-47m-switchhead-xl --data DIR

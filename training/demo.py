@@ -20,7 +20,7 @@ from .trainer import TrainingConfig, TrainingError, train
 DEMO_PRESET = "tiny-switchhead"
 DEMO_DENSE_HEADS = 4  # the baseline has as many heads as SwitchHead has (heads x active experts)
 DEMO_TRAINING = dict(max_steps=1500, eval_every=500, save_every=500, log_every=50, eval_batches=20)
-DEMO_PROMPT = "def "
+DEMO_PROMPT = "def read_file(path):\n"
 
 
 def attention_cost(config: SwitchHeadConfig, context: int) -> tuple[int, int]:
