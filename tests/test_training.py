@@ -120,14 +120,25 @@ def test_dense_baseline_is_parameter_matched_by_widening_its_mlp():
     assert abs(dense_params - switchhead_params) <= per_width // 2 + 1
 
 
-def test_attention_cost_follows_the_paper_formulas():
-    # PAPER.md section 6 for RoPE (C = 1), written out for tiny-switchhead (d=64, H=2, E=4, k=2, dh=16), T=128
-    config = SwitchHeadConfig.from_preset("tiny-switchhead")
-    h, e, k, dh, d, t = 2, 4, 2, 16, 64, 128
-    assert attention_cost(config, t) == (2 * h * dh * t * t + (e * k + 4 - e) * d * h * dh * t + e * h * k * t * dh
-                                         + 2 * e * d * t, 2 * h * t * t + 4 * h * dh * t + 2 * e * t)
-    dense = SwitchHeadConfig.from_preset("tiny-dense")
-    assert attention_cost(dense, t) == (2 * 4 * dh * t * t + 4 * d * 4 * dh * t, 2 * 4 * t * t + 4 * 4 * dh * t)
+@pytest.mark.parametrize("preset,macs,memory", [("wt103-47m-switchhead-xl", 170.4e6, 0.8e6),
+                                                 ("wt103-47m-dense-xl", 453e6, 3.5e6),
+                                                 ("wt103-45m-switchhead-rope", 285.6e6, 1.3e6)])
+def test_attention_cost_reproduces_the_paper_tables(preset, macs, memory):
+    config = SwitchHeadConfig.from_preset(preset)
+    got_macs, got_memory = attention_cost(config, config.max_position_embeddings)
+    assert got_macs == pytest.approx(macs, rel=2e-3) and got_memory == pytest.approx(memory, rel=0.1)
+
+
+def test_attention_cost_agrees_with_switchhead_flops():
+    from switchhead.evaluation.flops import attention_macs, attention_memory
+
+    tiny = SwitchHeadConfig.from_preset("tiny-switchhead")
+    configs = [SwitchHeadConfig.from_preset(name) for name in SwitchHeadConfig.preset_names()]
+    configs.append(SwitchHeadConfig.from_preset("tiny-switchhead", **parameter_matched_dense(tiny, 4)))
+    for config in configs:
+        for context in (64, config.max_position_embeddings):
+            assert attention_cost(config, context) == (attention_macs(config, context),
+                                                       attention_memory(config, context)), config.attention_type
 
 
 # ================================================================================================ a real run

@@ -24,28 +24,32 @@ DEMO_PROMPT = "def read_file(path):\n"
 
 
 def attention_cost(config: SwitchHeadConfig, context: int) -> tuple[int, int]:
-    """Attention MACs and memory (activations, in numbers) of one layer for one sequence of `context` tokens.
+    """Attention MACs and memory (floats kept for backward) of one layer for one sequence of `context` tokens.
 
-    The formulas of PAPER.md section 6 (the ones that reproduce the paper's tables, not its Eq. 13):
-    C = 1 + memory chunks (2 for XL with its one-segment memory, else 1), n_sel = 2 selection matrices.
-        SwitchHead: MACs = 2 H dh T^2 C + (E k + 4 - E) d H dh T + E H k T dh + n_sel E d T C  [+ 2 H d T dh for XL]
-                    memory = 2 H T^2 C + 4 H dh T + n_sel E T C                                 [+ 2 H T dh for XL]
-        Dense:      MACs = 2 H dh T^2 C + 4 d H dh T [+ 2 H d T dh],  memory = 2 H T^2 C + 4 H dh T [+ 2 H T dh]
+    The formulas that reproduce the paper's tables (PAPER.md section 6; e.g. 170.4M MACs for WT103 47M XL), with
+    C = 1 + memory chunks and n_exp = n_sel = 2 (V and O are the MoE projections; W_S and W_D select):
+        SwitchHead: MACs = 2 H dh T^2 C + (2 k + 2) d H dh T + 2 H k T dh + 2 E d T C   [+ 2 H d T dh for XL]
+                    memory = 2 H T^2 C + 4 H dh T + 2 E T C                           [+ 2 H T dh for XL]
+        Dense:      MACs = 2 H dh T^2 C + 4 d H dh T [+ 2 H d T dh C],  memory = 2 H T^2 C + 4 H dh T [+ 2 H T dh C]
+    `switchhead flops` (switchhead.evaluation.flops) computes the same numbers; training keeps this small copy
+    because nothing in the package may depend on evaluation (a test holds the two together).
     """
     h, dh, d, t = config.num_attention_heads, config.head_dim, config.hidden_size, context
     xl = config.position_encoding == "xl"
-    chunks = 2 if xl and config.xl_memory_length > 0 else 1
+    chunks = 1 + (-(-config.xl_memory_length // t) if xl else 0)  # C: this segment plus the remembered ones
     macs = 2 * h * dh * t * t * chunks
     memory = 2 * h * t * t * chunks + 4 * h * dh * t
     if config.attention_type == "switchhead":
         e, k = config.num_attention_experts, config.num_attention_experts_per_tok
-        macs += (e * k + 4 - e) * d * h * dh * t + e * h * k * t * dh + 2 * e * d * t * chunks
+        macs += (2 * k + 2) * d * h * dh * t + 2 * h * k * t * dh + 2 * e * d * t * chunks
         memory += 2 * e * t * chunks
+        positional_chunks = 1  # the authors' script counts SwitchHead's XL projection over T rows only
     else:
         macs += 4 * d * h * dh * t
+        positional_chunks = chunks
     if xl:
-        macs += 2 * h * d * t * dh
-        memory += 2 * h * t * dh
+        macs += 2 * h * d * t * dh * positional_chunks
+        memory += 2 * h * t * dh * positional_chunks
     return macs, memory
 
 
@@ -106,7 +110,7 @@ def run_demo(output_dir: str = "runs/demo", **training_overrides) -> int:
 
     print(f"\nvalidation on held-out standard library text, context {base.block_size}, {base.max_steps} steps "
           f"(unigram perplexity {rows[0][1].unigram_perplexity:.1f}); attention cost per layer and sequence "
-          "(PAPER.md section 6 formulas):")
+          "(the paper's table formulas, PAPER.md section 6):")
     print(f"{'model':28s} {'params':>8s} {'valid ppl':>10s} {'attn MACs':>10s} {'attn memory':>12s} {'minutes':>8s}")
     for label, result, macs, memory, _ in rows:
         print(f"{label:28s} {_format(result.num_parameters):>8s} {result.valid_perplexity:10.2f} {_format(macs):>10s} "
