@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel, expert_projection_torch
 from switchhead.modeling_switchhead import SwitchHeadAttention, sigma_moe_entropy_loss
+from padding import left_padded_batch, positions_from_mask
 
 VARIANTS = ["tiny-switchhead", "tiny-switchall", "tiny-dense"]
 
@@ -20,21 +21,6 @@ VARIANTS = ["tiny-switchhead", "tiny-switchall", "tiny-dense"]
 def tiny_model(preset: str, **overrides) -> SwitchHeadForCausalLM:
     torch.manual_seed(0)
     return SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset, **overrides))
-
-
-def left_padded_batch(vocab: int, lengths=(7, 4, 5)):
-    """Batch 3 with left padding: ids [3, max], mask [3, max]."""
-    width = max(lengths)
-    ids = torch.randint(1, vocab, (len(lengths), width))
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        mask[row, width - length:] = 1
-        ids[row, : width - length] = 0
-    return ids, mask
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0) * mask + (1 - mask)
 
 
 # ------------------------------------------------------------------------------------------ must-show 1

@@ -8,6 +8,7 @@ import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.modeling_switchhead import sinusoidal_embedding
+from padding import left_padded_batch, positions_from_mask
 
 XL_PRESETS = ["tiny-switchhead-xl", "tiny-dense-xl"]
 
@@ -17,22 +18,6 @@ def tiny_model(preset: str, implementation: str = "eager", dtype=torch.float32, 
     config = SwitchHeadConfig.from_preset(preset, **overrides)
     config._attn_implementation = implementation
     return SwitchHeadForCausalLM(config).to(dtype).eval()
-
-
-def left_padded_batch(vocab: int, lengths=(9, 5, 7)):
-    """Batch 3 with different amounts of left padding: ids and mask `[3, max(lengths)]`."""
-    generator = torch.Generator().manual_seed(3)
-    width = max(lengths)
-    ids = torch.randint(1, vocab, (len(lengths), width), generator=generator)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        mask[row, width - length:] = 1
-        ids[row, : width - length] = 0
-    return ids, mask
-
-
-def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0) * mask
 
 
 def assert_real_tokens_close(actual, expected, mask, atol):
@@ -137,7 +122,7 @@ def _memory_mask(model, x, memory_length):
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_cached_decoding_equals_full_forward_with_left_padding(preset, implementation):
     model = tiny_model(preset, implementation)
-    ids, mask = left_padded_batch(model.config.vocab_size)
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(9, 5, 7))
     positions = positions_from_mask(mask)
     with torch.no_grad():
         full = model(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
@@ -171,7 +156,7 @@ def test_three_chunks_through_the_cache_equal_one_pass(preset, implementation):
 
 def test_xl_generate_with_cache_equals_without():
     model = tiny_model("tiny-switchhead-xl", "sdpa")
-    ids, mask = left_padded_batch(model.config.vocab_size)
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(9, 5, 7))
     common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, use_cache=True, **common), model.generate(ids, use_cache=False, **common))
 
@@ -191,7 +176,7 @@ def test_eager_sdpa_and_flex_agree_on_padding_cache_and_memory(monkeypatch):
     monkeypatch.setattr(flex_integration, "compile_friendly_flex_attention", uncompiled)
     models = {impl: tiny_model("tiny-switchhead-xl", impl, xl_memory_length=6)
               for impl in ("eager", "sdpa", "flex_attention")}
-    ids, mask = left_padded_batch(512)
+    ids, mask = left_padded_batch(512, lengths=(9, 5, 7))
     positions = positions_from_mask(mask)
     results = {}
     with torch.no_grad():

@@ -14,6 +14,7 @@ import os
 import torch
 
 from .. import SwitchHeadConfig, SwitchHeadForCausalLM
+from ..accounting import attention_macs, attention_memory
 from .data import load_documents, train_tokenizer
 from .trainer import TrainingConfig, TrainingError, train
 
@@ -21,36 +22,6 @@ DEMO_PRESET = "tiny-switchhead"
 DEMO_DENSE_HEADS = 4  # the baseline has as many heads as SwitchHead has (heads x active experts)
 DEMO_TRAINING = dict(max_steps=1500, eval_every=500, save_every=500, log_every=50, eval_batches=20)
 DEMO_PROMPT = "def read_file(path):\n"
-
-
-def attention_cost(config: SwitchHeadConfig, context: int) -> tuple[int, int]:
-    """Attention MACs and memory (floats kept for backward) of one layer for one sequence of `context` tokens.
-
-    The formulas that reproduce the paper's tables (PAPER.md section 6; e.g. 170.4M MACs for WT103 47M XL), with
-    C = 1 + memory chunks and n_exp = n_sel = 2 (V and O are the MoE projections; W_S and W_D select):
-        SwitchHead: MACs = 2 H dh T^2 C + (2 k + 2) d H dh T + 2 H k T dh + 2 E d T C   [+ 2 H d T dh for XL]
-                    memory = 2 H T^2 C + 4 H dh T + 2 E T C                           [+ 2 H T dh for XL]
-        Dense:      MACs = 2 H dh T^2 C + 4 d H dh T [+ 2 H d T dh C],  memory = 2 H T^2 C + 4 H dh T [+ 2 H T dh C]
-    `switchhead flops` (switchhead.evaluation.flops) computes the same numbers; training keeps this small copy
-    because nothing in the package may depend on evaluation (a test holds the two together).
-    """
-    h, dh, d, t = config.num_attention_heads, config.head_dim, config.hidden_size, context
-    xl = config.position_encoding == "xl"
-    chunks = 1 + (-(-config.xl_memory_length // t) if xl else 0)  # C: this segment plus the remembered ones
-    macs = 2 * h * dh * t * t * chunks
-    memory = 2 * h * t * t * chunks + 4 * h * dh * t
-    if config.attention_type == "switchhead":
-        e, k = config.num_attention_experts, config.num_attention_experts_per_tok
-        macs += (2 * k + 2) * d * h * dh * t + 2 * h * k * t * dh + 2 * e * d * t * chunks
-        memory += 2 * e * t * chunks
-        positional_chunks = 1  # the authors' script counts SwitchHead's XL projection over T rows only
-    else:
-        macs += 4 * d * h * dh * t
-        positional_chunks = chunks
-    if xl:
-        macs += 2 * h * d * t * dh * positional_chunks
-        memory += 2 * h * t * dh * positional_chunks
-    return macs, memory
 
 
 def parameter_matched_dense(config: SwitchHeadConfig, num_heads: int) -> dict:
@@ -105,7 +76,8 @@ def run_demo(output_dir: str = "runs/demo", **training_overrides) -> int:
                                      model={**base.model, **model_overrides})
         result = train(config)
         model_config = SwitchHeadConfig.from_pretrained(result.output_dir)
-        macs, memory = attention_cost(model_config, config.block_size)
+        macs = attention_macs(model_config, config.block_size)
+        memory = attention_memory(model_config, config.block_size)
         rows.append((label, result, macs, memory, result.output_dir))
 
     print(f"\nvalidation on held-out standard library text, context {base.block_size}, {base.max_steps} steps "
