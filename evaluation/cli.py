@@ -168,16 +168,9 @@ def run_eval(args) -> int:
 def load_config(spec: str, assignments: list[str]):
     """A SwitchHeadConfig from a preset name, a config.json or a model folder, with FIELD=VALUE overrides."""
     from switchhead import PRESETS, SwitchHeadConfig
+    from switchhead.cli import parse_field_assignments
 
-    overrides = {}
-    for assignment in assignments:
-        field, sep, value = assignment.partition("=")
-        if not sep or not field:
-            raise _usage_error(f"--set expects FIELD=VALUE, got {assignment!r}")
-        try:
-            overrides[field] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[field] = value
+    overrides = parse_field_assignments(assignments)
     if spec in PRESETS:
         return SwitchHeadConfig.from_preset(spec, **overrides)
     path = Path(spec)

@@ -184,7 +184,7 @@ def format_report(name: str, config: SwitchHeadConfig, report: CostReport) -> st
     lines += [
         f"  attention memory  {format_count(report.attention_memory_table):>9}  "
         f"({report.attention_memory_table:,} floats)  [paper tables' formula]",
-        f"whole model, forward, one sequence (attention by the tables' formula):",
+        "whole model, forward, one sequence (attention by the tables' formula):",
         f"  MLP per layer     {format_count(forward['mlp_per_layer']):>9}",
         f"  output layer      {format_count(forward['lm_head']):>9}",
         f"  total             {format_count(forward['total']):>9}  ({forward['total']:,}; "

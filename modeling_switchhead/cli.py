@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 # subcommand providers, imported lazily so that `switchhead --help` works whatever extras are installed
@@ -17,6 +18,20 @@ PROVIDERS = ("switchhead.training.cli", "switchhead.evaluation.cli", "switchhead
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
+
+
+def parse_field_assignments(items: list[str]) -> dict:
+    """`--set FIELD=VALUE` options -> {field: value}; values are JSON (numbers, booleans) or bare strings."""
+    overrides = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
+        try:
+            overrides[name] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[name] = value  # a bare string such as --set position_encoding=xl
+    return overrides
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,5 @@
 """`switchhead flops`: the paper's MAC / memory tables (PAPER.md section 5), formulas labelled, KV-cache bytes."""
 
-import math
-
 import pytest
 import torch
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 
 # command-line option -> TrainingConfig field; options left out keep the preset's (or the resumed run's) value
 OPTIONS: dict[str, tuple[str, type, str]] = {
@@ -65,18 +64,9 @@ def register(subparsers) -> None:
 
 
 def parse_model_overrides(items: list[str]) -> dict:
-    from ..cli import UsageError
+    from ..cli import parse_field_assignments
 
-    overrides = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
-        try:
-            overrides[name] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[name] = value  # a bare string such as --set position_encoding=xl
-    return overrides
+    return parse_field_assignments(items)
 
 
 def run(args) -> int:
