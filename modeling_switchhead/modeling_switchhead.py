@@ -503,19 +503,14 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
         """The paper's initialisation, scaled by `config.init_scale` (default sqrt(2 / num_hidden_layers))."""
         config = self.config
         scale, d = config.init_scale, config.hidden_size
-        if isinstance(module, SwitchHeadAttentionBase):
-            init.normal_(module.q_proj.weight, std=scale / math.sqrt(d))
-            init.normal_(module.k_proj.weight, std=scale / math.sqrt(d))
-            if hasattr(module, "position_key_proj"):  # left uninitialised by the public reference; not here
-                init.normal_(module.position_key_proj.weight, std=scale / math.sqrt(d))
+        # Dense projections (q, k, W_pk, the baseline's v and o, the dense MLP) are nn.Linear children and get
+        # std init_scale / sqrt(fan_in) in the nn.Linear branch below; here only the tensors that are not Linear.
         if isinstance(module, SwitchHeadAttention):
             init.normal_(module.value_experts, std=scale / math.sqrt(d))
             init.normal_(module.output_experts, std=scale / math.sqrt(module.num_heads * module.head_dim))
             for selection in (module.value_selection, module.output_selection):
                 _init_selection(selection.weight, std=scale / math.sqrt(d))
         elif isinstance(module, MultiHeadAttention):
-            init.normal_(module.v_proj.weight, std=scale / math.sqrt(d))
-            init.normal_(module.o_proj.weight, std=scale / math.sqrt(module.num_heads * module.head_dim))
             if module.output_gate is not None:  # a selection matrix in the reference: rows renormalised
                 _init_selection(module.output_gate, std=scale / math.sqrt(d))
         elif isinstance(module, SigmaMoeMLP):
@@ -523,11 +518,6 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
             init.normal_(module.keys, std=scale / math.sqrt(d))
             init.normal_(module.values, std=scale / math.sqrt(experts * size))
             _init_selection(module.expert_selection.weight, std=scale / math.sqrt(d))
-        elif isinstance(module, SwitchHeadMLP):
-            for linear in (module.up_proj, module.down_proj):
-                init.normal_(linear.weight, std=scale / math.sqrt(linear.in_features))
-                if linear.bias is not None:
-                    init.zeros_(linear.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, std=1.0 / math.sqrt(d))
         elif isinstance(module, nn.LayerNorm):
@@ -538,9 +528,9 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Linear):
-            # q, k, v, o, W_pk and the dense MLP: std init_scale / sqrt(fan_in), as in the branches above. Needed
-            # here too because Transformers never passes custom-code modules without parameters of their own
-            # (MultiHeadAttention, SwitchHeadMLP) to `_init_weights`; it only visits their Linear children.
+            # q, k, W_pk (left uninitialised by the public reference; not here), v, o and the dense MLP: the paper's
+            # std init_scale / sqrt(fan_in). Transformers visits these Linear children itself (it never passes
+            # parameter-less containers such as SwitchHeadMLP to `_init_weights`).
             init.normal_(module.weight, std=scale / math.sqrt(module.in_features))
             if module.bias is not None:
                 init.zeros_(module.bias)
