@@ -335,6 +335,8 @@ class SwitchHeadAttentionBase(nn.Module):
 class SwitchHeadAttention(SwitchHeadAttentionBase):
     """SwitchHead: sigma-MoE value and output projections, E experts per head, k active per head."""
 
+    is_transposed = True  # expert tensors are [experts, in, out] (Transformers' / PEFT's flag for that layout)
+
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         heads, experts, d = self.num_heads, config.num_attention_experts, config.hidden_size
@@ -405,6 +407,8 @@ class SwitchHeadMLP(nn.Module):
 
 class SigmaMoeMLP(nn.Module):
     """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T)."""
+
+    is_transposed = True  # keys [E, d, S] and values [E, S, d] are [experts, in, out]
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
