@@ -120,6 +120,11 @@ class SwitchHeadConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.head_dim is None and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
             if self.num_attention_heads > 0:
+                if self.hidden_size % self.num_attention_heads:
+                    raise ValueError(
+                        f"head_dim: hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                        f"({self.num_attention_heads}); set head_dim explicitly or change one of them"
+                    )
                 self.head_dim = self.hidden_size // self.num_attention_heads
         if self.init_scale is None and isinstance(self.num_hidden_layers, int) and self.num_hidden_layers > 0:
             self.init_scale = math.sqrt(2.0 / self.num_hidden_layers)
@@ -209,11 +214,24 @@ class SwitchHeadConfig(PreTrainedConfig):
             )
         for name in ("layer_norm_eps", "init_scale", "initializer_range"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
         if isinstance(self.entropy_reg_coef, bool) or not isinstance(self.entropy_reg_coef, (int, float)) \
-                or self.entropy_reg_coef < 0:
-            raise ValueError(f"entropy_reg_coef must be a number >= 0, got {self.entropy_reg_coef!r}")
+                or not math.isfinite(self.entropy_reg_coef) or self.entropy_reg_coef < 0:
+            raise ValueError(f"entropy_reg_coef must be a finite number >= 0, got {self.entropy_reg_coef!r}")
+        for name in ("mlp_bias", "lm_head_bias", "tie_word_embeddings", "use_cache", "output_router_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+            for token in ids:
+                if token is None and value is None:
+                    continue
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                    raise ValueError(f"{name} must be None or a token id in [0, vocab_size={self.vocab_size}), "
+                                     f"got {value!r}")
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property

@@ -51,12 +51,36 @@ except Exception:  # noqa: BLE001 - any failure means "use the PyTorch path"
 
 
 # ==================================================================================================== expert op
+EXPERT_IMPLEMENTATIONS = ("auto", "reference", "batched", "all_experts", "grouped")
+_SMALL_PROBLEM_ROWS = 4096  # "auto": every expert for every row while N * R * G stays below this (decoding)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_usable(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`torch._grouped_mm` on CPU for float32 / bfloat16 / float16 with 16-byte aligned rows (GPUs: see below)."""
+    if _GROUPED_MM is None or inputs.dtype != weight.dtype or weight.device.type != "cpu":
+        return False
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    per_16_bytes = 16 // weight.element_size()
+    return weight.shape[1] % per_16_bytes == 0 and weight.shape[2] % per_16_bytes == 0
+
+
+def _expert_gated_sum(per_slot: torch.Tensor, gates: torch.Tensor | None, out_groups: int) -> torch.Tensor:
+    if gates is None:
+        return per_slot
+    n, s, d_out = per_slot.shape
+    weighted = per_slot * gates.unsqueeze(-1).to(per_slot.dtype)
+    return weighted.view(n, out_groups, s // out_groups, d_out).sum(2)
+
+
 def expert_projection_torch(
     inputs: torch.Tensor,
     expert_index: torch.Tensor,
     weight: torch.Tensor,
     gates: torch.Tensor | None = None,
     out_groups: int = 1,
+    implementation: str = "auto",
 ) -> torch.Tensor:
     """The CVMM contract in plain PyTorch: rows times their selected expert, with an optional gated sum.
 
@@ -67,36 +91,76 @@ def expert_projection_torch(
         gates: `[N, S]` or None. With gates, slot `s` is scaled by its gate and summed into output group
             `s // (S // out_groups)`.
         out_groups: output rows per token when `gates` is given.
+        implementation: the formulation (`EXPERT_IMPLEMENTATIONS`), all giving the same result:
+            "reference" gathers every slot's matrix (`[N, S, d_in, d_out]`) and takes one einsum (the simple twin);
+            "batched" gathers the selected matrices and takes one bmm with the gated sum inside;
+            "all_experts" multiplies every row by every expert in one matmul and picks the selected results
+            (G / k times the FLOPs, but no weight copy: the fastest for a few tokens, i.e. decoding);
+            "grouped" sorts the slots by expert and takes one grouped matmul (`torch._grouped_mm`, CPU tensors in
+            float32 / bfloat16 / float16 with 16-byte aligned rows; elsewhere it runs as "all_experts"), adding
+            the gated rows into the output with `index_add_`;
+            "auto" (default): "all_experts" while N * R * G <= 4096, else "grouped".
 
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them.
 
-    Tokens are sorted by expert so that each expert is one dense matmul over a contiguous block of rows; the only
-    Python loop is over the G experts.
+    No formulation syncs with the host (no `.item()` / `.tolist()`, no data-dependent shapes), so the op compiles
+    with `torch.compile(fullgraph=True)`. An expert id outside `[0, G)` raises IndexError from an `index_select`.
     """
+    if implementation not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(EXPERT_IMPLEMENTATIONS)}; got {implementation!r}")
     n, s = expert_index.shape
     r, d_in = inputs.shape[1], inputs.shape[2]
     g, _, d_out = weight.shape
-    rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n * s, d_in)
-    flat_index = expert_index.reshape(-1)
-    order = torch.argsort(flat_index, stable=True)
-    counts = torch.bincount(flat_index, minlength=g).tolist()
-    sorted_rows = rows.index_select(0, order)
-    pieces = [block @ weight[e] for e, block in enumerate(sorted_rows.split(counts)) if counts[e] > 0]
-    sorted_out = torch.cat(pieces, 0) if pieces else sorted_rows.new_zeros(0, d_out)
-    out = torch.empty(n * s, d_out, dtype=sorted_out.dtype, device=sorted_out.device)
-    out = out.index_copy(0, order, sorted_out).view(n, s, d_out)
+    expert_index = expert_index.long()
+    if implementation == "auto":
+        implementation = "all_experts" if n * r * g <= _SMALL_PROBLEM_ROWS else "grouped"
+    if implementation == "grouped" and not _grouped_mm_usable(inputs, weight):
+        implementation = "all_experts"
+    device = inputs.device
+    if implementation == "reference":
+        rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in)
+        per_slot = torch.einsum("nsi,nsio->nso", rows, weight[expert_index])
+        return _expert_gated_sum(per_slot, gates, out_groups)
+    if implementation == "batched":
+        matrices = weight.index_select(0, expert_index.reshape(-1))  # [M, d_in, d_out]
+        rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in)
+        if gates is None:
+            return torch.bmm(rows.reshape(n * s, 1, d_in), matrices).view(n, s, d_out)
+        rows = rows * gates.unsqueeze(-1).to(rows.dtype)  # the gated sum inside the matmul, per output group
+        per_group = s // out_groups
+        out = torch.bmm(rows.reshape(n * out_groups, 1, per_group * d_in),
+                        matrices.view(n * out_groups, per_group * d_in, d_out))
+        return out.view(n, out_groups, d_out)
+    if implementation == "all_experts":
+        every = torch.matmul(inputs.reshape(1, n * r, d_in), weight)  # [G, N * R, d_out]
+        row_of_slot = torch.arange(n, device=device)[:, None] * r + torch.arange(s, device=device)[None, :] // (s // r)
+        pick = (expert_index * (n * r) + row_of_slot).reshape(-1)  # out of range iff an expert id is
+        per_slot = every.reshape(g * n * r, d_out).index_select(0, pick).view(n, s, d_out)
+        return _expert_gated_sum(per_slot, gates, out_groups)
+    # "grouped"
+    flat = torch.arange(g, device=device).index_select(0, expert_index.reshape(-1))  # bounds-checked ids
+    sorted_expert, order = torch.sort(flat, stable=True)
+    ends = torch.searchsorted(sorted_expert, torch.arange(1, g + 1, device=device)).to(torch.int32)  # [G]
+    sorted_rows = inputs.reshape(n * r, d_in).index_select(0, order // (s // r))
+    sorted_out = _GROUPED_MM(sorted_rows, weight, offs=ends)  # [M, d_out]
     if gates is None:
-        return out
-    weighted = out * gates.unsqueeze(-1).to(out.dtype)
-    return weighted.view(n, out_groups, s // out_groups, d_out).sum(2)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * s, device=device))
+        return sorted_out.index_select(0, inverse).view(n, s, d_out)
+    sorted_out = sorted_out * gates.reshape(-1).index_select(0, order).unsqueeze(-1).to(sorted_out.dtype)
+    out = sorted_out.new_zeros(n * out_groups, d_out).index_add_(0, order // (s // out_groups), sorted_out)
+    return out.view(n, out_groups, d_out)
 
 
-def expert_projection(inputs, expert_index, weight, gates=None, out_groups=1):
-    """Dispatch point of the CVMM op: `switchhead.kernels` when installed, else `expert_projection_torch`."""
+def expert_projection(inputs, expert_index, weight, gates=None, out_groups=1, implementation="auto"):
+    """Dispatch point of the CVMM op: `switchhead.kernels` when installed, else `expert_projection_torch`.
+
+    Both run the same sync-free PyTorch formulations on CPU; with the package, CUDA tensors take its Triton
+    kernels (which ignore `implementation`).
+    """
     if _kernels is not None:
-        return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
-    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups)
+        return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups, implementation=implementation)
+    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups, implementation)
 
 
 # ==================================================================================================== routers
@@ -642,6 +706,22 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    def _embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """The token embeddings. An id outside the vocabulary raises a ValueError naming the vocabulary size on
+        the CPU (the embedding's IndexError, caught: no extra check), in forward and so in `generate`. On CUDA (and
+        under torch.compile) nothing is checked, because a check would synchronise with the host on every step:
+        the embedding kernel's device-side assert fires instead ("CUDA error: device-side assert triggered"), which
+        leaves the CUDA context unusable; check ids on the host before moving them to the GPU."""
+        if input_ids.device.type != "cpu" or torch.compiler.is_compiling():
+            return self.embed_tokens(input_ids)
+        try:
+            return self.embed_tokens(input_ids)
+        except IndexError:
+            raise ValueError(
+                f"input_ids holds token ids outside the vocabulary: every id must be in [0, vocab_size="
+                f"{self.config.vocab_size}) (min {int(input_ids.min())}, max {int(input_ids.max())})"
+            ) from None
+
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -663,13 +743,18 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        given = input_ids if input_ids is not None else inputs_embeds
+        if given.dim() < 2 or given.shape[0] == 0 or given.shape[1] == 0:  # shape checks only: no host sync
+            name = "input_ids" if input_ids is not None else "inputs_embeds"
+            raise ValueError(f"{name} is empty (shape {tuple(given.shape)}): give at least one token per sequence, "
+                             f"shaped [batch, length{'' if input_ids is not None else ', hidden_size'}]")
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             self._check_xl_memory(xl_memory, batch, use_cache, past_key_values)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self._embed(input_ids)
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
