@@ -53,7 +53,9 @@ setup(
         "triton": ["triton>=3.6"],
         "eval": ["lm-eval==0.4.13", "matplotlib", "jinja2"],
         "train": ["tensorboard"],
-        "test": ["pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard"],
+        "peft": ["peft==0.21.2"],
+        "test": ["pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
+                 "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["switchhead=switchhead.cli:main"]},
 )

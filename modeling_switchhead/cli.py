@@ -14,6 +14,7 @@ import sys
 # subcommand providers, imported lazily so that `switchhead --help` works whatever extras are installed
 PROVIDERS = ("switchhead.training.cli", "switchhead.evaluation.cli", "switchhead.conversion.cli",
              "switchhead.generate_cli")
+PROVIDERS += ("switchhead.training.finetune_cli",)
 
 
 class UsageError(Exception):

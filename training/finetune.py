@@ -1,0 +1,325 @@
+"""LoRA fine-tuning of SwitchHead, SwitchAll and dense models with PEFT, through the Transformers `Trainer`.
+
+What LoRA can reach (`default_lora_targets`):
+
+- dense projections, through `target_modules`: `q_proj`, `k_proj`, `position_key_proj` (XL), the dense baseline's
+  `v_proj` / `o_proj`, the dense MLP's `up_proj` / `down_proj`, and `lm_head`;
+- the expert tensors, through `target_parameters`: SwitchHead's `value_experts` `[H*E, d, dh]` and
+  `output_experts` `[H*E, dh, d]`, and the sigma-MoE MLP's `keys` `[E, d, S]` and `values` `[E, S, d]`. Each
+  expert gets its own rank-r update. The modules holding them say `is_transposed = True` (`[experts, in, out]`),
+  the flag PEFT reads for this orientation.
+
+One catch, and its fix: PEFT applies a `target_parameters` update through `torch.nn.utils.parametrize`, which keeps
+its parametrizations in a `ModuleDict`, and a `ModuleDict` refuses the names `keys` and `values` (they are its
+methods). So the sigma-MoE tensors go through `ExpertParamWrapper`, a `ParamWrapper` that swaps `W + dW` in for the
+duration of the forward instead; `lora_config` registers it (PEFT's custom-module hook), and `load_lora` passes that
+config to `PeftModel.from_pretrained`. SwitchHead's attention experts work with PEFT's own wrapper as well.
+
+    from switchhead.training.finetune import apply_lora, load_lora
+    model = apply_lora(AutoModelForCausalLM.from_pretrained("runs/wt2"), r=8)   # a PeftModel
+    ... Trainer(model=model, ...).train(); model.save_pretrained("adapter")       # the adapter only
+    model = load_lora(AutoModelForCausalLM.from_pretrained("runs/wt2"), "adapter")
+    plain = model.merge_and_unload()                                              # a SwitchHeadForCausalLM again
+
+CLI: `switchhead finetune MODEL_DIR --data ... --output-dir ...`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from switchhead import SwitchHeadConfig
+
+DENSE_MODULES = ("q_proj", "k_proj", "position_key_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head")
+EXPERT_PARAMETERS = ("value_experts", "output_experts", "keys", "values")
+
+
+class FinetuneError(ValueError):
+    """Bad fine-tuning input: the message says what to change."""
+
+
+def _require_peft():
+    try:
+        import peft
+    except ImportError:
+        raise FinetuneError("LoRA needs PEFT: pip install 'switchhead[peft]' (or peft==0.21.2)") from None
+    return peft
+
+
+def default_lora_targets(config: SwitchHeadConfig) -> tuple[list[str], list[str]]:
+    """(target_modules, target_parameters) covering every projection `config`'s architecture has."""
+    modules = ["q_proj", "k_proj", "lm_head"]
+    parameters = []
+    if config.position_encoding == "xl":
+        modules.append("position_key_proj")
+    if config.attention_type == "dense":
+        modules += ["v_proj", "o_proj"]
+    else:
+        parameters += ["value_experts", "output_experts"]
+    if config.mlp_type == "dense":
+        modules += ["up_proj", "down_proj"]
+    else:
+        parameters += ["keys", "values"]
+    return modules, parameters
+
+
+def _expert_param_wrapper_class():
+    from peft.tuners.lora.layer import ParamWrapper
+
+    class ExpertParamWrapper(ParamWrapper):
+        """PEFT's `ParamWrapper` without `nn.utils.parametrize`: while the wrapped module runs, its parameter is
+        replaced by `W + sum of the active adapters' deltas` (a plain tensor, so gradients reach W's LoRA factors),
+        then restored. Needed for parameters named like `ModuleDict` methods (`keys`, `values`)."""
+
+        @contextlib.contextmanager
+        def _activate_lora(self, active_adapters):
+            adapters = [name for name in (active_adapters or []) if name in self.lora_A]
+            if not adapters:
+                yield
+                return
+            base = self.get_base_layer()
+            name = self.parameter_name
+            original = base._parameters[name]
+            delta = sum(self.get_delta_weight(adapter) for adapter in adapters)
+            del base._parameters[name]
+            object.__setattr__(base, name, original + delta.to(original.dtype))
+            try:
+                yield
+            finally:
+                object.__delattr__(base, name)
+                base._parameters[name] = original
+
+        def unload_and_optionally_merge_module(self, merge, safe_merge, adapter_names):
+            base = super().unload_and_optionally_merge_module(merge, safe_merge, adapter_names)
+            # PEFT's unload skips modules inside a tuner layer, so LoRA on a child of this module (q_proj inside an
+            # attention whose experts are adapted too) would stay behind: unload (and merge) those here.
+            _unload_children(base, merge, safe_merge, adapter_names)
+            return base
+
+    # PEFT recognises parameter wrappers (to nest them, one per parameter of a module) by the class name
+    ExpertParamWrapper.__name__ = "ParamWrapper"
+    return ExpertParamWrapper
+
+
+def _unload_children(module, merge: bool, safe_merge: bool, adapter_names) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, child in list(module.named_children()):
+        if isinstance(child, BaseTunerLayer):
+            if hasattr(child, "unload_and_optionally_merge_module"):
+                replacement = child.unload_and_optionally_merge_module(merge=merge, safe_merge=safe_merge,
+                                                                       adapter_names=adapter_names)
+            else:
+                if merge:
+                    child.merge(safe_merge=safe_merge, adapter_names=adapter_names)
+                replacement = child.get_base_layer()
+            setattr(module, name, replacement)
+        else:
+            _unload_children(child, merge, safe_merge, adapter_names)
+
+
+_WRAPPER = None
+
+
+def expert_param_wrapper():
+    """The `ExpertParamWrapper` class (built on first use, so that importing this module does not need PEFT)."""
+    global _WRAPPER
+    if _WRAPPER is None:
+        _require_peft()
+        _WRAPPER = _expert_param_wrapper_class()
+    return _WRAPPER
+
+
+def register_switchhead_modules(lora_config):
+    """Register `ExpertParamWrapper` for the modules holding expert tensors on a `LoraConfig` (in place)."""
+    from switchhead.modeling_switchhead import SigmaMoeMLP, SwitchHeadAttention
+
+    lora_config._register_custom_module({SigmaMoeMLP: expert_param_wrapper(),
+                                         SwitchHeadAttention: expert_param_wrapper()})
+    return lora_config
+
+
+def lora_config(config: SwitchHeadConfig, r: int = 8, lora_alpha: float | None = None,
+                target_modules: list[str] | None = None, target_parameters: list[str] | None = None, **kwargs):
+    """A PEFT `LoraConfig` for a causal LM of `config`, targeting everything by default (`default_lora_targets`).
+
+    Names not in the architecture are refused (PEFT would otherwise fail later, or silently adapt nothing).
+    `lora_dropout` must stay 0 when expert tensors are targeted (PEFT cannot factor dropout out of a weight update).
+    """
+    peft = _require_peft()
+    default_modules, default_parameters = default_lora_targets(config)
+    modules = list(default_modules if target_modules is None else target_modules)
+    parameters = list(default_parameters if target_parameters is None else target_parameters)
+    for name in modules:
+        if name not in default_modules:
+            raise FinetuneError(f"target module {name!r} is not in this {config.attention_type}/{config.mlp_type} "
+                                f"model; choose from {', '.join(default_modules)}")
+    for name in parameters:
+        if name not in default_parameters:
+            raise FinetuneError(f"target parameter {name!r} is not in this {config.attention_type}/{config.mlp_type} "
+                                f"model; choose from {', '.join(default_parameters) or '(none)'}")
+    if not modules and not parameters:
+        raise FinetuneError("LoRA needs at least one target module or parameter")
+    if r < 1:
+        raise FinetuneError(f"LoRA rank must be >= 1, got {r}")
+    if parameters and kwargs.get("lora_dropout", 0.0):
+        raise FinetuneError("lora_dropout must be 0 when expert tensors are targeted (target_parameters)")
+    result = peft.LoraConfig(r=r, lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
+                             target_modules=modules or None, target_parameters=parameters or None,
+                             task_type="CAUSAL_LM", **kwargs)
+    return register_switchhead_modules(result)
+
+
+def apply_lora(model, r: int = 8, lora_alpha: float | None = None, target_modules: list[str] | None = None,
+               target_parameters: list[str] | None = None, **kwargs):
+    """Wrap a SwitchHead causal LM in a trainable `PeftModel` (base weights frozen, LoRA factors trainable)."""
+    peft = _require_peft()
+    config = lora_config(model.config, r, lora_alpha, target_modules, target_parameters, **kwargs)
+    return peft.get_peft_model(model, config)
+
+
+def load_lora(model, adapter_dir: str, is_trainable: bool = False, adapter_name: str = "default"):
+    """`PeftModel.from_pretrained` for an adapter saved from `apply_lora` (re-registers the sigma-MoE wrapper)."""
+    peft = _require_peft()
+    if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+        raise FinetuneError(f"{adapter_dir} has no adapter_config.json: not a saved LoRA adapter")
+    config = register_switchhead_modules(peft.LoraConfig.from_pretrained(adapter_dir))
+    return peft.PeftModel.from_pretrained(model, adapter_dir, adapter_name=adapter_name, is_trainable=is_trainable,
+                                          config=config)
+
+
+# ============================================================================================ fine-tuning run
+@dataclass
+class FinetuneResult:
+    steps: int
+    train_losses: list[float]
+    valid_loss_before: float
+    valid_loss_after: float
+    trainable_parameters: int
+    total_parameters: int
+    output_dir: str
+
+    @property
+    def valid_perplexity_before(self) -> float:
+        return math.exp(self.valid_loss_before)
+
+    @property
+    def valid_perplexity_after(self) -> float:
+        return math.exp(self.valid_loss_after)
+
+
+def _blocks(ids: torch.Tensor, block_size: int, limit: int | None = None) -> torch.Tensor:
+    count = ids.numel() // block_size
+    if limit:
+        count = min(count, limit)
+    return ids[: count * block_size].view(count, block_size)
+
+
+@torch.no_grad()
+def _mean_loss(model, blocks: torch.Tensor, batch_size: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start: start + batch_size]
+        out = model(input_ids=batch, labels=batch, use_cache=False)
+        tokens = batch[:, 1:].numel()
+        total += out.loss.item() * tokens
+        count += tokens
+    return total / max(count, 1)
+
+
+def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha: float | None = None,
+             target_modules: list[str] | None = None, target_parameters: list[str] | None = None,
+             max_steps: int = 100, batch_size: int = 8, block_size: int | None = None, learning_rate: float = 1e-3,
+             warmup_steps: int = 0, valid_blocks: int = 32, seed: int = 0, merge: bool = False,
+             logging_steps: int = 10) -> FinetuneResult:
+    """LoRA-fine-tune the model in `model_dir` (with its tokenizer) on `data` with the Transformers `Trainer`.
+
+    Writes the adapter only to `output_dir` (plus `finetune.json` with the losses); with `merge`, also the merged
+    plain model to `output_dir/merged`. `data` is what `switchhead train --data` takes (file or folder).
+    """
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
+
+    from .data import load_documents, load_tokenizer, tokenize_documents
+
+    _require_peft()
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FinetuneError(f"{model_dir} is not a saved model folder (no config.json)")
+    if os.path.exists(output_dir) and os.listdir(output_dir):
+        raise FinetuneError(f"output folder {output_dir} already exists and is not empty; choose another")
+    if max_steps < 1 or batch_size < 1:
+        raise FinetuneError("--max-steps and --batch-size must be >= 1")
+    lora_config(SwitchHeadConfig.from_pretrained(model_dir), r, lora_alpha, target_modules, target_parameters)
+    tokenizer = load_tokenizer(model_dir)
+    set_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    block_size = block_size or min(model.config.max_position_embeddings, 256)
+    if block_size > model.config.max_position_embeddings:
+        raise FinetuneError(f"--block-size {block_size} exceeds the model's max_position_embeddings "
+                            f"{model.config.max_position_embeddings}")
+    if len(tokenizer) > model.config.vocab_size:
+        raise FinetuneError(f"the tokenizer in {model_dir} has {len(tokenizer)} tokens, the model "
+                            f"{model.config.vocab_size}")
+    train_docs, valid_docs = load_documents(data)
+    needed = max_steps * batch_size * block_size * 2  # a little more than one pass; the rest is not tokenized
+    train_ids = tokenize_documents(tokenizer, _take_characters(train_docs, needed * 8))
+    valid = _blocks(tokenize_documents(tokenizer, _take_characters(valid_docs, valid_blocks * block_size * 8)),
+                    block_size, valid_blocks)
+    train = _blocks(train_ids, block_size)
+    if len(train) < batch_size or len(valid) == 0:
+        raise FinetuneError(f"{data} is too small for batches of {batch_size} x {block_size} tokens")
+
+    peft_model = apply_lora(model, r, lora_alpha, target_modules, target_parameters)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    before = _mean_loss(peft_model, valid, batch_size)
+    args = TrainingArguments(
+        output_dir=os.path.join(output_dir, "trainer"), per_device_train_batch_size=batch_size, max_steps=max_steps,
+        learning_rate=learning_rate, warmup_steps=warmup_steps, lr_scheduler_type="cosine",
+        logging_steps=logging_steps, save_strategy="no", report_to=[], seed=seed, dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+    )
+    dataset = Dataset.from_dict({"input_ids": train.tolist(), "labels": train.tolist()})
+    trainer = Trainer(model=peft_model, args=args, train_dataset=dataset)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    after = _mean_loss(peft_model, valid, batch_size)
+
+    peft_model.save_pretrained(output_dir, save_embedding_layers=False)  # the adapter only, even with lm_head
+    tokenizer.save_pretrained(output_dir)
+    if merge:
+        merged = peft_model.merge_and_unload()
+        merged.save_pretrained(os.path.join(output_dir, "merged"))
+        tokenizer.save_pretrained(os.path.join(output_dir, "merged"))
+    result = FinetuneResult(max_steps, losses, before, after, trainable, total, output_dir)
+    with open(os.path.join(output_dir, "finetune.json"), "w", encoding="utf-8") as handle:
+        json.dump({"base_model": os.path.abspath(model_dir), "data": data, "rank": r, "steps": max_steps,
+                   "train_losses": losses, "valid_loss_before": before, "valid_loss_after": after,
+                   "trainable_parameters": trainable, "total_parameters": total}, handle, indent=2)
+    import shutil
+
+    shutil.rmtree(os.path.join(output_dir, "trainer"), ignore_errors=True)
+    return result
+
+
+def _take_characters(documents: list[str], characters: int) -> list[str]:
+    """The leading documents up to about `characters` characters (the last one cut)."""
+    taken, count = [], 0
+    for document in documents:
+        if count >= characters:
+            break
+        taken.append(document[: characters - count])
+        count += len(taken[-1])
+    return taken
+
+
+__all__ = ["DENSE_MODULES", "EXPERT_PARAMETERS", "FinetuneError", "FinetuneResult", "apply_lora",
+           "default_lora_targets", "expert_param_wrapper", "finetune", "load_lora", "lora_config",
+           "register_switchhead_modules"]
