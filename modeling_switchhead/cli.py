@@ -13,21 +13,73 @@ import sys
 
 # subcommand providers, imported lazily so that `switchhead --help` works whatever extras are installed
 PROVIDERS = ("switchhead.training.cli", "switchhead.evaluation.cli", "switchhead.conversion.cli",
-             "switchhead.generate_cli")
+             "switchhead.generate_cli", "switchhead.serving")
 PROVIDERS += ("switchhead.training.finetune_cli",)
 
 
 class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
+    """An expected failure (bad input, a damaged file, the Hub unreachable): `main` prints one line
+    `switchhead <command>: error: <message>` on stderr, no traceback, and exits with `exit_code` (2)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def parse_field_assignments(items: list[str]) -> dict:
-    """`--set FIELD=VALUE` options -> {field: value}; values are JSON (numbers, booleans) or bare strings."""
+CliError = UsageError  # the name subcommands use: `raise CliError("what to change")` or `fail("...")`
+
+
+def fail(message: str, exit_code: int = 2):
+    """End the running subcommand with the one-line error contract: `fail("--foo must be >= 1")`."""
+    raise UsageError(message, exit_code)
+
+
+def error_line(command: str | None, message: object) -> str:
+    """The one line of the error contract (first line of the message only)."""
+    text = str(message).strip().splitlines()[0] if str(message).strip() else type(message).__name__
+    return f"switchhead {command or ''}: error: {text}".replace("switchhead : ", "switchhead: ")
+
+
+def refuse_existing_output(path: str, overwrite: bool, option: str = "--overwrite") -> None:
+    """Before writing the user-named file `path`: refuse a folder, and an existing file unless `overwrite`."""
+    import os
+
+    if os.path.isdir(path):
+        fail(f"output {path!r} is a folder; give a file path")
+    if os.path.lexists(path) and not overwrite:
+        fail(f"output {path!r} already exists; pass {option} to replace it, or choose another path")
+
+
+def config_field_names() -> list[str]:
+    """Every field a SwitchHeadConfig accepts (its own, the inherited PreTrainedConfig ones, `rope_theta`)."""
+    import dataclasses
+
+    from . import SwitchHeadConfig
+
+    return sorted({f.name for f in dataclasses.fields(SwitchHeadConfig)} | {"rope_theta"})
+
+
+def check_field_names(names, known: list[str], what: str = "--set field") -> None:
+    """UsageError for the first unknown name, with the closest valid names suggested."""
+    import difflib
+
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(close)}?" if close else "; see the SwitchHeadConfig fields"
+            fail(f"unknown {what} {name!r}{hint}")
+
+
+def parse_field_assignments(items: list[str], known: list[str] | None = None) -> dict:
+    """`--set FIELD=VALUE` options -> {field: value}; values are JSON (numbers, booleans) or bare strings.
+    FIELD must be one of `known` (default: the SwitchHeadConfig fields); a typo names the closest fields."""
     overrides = {}
+    known = config_field_names() if known is None else known
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
+        check_field_names([name], known)
         try:
             overrides[name] = json.loads(value)
         except json.JSONDecodeError:
@@ -35,8 +87,15 @@ def parse_field_assignments(items: list[str]) -> dict:
     return overrides
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the one-line error contract: `switchhead <command>: error: ...`, exit 2 (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="switchhead", description="SwitchHead / SwitchAll models: train, "
+    parser = ArgumentParser(prog="switchhead", description="SwitchHead / SwitchAll models: train, "
                                      "evaluate, convert, generate, count MACs and publish.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in PROVIDERS:
@@ -58,13 +117,51 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
-    except (UsageError, FileNotFoundError, ValueError) as error:
-        print(f"switchhead {args.command}: error: {error}", file=sys.stderr)
+    except UsageError as error:
+        print(error_line(args.command, error), file=sys.stderr)
+        return error.exit_code
+    except expected_errors() as error:
+        print(error_line(args.command, describe_expected(error)), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"switchhead {args.command}: interrupted", file=sys.stderr)
         return 130
 
 
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Failures caused by the user's input or environment rather than a bug: one line, exit 2. Anything else
+    keeps its traceback."""
+    kinds: list[type[BaseException]] = [ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+                                        IsADirectoryError, PermissionError]
+    try:
+        from safetensors import SafetensorError
+
+        kinds.append(SafetensorError)
+    except ImportError:
+        pass
+    try:
+        from huggingface_hub.errors import OfflineModeIsEnabled
+
+        kinds.append(OfflineModeIsEnabled)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
+def describe_expected(error: BaseException) -> str:
+    """The user-facing sentence for an expected failure."""
+    name = type(error).__name__
+    if name == "SafetensorError":
+        return f"damaged or unreadable .safetensors file ({error})"
+    if name == "OfflineModeIsEnabled":
+        return "the Hugging Face Hub cannot be reached: HF_HUB_OFFLINE is set (unset it to publish or download)"
+    if isinstance(error, OSError) and error.filename and str(error.filename) not in str(error.strerror or ""):
+        return f"{error.strerror or name}: {error.filename!r}"
+    return str(error) or name
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the package's copy of this module, so that subcommands raising switchhead.cli.UsageError are caught
+    from switchhead.cli import main as package_main
+
+    sys.exit(package_main())
