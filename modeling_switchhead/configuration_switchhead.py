@@ -20,6 +20,8 @@ from transformers import PreTrainedConfig
 ATTENTION_TYPES = ("switchhead", "dense")
 POSITION_ENCODINGS = ("rope", "xl")
 MLP_TYPES = ("dense", "sigma_moe")
+# RoPE types: the paper's, and every scaled type of Transformers' ROPE_INIT_FUNCTIONS, applied to the rotated channels
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 class SwitchHeadConfig(PreTrainedConfig):
@@ -48,7 +50,11 @@ class SwitchHeadConfig(PreTrainedConfig):
         position_encoding: `"rope"` (rotary, partial) or `"xl"` (Transformer-XL relative attention without u/v
             biases).
         partial_rotary_factor: fraction of each head's channels that RoPE rotates (the paper uses 0.5).
-        rope_parameters: RoPE settings in the Transformers v5 format; `rope_theta` defaults to 10000.
+        rope_parameters: RoPE settings in the Transformers v5 format; `rope_theta` defaults to 10000. `rope_type`
+            "default" is the paper's RoPE; "linear", "dynamic", "yarn", "longrope" and "llama3" scale it as
+            Transformers' `ROPE_INIT_FUNCTIONS` do (same keys: `factor`, `original_max_position_embeddings`, ...),
+            on the rotated channels only; "dynamic" (and longrope's long factors) follow the longest position of
+            each forward. Only with `position_encoding="rope"`. The legacy `rope_scaling` argument is accepted.
         xl_memory_length: number of previous-segment positions each XL layer may attend to (0: no memory). When
             positive, a forward with `use_cache=False` returns `xl_memory` (each layer's last inputs, detached) to
             pass with the next segment; generation uses the KV cache instead.
@@ -128,6 +134,9 @@ class SwitchHeadConfig(PreTrainedConfig):
                 self.head_dim = self.hidden_size // self.num_attention_heads
         if self.init_scale is None and isinstance(self.num_hidden_layers, int) and self.num_hidden_layers > 0:
             self.init_scale = math.sqrt(2.0 / self.num_hidden_layers)
+        legacy_scaling = kwargs.pop("rope_scaling", None)  # the pre-v5 name of rope_parameters
+        if legacy_scaling and self.rope_parameters is None:
+            self.rope_parameters = dict(legacy_scaling)
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", self.default_theta)}
         self._check_fields()
@@ -207,11 +216,7 @@ class SwitchHeadConfig(PreTrainedConfig):
         theta = self.rope_parameters.get("rope_theta", self.default_theta)
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
             raise ValueError(f"rope_parameters['rope_theta'] must be a positive number, got {theta!r}")
-        if self.rope_parameters.get("rope_type", "default") != "default":
-            raise ValueError(
-                f"rope_parameters['rope_type'] must be 'default' (the paper's RoPE), "
-                f"got {self.rope_parameters.get('rope_type')!r}"
-            )
+        self._check_rope_scaling()
         for name in ("layer_norm_eps", "init_scale", "initializer_range"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -232,6 +237,83 @@ class SwitchHeadConfig(PreTrainedConfig):
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
                     raise ValueError(f"{name} must be None or a token id in [0, vocab_size={self.vocab_size}), "
                                      f"got {value!r}")
+
+    def _check_rope_scaling(self) -> None:
+        """Validate `rope_parameters` beyond rope_theta: the rope_type and the fields that type needs.
+
+        Scaled RoPE (every type of Transformers' `ROPE_INIT_FUNCTIONS` but "proportional") acts on the rotated
+        channels only, so lengths and factors are checked against `num_rotary_channels`, not head_dim.
+        """
+        params = self.rope_parameters
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_parameters['rope_type'] must be one of {', '.join(map(repr, ROPE_TYPES))}, got {rope_type!r}"
+                + (" ('proportional' is a partial-RoPE scheme of its own; use partial_rotary_factor instead)"
+                   if rope_type == "proportional" else "")
+            )
+        if rope_type == "default":
+            return
+        if self.position_encoding != "rope":
+            raise ValueError(
+                f"rope_parameters['rope_type']={rope_type!r} needs position_encoding='rope'; this config uses "
+                f"position_encoding={self.position_encoding!r} (Transformer-XL relative positions, no RoPE to "
+                f"scale): drop the RoPE scaling from rope_parameters or use position_encoding='rope'"
+            )
+        prf = params.get("partial_rotary_factor", self.partial_rotary_factor)
+        if prf != self.partial_rotary_factor:
+            raise ValueError(
+                f"rope_parameters['partial_rotary_factor'] ({prf!r}) differs from partial_rotary_factor "
+                f"({self.partial_rotary_factor!r}); set only the partial_rotary_factor field"
+            )
+
+        def number(key: str, minimum: float, *, required: bool, strict: bool = False) -> None:
+            value = params.get(key)
+            if value is None:
+                if required:
+                    raise ValueError(f"rope_parameters for rope_type={rope_type!r} needs {key!r} (a number "
+                                     f"{'>' if strict else '>='} {minimum:g}), got {params!r}")
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < minimum or (strict and value == minimum):
+                raise ValueError(f"rope_parameters[{key!r}] for rope_type={rope_type!r} must be a finite number "
+                                 f"{'>' if strict else '>='} {minimum:g}, got {value!r}")
+
+        original = params.get("original_max_position_embeddings")
+        if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+            raise ValueError(f"rope_parameters['original_max_position_embeddings'] must be a positive integer (the "
+                             f"context the model was trained with), got {original!r}")
+        if rope_type in ("linear", "dynamic", "yarn", "llama3"):
+            number("factor", 1.0, required=True)
+        if rope_type == "dynamic" and self.num_rotary_channels < 4:
+            raise ValueError(f"rope_type='dynamic' needs at least 4 rotary channels (its base grows with exponent "
+                             f"d / (d - 2)); partial_rotary_factor * head_dim gives {self.num_rotary_channels}")
+        if rope_type == "yarn":
+            for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+                number(key, 0.0, required=False)
+            number("attention_factor", 0.0, required=False, strict=True)
+            if (params.get("beta_fast") or 32) < (params.get("beta_slow") or 1):
+                raise ValueError(f"rope_parameters['beta_fast'] must be >= beta_slow, got {params!r}")
+            if not isinstance(params.get("truncate", True), bool):
+                raise ValueError(f"rope_parameters['truncate'] must be True or False, got {params['truncate']!r}")
+        if rope_type == "llama3":
+            number("low_freq_factor", 0.0, required=True, strict=True)
+            number("high_freq_factor", 0.0, required=True, strict=True)
+            if params["high_freq_factor"] <= params["low_freq_factor"]:
+                raise ValueError(f"rope_parameters['high_freq_factor'] ({params['high_freq_factor']}) must be greater "
+                                 f"than low_freq_factor ({params['low_freq_factor']})")
+        if rope_type == "longrope":
+            number("factor", 1.0, required=False)
+            number("attention_factor", 0.0, required=False, strict=True)
+            pairs = self.num_rotary_channels // 2
+            for key in ("short_factor", "long_factor"):
+                value = params.get(key)
+                if not isinstance(value, (list, tuple)) or len(value) != pairs or not all(
+                        not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0 for v in value):
+                    raise ValueError(
+                        f"rope_parameters[{key!r}] for rope_type='longrope' must be a list of {pairs} positive numbers "
+                        f"(one per rotated channel pair: num_rotary_channels={self.num_rotary_channels}), got {value!r}"
+                    )
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property

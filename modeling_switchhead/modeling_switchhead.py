@@ -34,6 +34,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -200,26 +201,110 @@ class ExpertSelection(nn.Module):
 
 
 # ==================================================================================================== positions
+class _RotatedChannels:
+    """The config fields Transformers' `ROPE_INIT_FUNCTIONS` read, describing only the rotated channels.
+
+    Those functions derive the rotary width as `int(head_dim * partial_rotary_factor)`; ours rounds down to an even
+    count (`num_rotary_channels`), so they get head_dim = num_rotary_channels and a factor of 1.
+    """
+
+    def __init__(self, config: SwitchHeadConfig):
+        self.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 1.0}
+        self.rope_parameters.setdefault("rope_theta", config.default_theta)
+        self.rope_parameters.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+        self.head_dim = config.num_rotary_channels
+        self.hidden_size, self.num_attention_heads = config.hidden_size, config.num_attention_heads
+        self.max_position_embeddings = config.max_position_embeddings
+
+    def standardize_rope_params(self) -> None:  # already standard (see __init__)
+        pass
+
+
 class SwitchHeadRotaryEmbedding(nn.Module):
     """NeoX-style RoPE on the first `num_rotary_channels` channels of each head (the paper rotates half).
 
-    Frequencies are computed on the fly (a handful of values) in at least fp32, in fp64 for an fp64 model, so the
-    table is never stale after a dtype or device change.
+    `config.rope_parameters["rope_type"]` picks the frequencies of the rotated channels (the others pass through):
+    - "default" (the paper's) and "dynamic" (NTK-aware: the base grows once a forward's longest position exceeds
+      `max_position_embeddings`, from that forward's `position_ids`, so it follows the sequence as it grows) are
+      computed in every forward in at least fp32, in fp64 for an fp64 model, with tensor ops only (no host sync,
+      so `torch.compile(fullgraph=True)` traces them);
+    - "linear", "yarn", "llama3" and "longrope" come from Transformers' `ROPE_INIT_FUNCTIONS` (float32), with the
+      attention factor (yarn, longrope) applied to cos and sin. longrope switches from its short to its long
+      factors (`torch.where`, no sync) when the longest position exceeds `original_max_position_embeddings`.
+
+    `inv_freq` holds the float32 frequencies at the original context (`long_inv_freq` longrope's long ones): buffers
+    that are not saved, rebuilt from the config after loading (`_init_weights`) and after every `.to()` (so a cast
+    to half precision never rounds them).
     """
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
+        self.config = config
+        params = config.rope_parameters
+        self.rope_type = params.get("rope_type", params.get("type", "default"))
+        if self.rope_type != "default" and self.rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_parameters['rope_type']={self.rope_type!r} is not a RoPE type of this "
+                             f"Transformers version; use 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}")
         self.rotary = config.num_rotary_channels
-        self.base = float(config.rope_parameters.get("rope_theta", config.default_theta))
+        self.base = float(params.get("rope_theta", config.default_theta))
+        self.factor = float(params.get("factor") or 1.0)
+        # the context the frequencies were made for: dynamic scales past max_position_embeddings (as Transformers
+        # does), longrope switches past original_max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        if self.rope_type == "longrope":
+            self.original_max_seq_len = int(params.get("original_max_position_embeddings",
+                                                       config.max_position_embeddings))
+        self.attention_scaling = 1.0
+        self.reset_frequencies()
+
+    def _default_frequencies(self, device, dtype) -> torch.Tensor:
+        return self.base ** (-torch.arange(0, self.rotary, 2, device=device, dtype=dtype) / self.rotary)
+
+    @torch.no_grad()
+    def reset_frequencies(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the float32 frequency buffers from the config on `device` (default: where they are now, or the
+        default device when there are none yet, e.g. meta while `from_pretrained` builds the model)."""
+        if device is None:
+            device = self.inv_freq.device if "inv_freq" in self._buffers else torch.get_default_device()
+        if self.rope_type in ("default", "dynamic"):
+            inv_freq = self._default_frequencies(device, torch.float32)
+        else:
+            fraction = _RotatedChannels(self.config)
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](fraction, device)
+            if self.rope_type == "longrope":
+                long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](fraction, device,
+                                                                   seq_len=self.original_max_seq_len + 1)
+                self.register_buffer("long_inv_freq", long_inv_freq.float(), persistent=False)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.reset_frequencies()  # rebuilt in float32 wherever they went (a cast would round them)
+        return self
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids `[B, T]` -> (cos, sin), each `[B, T, num_rotary_channels]` in x's dtype."""
         dtype = torch.promote_types(x.dtype, torch.float32)
-        inv_freq = self.base ** (-torch.arange(0, self.rotary, 2, device=x.device, dtype=dtype) / self.rotary)
+        if self.rope_type == "default":
+            inv_freq = self._default_frequencies(x.device, dtype)
+        elif self.rope_type == "dynamic":
+            # NTK-aware base for this forward's length L = max(longest position + 1, original), as a tensor
+            length = (position_ids.max() + 1).to(dtype).clamp(min=self.original_max_seq_len)
+            growth = self.factor * length / self.original_max_seq_len - (self.factor - 1)
+            base = self.base * growth ** (self.rotary / (self.rotary - 2))
+            inv_freq = base ** (-torch.arange(0, self.rotary, 2, device=x.device, dtype=dtype) / self.rotary)
+        else:
+            inv_freq = self.inv_freq.to(device=x.device, dtype=dtype)
+            if self.rope_type == "longrope":
+                beyond = position_ids.max() + 1 > self.original_max_seq_len
+                inv_freq = torch.where(beyond, self.long_inv_freq.to(device=x.device, dtype=dtype), inv_freq)
         freqs = position_ids[..., None].to(dtype) * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -602,6 +687,8 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, std=scale / math.sqrt(module.in_features))
             if module.bias is not None:
                 init.zeros_(module.bias)
+        elif isinstance(module, SwitchHeadRotaryEmbedding):  # not saved: rebuilt from the config after loading
+            module.reset_frequencies()
         elif isinstance(module, ExpertSelection):
             module.group_offsets.copy_(torch.arange(module.num_groups, device=module.group_offsets.device)
                                        * module.num_experts)
@@ -696,6 +783,12 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
             [SwitchHeadDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+        if config.position_encoding != "rope" and rope_type != "default":
+            raise ValueError(
+                f"rope_parameters['rope_type']={rope_type!r} needs position_encoding='rope'; this model uses "
+                f"{config.position_encoding!r} positions (no RoPE to scale): drop the RoPE scaling"
+            )
         self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
         self.post_init()

@@ -38,10 +38,6 @@ SKIPS: dict[str, str] = {
         "checks inheritance of GenerationTesterMixin, whose module (tests/generation/test_utils.py) is not in the "
         "transformers sdist; SwitchHeadGenerationChecks covers generate() instead"
     ),
-    "test_model_rope_scaling": (
-        "SwitchHeadConfig accepts only rope_type='default' (the paper's partial RoPE) and rejects scaled RoPE "
-        "types with an error; linear/dynamic/yarn scaling is not implemented"
-    ),
 }
 # bf16 eager-vs-sdpa: the two backends round differently in bf16, which flips some sigma-gated top-k expert choices
 # of the second layer's routers (discrete routing), and a flipped token differs far beyond any tolerance. The
@@ -299,3 +295,9 @@ class DenseConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
 @apply_skips
 class SwitchHeadXLConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
     variant = "switchhead_xl"
+    variant_skips = {
+        "test_model_rope_scaling_from_config": (
+            "not applicable: the XL variant has Transformer-XL relative positions, no RoPE to scale (it rejects a "
+            "scaled rope_type with an error; the RoPE variants run this test)"
+        ),
+    }
