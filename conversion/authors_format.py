@@ -9,7 +9,10 @@ Two layouts exist (PAPER.md, "Source"):
    Transformer-XL (`moe.att.variant="full"`) or RoPE (`"full_rope"`) attention and MoE on V and O only.
 2. The user-facing module (RobertCsordas/switchhead, `SwitchHeadRope` / `SwitchHeadXL`) inside a Transformer
    the user built: per attention layer `q.weight, k.weight, v, o, sel_v, sel_o` (+ `pos_to_pk` for XL) under a
-   layer prefix such as `"blocks.{i}.attn."`; the rest of the user's model is mapped by prefix renames.
+   layer prefix such as `"blocks.{i}.attn."`; the rest of the user's model is mapped by prefix renames. With one
+   expert per head (`n_experts=1`) the module has `q.weight, k.weight, v [H*dh, d], o [d, H*dh], sel_o [H, d]`
+   (a gated dense attention, no `sel_v`): that is our `attention_type="dense"` with `attention_output_gate=True`
+   (`v_proj.weight`, `o_proj.weight`, `output_gate`), converted both ways by the same functions.
 
 Tensor mapping (layer `i`; `H` heads, `E` experts per head, `d` width, `dh` head width, `S` expert size):
 
@@ -104,6 +107,28 @@ _MODULE = {  # the user-facing module's names -> ours inside model.layers.{i}.
     "sel_o": "self_attn.output_selection.weight",
     "pos_to_pk": "self_attn.position_key_proj.weight",
 }
+# The module with one expert per head (n_experts=1) is a gated dense attention: `v` [H*dh, d] and `o` [d, H*dh] are
+# plain linear weights, `sel_o` [H, d] a per-head sigmoid output gate, and there is no `sel_v`. That is our dense
+# layer with `attention_output_gate=True`, tensor for tensor.
+_MODULE_ONE_EXPERT = {
+    "q.weight": "self_attn.q_proj.weight",
+    "k.weight": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "sel_o": "self_attn.output_gate",
+    "pos_to_pk": "self_attn.position_key_proj.weight",
+}
+
+
+def module_names(config: SwitchHeadConfig) -> dict[str, str]:
+    """The user-facing module's tensor names -> ours (inside model.layers.{i}.) for `config`'s attention."""
+    if config.attention_type == "switchhead":
+        return _MODULE
+    if config.attention_output_gate:
+        return _MODULE_ONE_EXPERT
+    raise ConversionError("the authors' SwitchHead module has no equivalent of a dense attention without an output "
+                          "gate; its one-expert form (n_experts=1) is attention_type='dense' with "
+                          "attention_output_gate=True")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -472,14 +497,16 @@ def state_dict_from_module(state_dict: dict[str, torch.Tensor], config: SwitchHe
     if "{i}" not in layer_prefix:
         raise ConversionError(f"--layer-prefix must contain '{{i}}' for the layer index, got {layer_prefix!r}")
     attention = _template(layer_prefix)
+    names = module_names(config)
     tensors, source_name = {}, {}
     for key, tensor in state_dict.items():
         match = attention.match(key)
         if match:
             rest = key[match.end():]
-            if rest not in _MODULE:
-                raise ConversionError(f"unknown key {key}: a SwitchHead module has {', '.join(_MODULE)}")
-            ours = f"model.layers.{match.group(1)}.{_MODULE[rest]}"
+            if rest not in names:
+                kind = "a SwitchHead module" if names is _MODULE else "a one-expert (n_experts=1) SwitchHead module"
+                raise ConversionError(f"unknown key {key}: {kind} has {', '.join(names)}")
+            ours = f"model.layers.{match.group(1)}.{names[rest]}"
         else:
             ours = _rename(key, renames or {})
             if ours is None:
@@ -502,13 +529,13 @@ def state_dict_to_module(state_dict: dict[str, torch.Tensor], config: SwitchHead
     check_tensors(state_dict, expected_shapes(config), {}, "the model's state dict")
     if config.position_encoding == "xl":
         check_position_encoding(config.hidden_size)
-    module_names = {ours: theirs for theirs, ours in _MODULE.items()}
+    theirs_by_ours = {ours: theirs for theirs, ours in module_names(config).items()}
     inverse = {ours: theirs for theirs, ours in (renames or {}).items()}
     out = {}
     for key, tensor in state_dict.items():
         match = _LAYER_KEY.match(key)
-        if match and match.group(2) in module_names:
-            theirs = layer_prefix.replace("{i}", match.group(1)) + module_names[match.group(2)]
+        if match and match.group(2) in theirs_by_ours:
+            theirs = layer_prefix.replace("{i}", match.group(1)) + theirs_by_ours[match.group(2)]
         else:
             theirs = _rename(key, inverse)
             if theirs is None:
@@ -522,6 +549,6 @@ def state_dict_to_module(state_dict: dict[str, torch.Tensor], config: SwitchHead
 __all__ = [
     "authors_checkpoint", "authors_args_from_config", "authors_sinusoid", "check_tensors",
     "config_and_state_from_authors_checkpoint", "config_from_authors_args", "expected_shapes", "parse_renames",
-    "check_position_encoding", "state_dict_from_authors", "state_dict_from_module", "state_dict_to_authors",
+    "check_position_encoding", "module_names", "state_dict_from_authors", "state_dict_from_module", "state_dict_to_authors",
     "state_dict_to_module",
 ]

@@ -6,6 +6,9 @@
         --layer-prefix 'blocks.{i}.attn.' --map 'blocks.{i}.ln1.=model.layers.{i}.input_layernorm.' ...
     switchhead convert hf-to-module out/ my.pt --layer-prefix 'blocks.{i}.attn.' --map ...
 
+The module layout also covers the one-expert module (n_experts=1: `v`, `o`, `sel_o`), described by a config with
+attention_type='dense' and attention_output_gate=true.
+
 Loading uses `torch.load(weights_only=True)`. `--allow-pickle` fully unpickles files that need it: that runs
 any code stored in the file, so only use it for checkpoints from a source you trust.
 """

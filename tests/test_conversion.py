@@ -429,3 +429,118 @@ def test_xl_conversion_refuses_a_model_whose_sinusoid_layout_differs(tmp_path, m
     with pytest.raises(ConversionError, match="sinusoidal encoding differs"):
         convert_authors_checkpoint(authors_checkpoint_file(tmp_path, "xl"), str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf")
+
+
+# ================================================================================== the one-expert module
+def one_expert_config(position: str) -> SwitchHeadConfig:
+    return SwitchHeadConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                            head_dim=DH, attention_type="dense", attention_output_gate=True,
+                            position_encoding=position, partial_rotary_factor=0.5, intermediate_size=D_FF,
+                            layer_norm_eps=1e-5, mlp_bias=True, lm_head_bias=True, tie_word_embeddings=False,
+                            xl_memory_length=0)
+
+
+def one_expert_module_state(position: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A user's model around the authors' module with n_experts=1: `v` [H*dh, d], `o` [d, H*dh], `sel_o` [H, d]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=0.3, mean=0.0):
+        return torch.randn(*shape, generator=g) * std + mean
+    state = {"emb.weight": rand(VOCAB, D, std=1.0), "final.weight": rand(D, mean=1.0, std=0.1),
+             "final.bias": rand(D, std=0.1), "head.weight": rand(VOCAB, D), "head.bias": rand(VOCAB, std=0.1)}
+    for i in range(LAYERS):
+        p = f"blocks.{i}."
+        state.update({
+            p + "attn.q.weight": rand(HEADS * DH, D), p + "attn.k.weight": rand(HEADS * DH, D),
+            p + "attn.v": rand(HEADS * DH, D), p + "attn.o": rand(D, HEADS * DH), p + "attn.sel_o": rand(HEADS, D),
+            p + "ln1.weight": rand(D, mean=1.0, std=0.1), p + "ln1.bias": rand(D, std=0.1),
+            p + "ln2.weight": rand(D, mean=1.0, std=0.1), p + "ln2.bias": rand(D, std=0.1),
+            p + "ff.up_proj.weight": rand(D_FF, D), p + "ff.up_proj.bias": rand(D_FF, std=0.1),
+            p + "ff.down_proj.weight": rand(D, D_FF), p + "ff.down_proj.bias": rand(D, std=0.1),
+        })
+        if position == "xl":
+            state[p + "attn.pos_to_pk"] = rand(HEADS * DH, D)
+    return state
+
+
+ONE_EXPERT_RENAMES = {"emb.": "model.embed_tokens.", "final.": "model.norm.", "head.": "lm_head.",
+                      "blocks.{i}.ln1.": "model.layers.{i}.input_layernorm.",
+                      "blocks.{i}.ln2.": "model.layers.{i}.post_attention_layernorm.",
+                      "blocks.{i}.ff.": "model.layers.{i}.mlp."}
+
+
+def one_expert_reference_logits(state: dict, position: str, tokens: torch.Tensor) -> torch.Tensor:
+    """The module's own arithmetic with one expert: q, k scaled by dh^-1/4 each, v = x v^T split into heads, each
+    head's result times sigmoid(x sel_o^T)[h], then the concatenated heads times o^T; pre-LN blocks."""
+    s = {key: t.double() for key, t in state.items()}
+    batch, length = tokens.shape
+    x = s["emb.weight"][tokens]
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+    scale = DH ** -0.25
+    for i in range(LAYERS):
+        p = f"blocks.{i}."
+        h = F.layer_norm(x, (D,), s[p + "ln1.weight"], s[p + "ln1.bias"], 1e-5)
+        heads = lambda t: t.view(batch, length, HEADS, DH).transpose(1, 2)  # noqa: E731
+        q, k = heads(h @ s[p + "attn.q.weight"].T * scale), heads(h @ s[p + "attn.k.weight"].T * scale)
+        v = heads(h @ s[p + "attn.v"].T)
+        if position == "rope":
+            q, k = _rope(q, DH // 2, 10000.0), _rope(k, DH // 2, 10000.0)
+            scores = q @ k.transpose(-1, -2)
+        else:
+            encoding = _sinusoids(torch.arange(-(length - 1), length), D) * scale
+            k_pos = (encoding @ s[p + "attn.pos_to_pk"].T).view(2 * length - 1, HEADS, DH).transpose(0, 1)
+            scores = _relative_shift(q @ k_pos.transpose(-1, -2)) + q @ k.transpose(-1, -2)
+        attended = (scores.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(1, 2)  # [B, T, H, dh]
+        gate = torch.sigmoid(h @ s[p + "attn.sel_o"].T)  # [B, T, H]
+        x = x + (attended * gate[..., None]).flatten(2) @ s[p + "attn.o"].T
+        h = F.layer_norm(x, (D,), s[p + "ln2.weight"], s[p + "ln2.bias"], 1e-5)
+        x = x + F.linear(torch.relu(F.linear(h, s[p + "ff.up_proj.weight"], s[p + "ff.up_proj.bias"])),
+                         s[p + "ff.down_proj.weight"], s[p + "ff.down_proj.bias"])
+    x = F.layer_norm(x, (D,), s["final.weight"], s["final.bias"], 1e-5)
+    return x @ s["head.weight"].T + s["head.bias"]
+
+
+@pytest.mark.parametrize("position", ["rope", "xl"])
+def test_one_expert_module_converts_both_ways_and_matches_its_own_forward(tmp_path, position):
+    state = one_expert_module_state(position)
+    torch.save(state, tmp_path / "user.pt")
+    config = one_expert_config(position)
+    convert_module_checkpoint(str(tmp_path / "user.pt"), str(tmp_path / "hf"), config, "blocks.{i}.attn.",
+                              ONE_EXPERT_RENAMES)
+    model = SwitchHeadForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float64).eval()
+    assert model.config.attention_type == "dense" and model.config.attention_output_gate
+    tokens = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = model(tokens).logits
+    torch.testing.assert_close(ours, one_expert_reference_logits(state, position, tokens), atol=1e-9, rtol=0)
+
+    export_module_checkpoint(str(tmp_path / "hf"), str(tmp_path / "back.pt"), "blocks.{i}.attn.", ONE_EXPERT_RENAMES)
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_one_expert_module_cli_and_errors(tmp_path, capsys):
+    state = one_expert_module_state("rope")
+    torch.save(state, tmp_path / "user.pt")
+    one_expert_config("rope").save_pretrained(tmp_path / "described")
+    layout = ["--layer-prefix", "blocks.{i}.attn."] + [arg for theirs, ours in ONE_EXPERT_RENAMES.items()
+                                                       for arg in ("--map", f"{theirs}={ours}")]
+    assert cli_main(["convert", "module-to-hf", str(tmp_path / "user.pt"), str(tmp_path / "hf"),
+                     "--config", str(tmp_path / "described"), *layout]) == 0
+    assert cli_main(["convert", "hf-to-module", str(tmp_path / "hf"), str(tmp_path / "back.pt"), *layout]) == 0
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    capsys.readouterr()
+    # a SwitchHead module's sel_v has no place in the one-expert form
+    torch.save({**state, "blocks.0.attn.sel_v": torch.zeros(HEADS, D)}, tmp_path / "bad.pt")
+    assert cli_main(["convert", "module-to-hf", str(tmp_path / "bad.pt"), str(tmp_path / "bad"),
+                     "--config", str(tmp_path / "described"), *layout]) == 2
+    assert "unknown key blocks.0.attn.sel_v: a one-expert" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "bad")
+    # a dense model without the output gate is not the module
+    plain = one_expert_config("rope")
+    plain.attention_output_gate = False
+    with pytest.raises(ConversionError, match="attention_output_gate=True"):
+        convert_module_checkpoint(str(tmp_path / "user.pt"), str(tmp_path / "plain"), plain, "blocks.{i}.attn.",
+                                  ONE_EXPERT_RENAMES)
+    assert not os.path.exists(tmp_path / "plain")
