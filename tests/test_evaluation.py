@@ -152,7 +152,8 @@ def test_blimp_scores_equal_hand_computed_sentence_logprobs(python_run, loaded, 
 
 def test_wikitext_articles_and_every_blimp_paradigm_have_tasks(data_dir):
     pages = task_data.wikitext_documents("wikitext-2", "test", {"data_dir": str(data_dir)})
-    assert len(pages) == 62 and all(p["page"].lstrip().startswith("= ") for p in pages)  # lm-eval's wikitext-2 test: 62
+    # 62 articles, as in lm-eval's wikitext-2 test split; each starts with its title line (no leading " \n")
+    assert len(pages) == 62 and all(p["page"].startswith(" = ") and p["page"][3] != "=" for p in pages)
     paradigms = task_data.blimp_paradigms({"data_dir": str(data_dir)})
     assert len(paradigms) == 67
     group = yaml.safe_load((TASKS_DIR / "switchhead_blimp.yaml").read_text())

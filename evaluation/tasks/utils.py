@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 TASK_DIR = Path(__file__).resolve().parent
@@ -94,11 +93,39 @@ def load_blimp(paradigm: str, **metadata):
 
 
 # ---------------------------------------------------------------------------------------------------- WikiText
-_ARTICLE_TITLE = re.compile(r"^ = [^=].* = $")
+def is_article_title(line: str) -> bool:
+    """A level-1 heading line (` = Title = `), tested as the document-level WikiText dataset does.
+
+    Runs of `= = =` and `= =` are first collapsed to `===` / `==`, so that sub-headings (` = = Section = = `) do
+    not count; then the stripped line must start with "= " and end with " =".
+    """
+    collapsed = line.replace("= = =", "===").replace("= =", "==").strip()
+    return collapsed.startswith("= ") and collapsed.endswith(" =")
+
+
+def split_wikitext_pages(text: str) -> list[str]:
+    """Cut a WikiText file into articles exactly as `EleutherAI/wikitext_document_level` defines its pages.
+
+    That dataset (the one lm-eval's `wikitext` task loads) splits the file on "\n" and starts a page at every
+    article title line. The lines before a title, re-joined with "\n", form the previous page, which is kept
+    only if it has a non-whitespace character (so the file's leading " \n" before the first title is dropped,
+    not glued to the first page); the newline between a page and the next title belongs to neither. The last
+    page is always kept and ends with the file's final "\n" (the empty string after the last "\n" is its
+    last line).
+    """
+    lines = text.split("\n")
+    titles = [number for number, line in enumerate(lines) if is_article_title(line)]
+    starts, ends = [0] + titles, titles + [len(lines)]
+    pages = []
+    for start, end in zip(starts, ends):
+        page = "\n".join(lines[start:end])
+        if end == len(lines) or page.strip():
+            pages.append(page)
+    return pages
 
 
 def wikitext_documents(corpus: str, split: str = "test", metadata: dict | None = None) -> list[dict]:
-    """Articles of a WikiText `.tokens` file, `{"page": text}`, split at level-1 headings (` = Title = `)."""
+    """Articles of a WikiText `.tokens` file as `{"page": text}` rows (see `split_wikitext_pages`)."""
     keys = {"wikitext-2": "wikitext2_dir", "wikitext-103": "wikitext103_dir"}
     if corpus not in keys:
         raise ValueError(f"corpus must be one of {', '.join(keys)}, got {corpus!r}")
@@ -106,19 +133,11 @@ def wikitext_documents(corpus: str, split: str = "test", metadata: dict | None =
     path = data_path(key, metadata) / f"wiki.{split}.tokens"
     if not path.exists():
         raise FileNotFoundError(f"no WikiText file {path}")
-    pages, current = [], []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if _ARTICLE_TITLE.match(line.rstrip("\n")) and any(part.strip() for part in current):
-                pages.append("".join(current).strip("\n"))
-                current = []
-            current.append(line)
-    if any(part.strip() for part in current):
-        pages.append("".join(current).strip("\n"))
-    return [{"page": page} for page in pages]
+    # text mode, as the dataset reads it (universal newlines)
+    return [{"page": page} for page in split_wikitext_pages(path.read_text(encoding="utf-8"))]
 
 
-def load_wikitext(corpus: str = "wikitext-103", split: str = "test", **metadata):
+def load_wikitext(corpus: str = "wikitext-2", split: str = "test", **metadata):
     return _as_split(wikitext_documents(corpus, split, metadata))
 
 
