@@ -6,6 +6,7 @@ expert projection; see `cvmm.py` for the contract and the switches (`set_backend
 """
 
 from .cvmm import (
+    CHECK_INDEX_ENV,
     BACKEND_ENV,
     BACKENDS,
     DETERMINISTIC_ENV,
@@ -17,11 +18,14 @@ from .cvmm import (
     set_deterministic,
     use_backend,
 )
-from .cvmm_reference import cvmm_backward_reference, cvmm_forward_reference
+from .cvmm_reference import IMPLEMENTATIONS, cvmm_backward_reference, cvmm_forward_reference, expert_projection
 
 __all__ = [
+    "IMPLEMENTATIONS",
+    "expert_projection",
     "BACKENDS",
     "BACKEND_ENV",
+    "CHECK_INDEX_ENV",
     "DETERMINISTIC_ENV",
     "cvmm",
     "cvmm_backward_reference",

@@ -15,7 +15,16 @@ This module is the one dispatch point. The op and its backward are registered wi
 
 - `cvmm_triton` (Triton kernels) for CUDA tensors, and for CPU tensors when `TRITON_INTERPRET=1` was set before
   the first use (the Triton interpreter, for tests);
-- `cvmm_reference` (PyTorch) otherwise: CPU, float64, or Triton not installed.
+- PyTorch otherwise (CPU, float64, or Triton not installed): `cvmm` then calls
+  `cvmm_reference.expert_projection`, plain sync-free tensor ops (autograd gives the backward, inductor sees
+  ordinary ops and can fuse them), not the custom op; `implementation=` picks its formulation ("auto" by default:
+  all-experts for a handful of tokens, a grouped matmul over expert-sorted slots for many). The custom ops keep a
+  PyTorch body too (`cvmm_forward_reference` / `cvmm_backward_reference`) for callers of the op itself.
+
+No path syncs with the host: expert ids outside `[0, G)` are caught by a bounds-checked `index_select` (an
+IndexError on the CPU, which `cvmm` reports as a ValueError naming the range when not compiling), not by reading
+the ids back. Set `SWITCHHEAD_CVMM_CHECK_INDEX=1` for an explicit host-side range check before every call (a sync;
+for debugging, e.g. on CUDA where an out-of-range id in a kernel is not reported clearly).
 
 Force one with `set_backend("triton" | "torch" | "auto")`, the `use_backend(...)` context manager, or the
 environment variable `SWITCHHEAD_CVMM_BACKEND`. The Triton forward and input gradient add the slots that share an
@@ -35,11 +44,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .cvmm_reference import cvmm_backward_reference, cvmm_forward_reference
+from .cvmm_reference import IMPLEMENTATIONS, cvmm_backward_reference, cvmm_forward_reference, expert_projection
 
 BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV = "SWITCHHEAD_CVMM_BACKEND"
 DETERMINISTIC_ENV = "SWITCHHEAD_CVMM_DETERMINISTIC"
+CHECK_INDEX_ENV = "SWITCHHEAD_CVMM_CHECK_INDEX"
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _backend_override: str | None = None
@@ -143,9 +153,6 @@ def cvmm_forward(
         out = _triton_module().cvmm_forward_triton(inputs, weight, gates, sorted_expert, order, out_groups,
                                                    is_deterministic())
     else:
-        if expert_index.device.type == "cpu" and (sorted_expert[0] < 0 or sorted_expert[-1] >= weight.shape[0]):
-            raise ValueError(f"expert_index values must lie in [0, {weight.shape[0]}) (weight has "
-                             f"{weight.shape[0]} experts); got [{sorted_expert[0]}, {sorted_expert[-1]}]")
         out = cvmm_forward_reference(inputs, weight, gates, sorted_expert, order, out_groups)
     return out, sorted_expert, order
 
@@ -230,8 +237,13 @@ def _check_arguments(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates
             raise ValueError(f"out_groups={out_groups} must divide the slot count S={slots}")
 
 
+def _range_error(expert_index: Tensor, num_experts: int) -> ValueError:
+    return ValueError(f"expert_index values must lie in [0, {num_experts}) (weight has {num_experts} experts); "
+                      f"got values in [{int(expert_index.min())}, {int(expert_index.max())}]")
+
+
 def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | None = None,
-         out_groups: int = 1) -> Tensor:
+         out_groups: int = 1, implementation: str = "auto") -> Tensor:
     """Rows times their selected expert's matrix, with an optional gate-weighted sum (see the module docstring).
 
     Args:
@@ -240,6 +252,8 @@ def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | N
         weight: `[G, d_in, d_out]`.
         gates: `[N, S]` or None.
         out_groups: output rows per token when `gates` is given.
+        implementation: the PyTorch formulation (`cvmm_reference.IMPLEMENTATIONS`) when the PyTorch backend runs;
+            ignored by the Triton kernels.
 
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them, in the inputs' dtype (the autocast dtype
@@ -253,5 +267,21 @@ def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | N
     elif inputs.dtype != weight.dtype:
         dtype = torch.promote_types(inputs.dtype, weight.dtype)
         inputs, weight = inputs.to(dtype), weight.to(dtype)
-    out, _, _ = cvmm_forward(inputs, expert_index.long(), weight, gates, out_groups)
+    expert_index = expert_index.long()
+    num_experts = weight.shape[0]
+    checking = os.environ.get(CHECK_INDEX_ENV, "0") == "1" and not torch.compiler.is_compiling()
+    if checking and expert_index.numel() and (expert_index.min() < 0 or expert_index.max() >= num_experts):
+        raise _range_error(expert_index, num_experts)  # explicit debug mode: reads the ids back (a sync)
+    if resolve_backend(inputs.device, inputs.dtype) == "torch":
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}; got {implementation!r}")
+        if torch.compiler.is_compiling():
+            return expert_projection(inputs, expert_index, weight, gates, out_groups, implementation)
+        try:
+            return expert_projection(inputs, expert_index, weight, gates, out_groups, implementation)
+        except IndexError as error:  # the bounds-checked gather of an out-of-range expert id
+            if expert_index.numel() and (expert_index.min() < 0 or expert_index.max() >= num_experts):
+                raise _range_error(expert_index, num_experts) from error
+            raise
+    out, _, _ = cvmm_forward(inputs, expert_index, weight, gates, out_groups)
     return out

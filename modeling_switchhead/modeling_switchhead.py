@@ -121,7 +121,8 @@ def expert_projection_torch(
     device = inputs.device
     if implementation == "reference":
         rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in)
-        per_slot = torch.einsum("nsi,nsio->nso", rows, weight[expert_index])
+        matrices = weight.index_select(0, expert_index.reshape(-1)).view(n, s, d_in, d_out)  # each slot's matrix
+        per_slot = torch.einsum("nsi,nsio->nso", rows, matrices)
         return _expert_gated_sum(per_slot, gates, out_groups)
     if implementation == "batched":
         matrices = weight.index_select(0, expert_index.reshape(-1))  # [M, d_in, d_out]
@@ -144,7 +145,7 @@ def expert_projection_torch(
     sorted_expert, order = torch.sort(flat, stable=True)
     ends = torch.searchsorted(sorted_expert, torch.arange(1, g + 1, device=device)).to(torch.int32)  # [G]
     sorted_rows = inputs.reshape(n * r, d_in).index_select(0, order // (s // r))
-    sorted_out = _GROUPED_MM(sorted_rows, weight, offs=ends)  # [M, d_out]
+    sorted_out = _GROUPED_MM(sorted_rows, weight.contiguous(), offs=ends)  # [M, d_out]
     if gates is None:
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * s, device=device))
         return sorted_out.index_select(0, inverse).view(n, s, d_out)
