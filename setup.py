@@ -27,6 +27,9 @@ for name, folder in SUBPACKAGES.items():
                 package_dir[sub] = os.path.join(folder, rel)
                 packages.append(sub)
 
+SERVE = ["fastapi==0.165.0", "uvicorn==0.54.0", "starlette==1.10.0", "openai==3.54.0", "pydantic==2.13.4",
+         "rich==15.0.0"]
+
 setup(
     name="switchhead",
     version="0.1.0",
@@ -54,7 +57,9 @@ setup(
         "eval": ["lm-eval==0.4.13", "matplotlib", "jinja2"],
         "train": ["tensorboard"],
         "peft": ["peft==0.21.2"],
-        "test": ["pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
+        # transformers[serving]'s dependencies, pinned, plus the OpenAI client (switchhead serve, tests/test_serving.py)
+        "serve": SERVE,
+        "test": [*SERVE, "pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
                  "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["switchhead=switchhead.cli:main"]},

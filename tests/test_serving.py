@@ -1,0 +1,212 @@
+"""`switchhead serve`: Transformers' OpenAI-compatible server on a saved checkpoint, over real HTTP.
+
+The server runs as a subprocess on a free port (always stopped at the end) and is spoken to with the `openai`
+client: /v1/completions and /v1/chat/completions, streamed and not, 16 concurrent requests, all greedy outputs
+equal to `generate()` in this process. Bad requests get HTTP 4xx with a message and the server keeps serving.
+The checkpoint: a tiny SwitchAll with the package installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai", reason="serving tests need the serve extra: pip install -e '.[test]'")
+pytest.importorskip("fastapi", reason="serving tests need the serve extra: pip install -e '.[test]'")
+
+from hub_folder import save_hub_folder  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = ["Hello world", "The quick brown fox jumps over", "A", "In 1905 Einstein published four papers on",
+           "def main():", "Serving models is", "one two three four five six seven eight nine ten", "Why"]
+MAX_TOKENS = 8
+STARTUP_TIMEOUT = 90
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    """`switchhead serve CHECKPOINT --port P` in a subprocess; `stop()` always ends it."""
+
+    def __init__(self, checkpoint: str, *flags: str):
+        self.checkpoint, self.port = checkpoint, free_port()
+        self.log = open(os.path.join(checkpoint, "server.log"), "w+")
+        command = [sys.executable, "-c", "import sys; from switchhead.cli import main; sys.exit(main())",
+                   "serve", checkpoint, "--port", str(self.port), *flags]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.output()}")
+
+    def health(self) -> int:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+            return response.status
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+def make_checkpoint(path, preset: str):
+    model = save_hub_folder(path, preset)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+def expected_text(model, tokenizer, input_ids: list[int], max_new_tokens: int = MAX_TOKENS) -> str:
+    with torch.no_grad():
+        output = model.generate(torch.tensor([input_ids]), attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
+                                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(output[0, len(input_ids):], skip_special_tokens=True)
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(server, model, tokenizer) for a tiny SwitchAll served with the package installed."""
+    path = tmp_path_factory.mktemp("serve") / "tiny-switchall"
+    model, tokenizer = make_checkpoint(path, "tiny-switchall")
+    server = Server(str(path))
+    try:
+        server.wait_ready()
+        yield server, model, tokenizer
+    finally:
+        server.stop()
+
+
+def complete(server, prompt: str, stream: bool = False, **kwargs) -> str:
+    args = dict(model=server.checkpoint, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **kwargs)
+    if not stream:
+        return server.client.completions.create(**args).choices[0].text
+    return "".join(chunk.choices[0].text for chunk in server.client.completions.create(stream=True, **args)
+                   if chunk.choices)
+
+
+def chat(server, content: str, stream: bool = False) -> str:
+    args = dict(model=server.checkpoint, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+                temperature=0)
+    if not stream:
+        return server.client.chat.completions.create(**args).choices[0].message.content or ""
+    return "".join(chunk.choices[0].delta.content or "" for chunk in
+                   server.client.chat.completions.create(stream=True, **args) if chunk.choices)
+
+
+def test_completions_and_chat_equal_generate(served):
+    server, model, tokenizer = served
+    for prompt in PROMPTS[:3]:
+        want = expected_text(model, tokenizer, tokenizer(prompt)["input_ids"])
+        assert complete(server, prompt) == want, prompt
+        assert complete(server, prompt, stream=True) == want, prompt
+        want_chat = expected_text(model, tokenizer, chat_ids(tokenizer, prompt))
+        assert chat(server, prompt) == want_chat, prompt
+        assert chat(server, prompt, stream=True) == want_chat, prompt
+
+
+def test_sixteen_concurrent_requests(served):
+    server, model, tokenizer = served
+    jobs = [(kind, PROMPTS[i % len(PROMPTS)], i % 4 == 1) for i, kind in
+            enumerate(["completion", "chat"] * 8)]  # 16 requests, a quarter of them streamed
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(lambda job: (complete if job[0] == "completion" else chat)(
+            server, job[1], stream=job[2]), jobs))
+    for (kind, prompt, _), answer in zip(jobs, answers):
+        ids = tokenizer(prompt)["input_ids"] if kind == "completion" else chat_ids(tokenizer, prompt)
+        assert answer == expected_text(model, tokenizer, ids), (kind, prompt)
+
+
+def test_bad_requests_get_4xx_and_server_keeps_serving(served):
+    server, model, tokenizer = served
+    context = model.config.max_position_embeddings
+    bad = [
+        dict(prompt="word " * (context + 10)),  # longer than the context
+        dict(max_tokens=-1),
+        dict(model="no-such-model"),
+    ]
+    for override in bad:
+        args = dict(model=server.checkpoint, prompt="Hello", max_tokens=4, temperature=0) | override
+        with pytest.raises(openai.APIStatusError) as caught:
+            server.client.completions.create(**args)
+        assert 400 <= caught.value.status_code < 500, (override, caught.value.status_code)
+        assert str(caught.value.body or caught.value.message), override  # a message, not an empty body
+    with pytest.raises(openai.APIStatusError) as caught:
+        server.client.chat.completions.create(model=server.checkpoint, max_tokens=-3,
+                                              messages=[{"role": "user", "content": "Hi"}])
+    assert 400 <= caught.value.status_code < 500
+    with pytest.raises(openai.APIStatusError) as caught:  # the chat template pushes it past the context
+        server.client.chat.completions.create(model=server.checkpoint, max_tokens=4,
+                                              messages=[{"role": "user", "content": "word " * context}])
+    assert 400 <= caught.value.status_code < 500
+    request = urllib.request.Request(server.url + "/v1/completions", data=b"{not json", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught_http:
+        urllib.request.urlopen(request, timeout=10)
+    assert 400 <= caught_http.value.code < 500
+    # still serving, still exact
+    assert server.health() == 200
+    assert complete(server, PROMPTS[0]) == expected_text(model, tokenizer, tokenizer(PROMPTS[0])["input_ids"])
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    from switchhead.cli import main
+
+    def run(*args):
+        code = main(["serve", *args])
+        return code, capsys.readouterr().err
+
+    code, err = run(str(tmp_path / "missing"))
+    assert code == 2 and err.startswith("switchhead serve: error:") and len(err.strip().splitlines()) == 1, err
+    code, err = run(str(tmp_path))
+    assert code == 2 and "config.json" in err, err
+    (tmp_path / "config.json").write_text("{}")
+    code, err = run(str(tmp_path), "--port", "70000")
+    assert code == 2 and "--port" in err, err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, err = run(str(tmp_path), "--port", str(taken.getsockname()[1]))
+    assert code == 2 and "cannot listen" in err, err
