@@ -73,6 +73,43 @@ def register(subparsers) -> None:
     _common(p, reads_pickle=False, writes_folder=False)
 
     parser.set_defaults(handler=run)
+    _register_upcycle(subparsers)
+
+
+def _register_upcycle(subparsers) -> None:
+    from . import upcycle
+
+    parser = subparsers.add_parser("upcycle", help="turn a dense model (ours or GPT-2 style) into a SwitchHead one",
+                                   description=upcycle.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dense", help="save_pretrained folder of a dense model of this package, or of GPT-2")
+    parser.add_argument("output", help="new folder to write")
+    parser.add_argument("--heads", type=int, required=True, help="SwitchHead heads H (must divide the dense heads)")
+    parser.add_argument("--experts", type=int, required=True, help="experts per head E")
+    parser.add_argument("--k", type=int, required=True, help="active experts per head")
+    parser.add_argument("--expert-init", choices=["svd", "heads"], default="svd",
+                        help="experts from the group's rank-dh SVD (svd, default) or one dense head each (heads)")
+    parser.add_argument("--router-noise", type=float, default=0.01,
+                        help="std of the initial router logits (0.01); 0 makes every gate exactly 1/2")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the router initialisation")
+    parser.set_defaults(handler=run_upcycle)
+
+
+def run_upcycle(args) -> int:
+    from .checkpoint_io import ConversionError
+    from .upcycle import upcycle
+
+    try:
+        result, difference = upcycle(args.dense, args.output, args.heads, args.experts, args.k, args.expert_init,
+                                     args.router_noise, args.seed)
+    except ConversionError as error:
+        raise UsageError(str(error)) from None
+    for note in result.notes:
+        print(f"note: {note}")
+    if result.dropped:
+        print(f"dropped {len(result.dropped)} source tensors: {', '.join(result.dropped[:6])}"
+              f"{' ...' if len(result.dropped) > 6 else ''}")
+    print(f"wrote {args.output}: first-forward max |logit difference| to the dense model {difference:.3g}")
+    return 0
 
 
 def _config(args):
