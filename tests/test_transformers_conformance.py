@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import unittest
 import unittest.mock
 
@@ -54,18 +55,70 @@ def _skipper(reason: str):
 
 
 def apply_skips(cls):
+    # (parameterized.expand leaves None under the bare name of an expanded test: not a test, so never wrapped)
     for name, reason in SKIPS.items():
-        matching = [attr for attr in dir(cls) if attr == name or attr.startswith(name + "_")]
+        matching = [attr for attr in dir(cls)
+                    if (attr == name or attr.startswith(name + "_")) and getattr(cls, attr) is not None]
         for attr in matching:
             setattr(cls, attr, _skipper(reason))
     for name, reason in cls.variant_skips.items():
-        for attr in [attr for attr in dir(cls) if attr == name or attr.startswith(name + "_")]:
+        for attr in [attr for attr in dir(cls)
+                     if (attr == name or attr.startswith(name + "_")) and getattr(cls, attr) is not None]:
             setattr(cls, attr, _skipper(reason))
     if cls.routes_tokens:
         for attr in dir(cls):
             if attr.startswith("test_eager_matches_sdpa_inference_") and "_bf16_" in attr:
                 setattr(cls, attr, _skipper(SKIP_BF16_EAGER_SDPA))
     return cls
+
+
+# ------------------------------------------------------------------------------------------------ skip kinds
+# Every skip of this module must be one of these kinds; a skip that matches none is a feature skip (something the
+# model lacks), and `test_skips_are_hardware_library_or_not_applicable` fails on it. Entries: (kind, pattern for
+# "TestClass::test_name", pattern for the skip reason).
+HARDWARE = "needs hardware absent here"
+LIBRARY = "needs a library absent here"
+NOT_APPLICABLE = "cannot apply to this architecture"
+SKIP_KINDS: list[tuple[str, str, str]] = [
+    (HARDWARE, r".*", r"^test requires (accelerator|multiple accelerators|MPS)$"),
+    (HARDWARE, r".*", r"^This test requires (a Nvidia or AMD GPU|an NVIDIA GPU|an AMD GPU)"),
+    (HARDWARE, r".*::test_torch_compile_for_training$", r"^test is slow$"),  # also @require_torch_accelerator
+    # every test gated on these libraries also needs an accelerator (so installing them would not run it here)
+    (LIBRARY, r".*", r"^test requires (Flash Attention( [34])?|deepspeed|the kernels library)$"),
+    (LIBRARY, r".*::test_generation_tester_mixin_inheritance$", r"GenerationTesterMixin, whose module"),
+    (NOT_APPLICABLE, r".*::test_(attn_implementation_composite_models|can_set_attention_dynamically_composite_model"
+                     r"|internal_model_config_and_subconfig_are_same|sdpa_can_dispatch_composite_models)$",
+     r"(not a composite model|is not composite|No subconfigs|does not support SDPA)"),
+    (NOT_APPLICABLE, r".*::test_encoder_decoder_loss_no_double_shift$", r"No sequence-to-sequence"),
+    (NOT_APPLICABLE, r".*::test_vision_axial_rope$", r"has no axial RoPE layer"),
+    (NOT_APPLICABLE, r".*::test_sliding_window_mask$", r"does not support sliding window"),
+    (NOT_APPLICABLE, r".*::test_resize_position_vector_embeddings$", r"does not have position embeddings"),
+    (NOT_APPLICABLE, r".*::test_keep_in_fp32_modules(_exist)?$", r"no _keep_in_fp32_modules"),
+    (NOT_APPLICABLE, r".*::test_(reverse_loading_mapping|can_load_from_already_mapped_keys)$",
+     r"^No conversion found for"),  # no checkpoint renaming registered: our checkpoints load under their own names
+    (NOT_APPLICABLE, r"SwitchHeadXLConformanceTest::test_model_rope_scaling_(frequencies|from_config_.*)$",
+     r"(no standardized RoPE module|not applicable: the XL variant)"),
+    (NOT_APPLICABLE, r".*::test_eager_matches_sdpa_inference_.*_bf16_.*$", r"sigma-gated top-k routing"),
+    (NOT_APPLICABLE, r"DenseConformanceTest::test_output_router_logits_from_config$", r"has no expert routers"),
+]
+# Feature skips another issue is removing right now: reported apart, not failed on (remove an entry when it lands)
+PENDING_FEATURE_SKIPS: list[tuple[str, str, str]] = [
+    ("issue 18: tensor-parallel plan", r".*::test_(tp_plan_matches_params|tied_head_has_a_tp_plan_entry)$",
+     r"does not have a TP plan"),
+    ("issue 20: experts implementations", r".*::test_(eager_matches_batched_and_grouped_inference_.*|"
+     r"moe_models_record_router_logits)$", r"(does not support grouped_mm|has no sparse experts)"),
+]
+
+
+def skip_kind(test: str, reason: str) -> str | None:
+    """The kind of a skip of `test` ("Class::name") for `reason`, "pending: ..." for a pending one, or None."""
+    for kind, test_pattern, reason_pattern in SKIP_KINDS:
+        if re.fullmatch(test_pattern, test) and re.search(reason_pattern, reason):
+            return kind
+    for issue, test_pattern, reason_pattern in PENDING_FEATURE_SKIPS:
+        if re.fullmatch(test_pattern, test) and re.search(reason_pattern, reason):
+            return f"pending feature skip ({issue})"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ tally
@@ -91,6 +144,8 @@ class _ConformanceTally:
         write = terminalreporter.write_line
         groups = {"Transformers common tests": [], "SwitchHead generation checks (ours)": []}
         for nodeid, outcome in self.outcomes.items():
+            if nodeid.count("::") == 1:  # module-level checks of this file (skip kinds), not counted
+                continue
             ours = nodeid.rsplit("::", 1)[-1].split("[")[0] in GENERATION_CHECKS
             groups["SwitchHead generation checks (ours)" if ours else "Transformers common tests"].append(outcome)
         terminalreporter.section("switchhead conformance")
@@ -98,12 +153,19 @@ class _ConformanceTally:
         for title, outcomes in groups.items():
             counts = collections.Counter(outcome for outcome, _ in outcomes)
             write(f"{title}: {counts['passed']} passed, {counts['skipped']} skipped, {counts['failed']} failed")
-        reasons = collections.Counter(reason for outcome, reason in self.outcomes.values() if outcome == "skipped")
-        for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
-            write(f"  skipped x{count}: {reason}")
+        reasons = collections.Counter(
+            (skip_kind(_test_of(nodeid), reason) or "FEATURE SKIP", reason)
+            for nodeid, (outcome, reason) in self.outcomes.items() if outcome == "skipped")
+        for (kind, reason), count in sorted(reasons.items(), key=lambda item: (item[0][0], -item[1])):
+            write(f"  skipped x{count} [{kind}]: {reason}")
 
 
 _TALLY = _ConformanceTally()
+
+
+def _test_of(nodeid: str) -> str:
+    """"tests/x.py::Class::test_name[param]" -> "Class::test_name"."""
+    return "::".join(nodeid.split("::")[-2:]).split("[")[0]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -244,6 +306,8 @@ GENERATION_CHECKS = {name for name in vars(SwitchHeadGenerationChecks) if name.s
 class _SwitchHeadCommonTest(SwitchHeadGenerationChecks, ModelTesterMixin):
     variant = "switchhead"
     routes_tokens = True  # has expert routers (all variants but the dense baseline)
+    # upstream runs this check only for models whose file carries a 2023+ copyright line; ours has none, run it
+    test_can_init_all_missing_weights_before_2023 = True
     variant_skips: dict[str, str] = {}  # common test -> reason, for this variant only
     all_model_classes = (SwitchHeadModel, SwitchHeadForCausalLM)
 
@@ -301,3 +365,43 @@ class SwitchHeadXLConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
             "scaled rope_type with an error; the RoPE variants run this test)"
         ),
     }
+
+
+# ------------------------------------------------------------------------------------------------ skip check
+def test_skips_are_hardware_library_or_not_applicable():
+    """Runs after the test cases above (pytest keeps file order): every skip they produced must need hardware or a
+    library absent here, or be a test that cannot apply to this architecture (`SKIP_KINDS`). A skip for a feature
+    the model lacks fails here, with its test and reason; `PENDING_FEATURE_SKIPS` (another issue's work in flight)
+    are only printed."""
+    skipped = {nodeid: reason for nodeid, (outcome, reason) in _TALLY.outcomes.items() if outcome == "skipped"}
+    kinds = collections.Counter()
+    feature_skips = []
+    for nodeid, reason in skipped.items():
+        kind = skip_kind(_test_of(nodeid), reason)
+        if kind is None:
+            feature_skips.append(f"{_test_of(nodeid)}: {reason}")
+        kinds[kind or "FEATURE SKIP"] += 1
+    print("\nconformance skips by kind: " + ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())))
+    assert not feature_skips, (
+        f"{len(feature_skips)} common tests are skipped for a feature the model lacks (implement it, or if the "
+        f"test truly needs absent hardware / cannot apply, classify it in SKIP_KINDS with the reason):\n"
+        + "\n".join(sorted(feature_skips))
+    )
+
+
+def test_skip_kinds_classify_known_reasons():
+    """The classifier itself: hardware, not-applicable and feature skips are told apart."""
+    assert skip_kind("SwitchAllConformanceTest::test_cpu_offload", "test requires accelerator") == HARDWARE
+    assert skip_kind("DenseConformanceTest::test_flash_attn_3_from_config", "test requires Flash Attention 3") == \
+        LIBRARY
+    assert skip_kind("SwitchHeadXLConformanceTest::test_model_rope_scaling_frequencies",
+                     "This model has no standardized RoPE module found.") == NOT_APPLICABLE
+    # the same reason on a RoPE variant is a missing feature
+    assert skip_kind("SwitchHeadConformanceTest::test_model_rope_scaling_frequencies",
+                     "This model has no standardized RoPE module found.") is None
+    assert skip_kind("SwitchHeadConformanceTest::test_model_rope_scaling_from_config_2_yarn",
+                     "This model does not support RoPE scaling") is None
+    assert skip_kind("SwitchAllConformanceTest::test_can_init_all_missing_weights",
+                     "Not a prioritized model for now.") is None
+    assert skip_kind("SwitchAllConformanceTest::test_sdpa_can_dispatch_non_composite_models",
+                     "SwitchHeadModel does not support SDPA") is None
