@@ -364,6 +364,34 @@ def eager_attention_forward(
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
+def paged_key_distances(kwargs: dict, query_length: int, key_length: int, device) -> torch.Tensor | None:
+    """Continuous batching (paged cache): relative distance query - key for the packed batch, `[Tq, Tk]`, or None.
+
+    Transformers' continuous batching calls the model with every scheduled request packed into one row: queries
+    `[cu_seq_lens_q[r], cu_seq_lens_q[r+1])` belong to request r, and the attention function reads request r's keys
+    back from the paged cache as `[cu_seq_lens_k[r], cu_seq_lens_k[r+1])`, in position order (cached ones first, then
+    this step's). So key j of request r sits at position j - cu_seq_lens_k[r], and query i at position
+    (i - cu_seq_lens_q[r]) + (keys of r) - (queries of r). Entries between different requests get a distance too;
+    the block-diagonal mask removes them. Padding rows or columns past the last request count as the last request.
+    None when the call is not a paged one (no `cache` / `cu_seq_lens_k` in the kwargs).
+    """
+    if kwargs.get("cache") is None or kwargs.get("cu_seq_lens_k") is None or kwargs.get("cu_seq_lens_q") is None:
+        return None
+    cu_k = kwargs["cu_seq_lens_k"]
+    if isinstance(cu_k, dict):  # one entry per attention type; SwitchHead layers are all full attention
+        cu_k = cu_k.get("full_attention", next(iter(cu_k.values())))
+    cu_q = kwargs["cu_seq_lens_q"].to(device=device, dtype=torch.long)
+    cu_k = cu_k.to(device=device, dtype=torch.long)
+    last = cu_q.numel() - 2
+    query_index, key_index = torch.arange(query_length, device=device), torch.arange(key_length, device=device)
+    query_request = (torch.searchsorted(cu_q, query_index, right=True) - 1).clamp(0, last)
+    key_request = (torch.searchsorted(cu_k, key_index, right=True) - 1).clamp(0, last)
+    keys_of, queries_of = cu_k[1:] - cu_k[:-1], cu_q[1:] - cu_q[:-1]
+    query_position = query_index - cu_q[query_request] + keys_of[query_request] - queries_of[query_request]
+    key_position = key_index - cu_k[key_request]
+    return query_position[:, None] - key_position[None, :]
+
+
 class SwitchHeadAttentionBase(nn.Module):
     """What SwitchHead and dense attention share: dense per-head Q/K, positions, cache and attention backend.
 
@@ -433,6 +461,30 @@ class SwitchHeadAttentionBase(nn.Module):
         distance = (query_index[:, None] - key_index[None, :]).clamp(0, num_distances - 1)  # [Tq, Tk]
         return by_distance.gather(-1, distance.expand(*by_distance.shape[:2], -1, -1))
 
+    def xl_paged_attention_mask(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
+                                distance: torch.Tensor) -> torch.Tensor:
+        """Continuous batching with XL positions: the paged call's mask `[1, 1, Tq, Tk]` plus the XL bias.
+
+        `distance` `[Tq, Tk]` comes from `paged_key_distances` (each request's own key positions in the paged
+        cache). The bias is the one `xl_position_bias` defines, gathered at those distances, and it is folded into
+        the additive mask so that every paged attention function (sdpa, eager) applies it.
+        """
+        if attention_mask is None:
+            raise ValueError(
+                "position_encoding='xl' under continuous batching needs the materialised paged attention mask "
+                "(attn_implementation 'sdpa' or 'eager'); flash/block-table paged attention cannot add the XL "
+                "relative-position bias")
+        num_distances = int(distance.max().clamp(min=0).item()) + 1
+        encoding = sinusoidal_embedding(-torch.arange(num_distances, device=query.device), self.config.hidden_size,
+                                        query.dtype).to(query.dtype)
+        position_keys = self.position_key_proj(encoding).view(num_distances, self.num_heads, self.head_dim)
+        by_distance = torch.einsum("bhqd,khd->bhqk", query, position_keys) * self.scaling  # [1, H, Tq, distance]
+        index = distance.clamp(0, num_distances - 1).expand(*by_distance.shape[:2], -1, -1)
+        bias = by_distance.gather(-1, index)  # [1, H, Tq, Tk]
+        if attention_mask.dtype == torch.bool:
+            return torch.where(attention_mask, bias, torch.finfo(bias.dtype).min)
+        return bias + attention_mask.to(bias.dtype)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -462,8 +514,14 @@ class SwitchHeadAttentionBase(nn.Module):
             key, value = past_key_values.update(key, value, self.layer_idx)
 
         extra = {}
-        if self.position_encoding == "xl":
+        paged_distance = None
+        if self.position_encoding == "xl" and attention_mask is not None:
+            paged_distance = paged_key_distances(kwargs, query.shape[2], attention_mask.shape[-1], query.device)
+        if paged_distance is not None:  # continuous batching: requests packed, keys read from the paged cache
+            attention_mask = self.xl_paged_attention_mask(query, attention_mask, paged_distance)
+        elif self.position_encoding == "xl":
             extra["position_bias"] = self.xl_position_bias(query, key.shape[2], query_offset)
+
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward

@@ -234,38 +234,38 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$
 
 
 def run(args) -> int:
-    from .cli import UsageError
+    from .cli import fail
 
     checkpoint = args.checkpoint
     if os.path.exists(checkpoint):
         if not os.path.isfile(os.path.join(checkpoint, "config.json")):
-            raise UsageError(f"{checkpoint!r} has no config.json; pass a save_pretrained folder or a Hub model id")
+            fail(f"{checkpoint!r} has no config.json; pass a save_pretrained folder or a Hub model id")
     elif not HUB_ID.match(checkpoint):
-        raise UsageError(f"checkpoint {checkpoint!r} is neither an existing folder nor a Hub id (owner/name)")
+        fail(f"checkpoint {checkpoint!r} is neither an existing folder nor a Hub id (owner/name)")
     if "@" in checkpoint:
-        raise UsageError(f"checkpoint {checkpoint!r} contains '@', which the server reads as a revision; "
+        fail(f"checkpoint {checkpoint!r} contains '@', which the server reads as a revision; "
                          f"rename or move the folder")
     if not 0 < args.port < 65536:
-        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+        fail(f"--port must be in 1..65535, got {args.port}")
     for flag in ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+            fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     import socket
 
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             probe.bind((args.host, args.port))
         except OSError as error:
-            raise UsageError(f"cannot listen on {args.host}:{args.port} ({error.strerror}); pick another --port "
+            fail(f"cannot listen on {args.host}:{args.port} ({error.strerror}); pick another --port "
                              f"or --host")
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
-        raise UsageError("serving needs fastapi, uvicorn and openai: pip install 'switchhead[serve]'")
+        fail("serving needs fastapi, uvicorn and openai: pip install 'switchhead[serve]'")
     options = {name: getattr(args, name) for name in SERVE_DEFAULTS}
     try:
         serve(checkpoint, host=args.host, port=args.port, **options)
     except (OSError, ValueError, ImportError) as error:  # the checkpoint could not be loaded, the port is taken, ...
-        raise UsageError(f"cannot serve {checkpoint!r}: {str(error).splitlines()[0] if str(error) else error!r}")
+        fail(f"cannot serve {checkpoint!r}: {str(error).splitlines()[0] if str(error) else error!r}")
     return 0

@@ -3,7 +3,8 @@
 The server runs as a subprocess on a free port (always stopped at the end) and is spoken to with the `openai`
 client: /v1/completions and /v1/chat/completions, streamed and not, 16 concurrent requests, all greedy outputs
 equal to `generate()` in this process. Bad requests get HTTP 4xx with a message and the server keeps serving.
-The checkpoint: a tiny SwitchAll with the package installed.
+Two checkpoints: a tiny SwitchAll with the package installed, and a published-style Hub folder of the XL
+SwitchHead loaded with `--trust-remote-code` (its class from the folder's own code, through `auto_map`).
 """
 
 from __future__ import annotations
@@ -189,6 +190,24 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(served):
     # still serving, still exact
     assert server.health() == 200
     assert complete(server, PROMPTS[0]) == expected_text(model, tokenizer, tokenizer(PROMPTS[0])["input_ids"])
+
+
+def test_hub_folder_with_trust_remote_code_xl(tmp_path):
+    """A published-style folder (auto_map + copied code) of the XL variant, loaded with --trust-remote-code."""
+    path = tmp_path / "hub-xl"
+    model, tokenizer = make_checkpoint(path, "tiny-switchhead-xl")
+    assert json.loads((path / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+    server = Server(str(path), "--trust-remote-code")
+    try:
+        server.wait_ready()
+        with ThreadPoolExecutor(max_workers=4) as pool:  # concurrent: several requests share a paged batch
+            answers = list(pool.map(lambda prompt: complete(server, prompt), PROMPTS[:4]))
+        for prompt, answer in zip(PROMPTS[:4], answers):
+            assert answer == expected_text(model, tokenizer, tokenizer(prompt)["input_ids"]), prompt
+        assert chat(server, PROMPTS[1], stream=True) == expected_text(model, tokenizer,
+                                                                      chat_ids(tokenizer, PROMPTS[1]))
+    finally:
+        server.stop()
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):
