@@ -15,9 +15,13 @@ def register(subparsers) -> None:
                     "with the task folder shipped in this package (or the authors' protocol), perplexity / bits per "
                     "byte on a text file, and attention / expert-selection plots. Everything runs offline.")
     parser.add_argument("model", nargs="?", help="model folder (with its tokenizer)")
-    parser.add_argument("--tasks", default="lambada,blimp,wikitext",
-                        help="comma-separated: lambada, blimp, cbt, cbt_cn, cbt_ne, wikitext (=wikitext103), "
-                             "wikitext2, or switchhead_* task names; 'none' for no zero-shot tasks")
+    parser.add_argument("--tasks", nargs="?", const="list", metavar="NAMES",
+                        help="comma-separated zero-shot tasks: lambada (lm-eval's lambada_openai), blimp (blimp, 67 "
+                             "paradigms), wikitext (lm-eval's wikitext: WikiText-2 test; wikitext2 is the same), "
+                             "wikitext103, cbt, cbt_cn, cbt_ne (no lm-eval counterpart), or switchhead_* task names; "
+                             "'none' for none. Default: lambada,blimp,wikitext, but no zero-shot tasks when "
+                             "--perplexity or --plots is given. '--tasks' alone or '--tasks list' prints each name "
+                             "with its lm-eval counterpart and the data it reads, and exits")
     parser.add_argument("--blimp-paradigms", help="comma-separated BLiMP paradigms instead of all 67")
     parser.add_argument("--protocol", choices=("lm-eval", "paper"), default="lm-eval",
                         help="'paper': the authors' scoring for LAMBADA, BLiMP and CBT (CBT: mean log-probability "
@@ -94,13 +98,23 @@ def run_eval(args) -> int:
     if args.task_dir:
         print(TASKS_DIR)
         return 0
+    if args.tasks is not None and args.tasks.strip().lower() == "list":
+        from .zero_shot import describe_tasks
+
+        print(describe_tasks())
+        return 0
     if not args.model or not (Path(args.model) / "config.json").is_file():
         raise _usage_error(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     if args.batch_size < 1:
         raise _usage_error("--batch-size must be >= 1")
-    from .zero_shot import expand_tasks
+    from .zero_shot import DEFAULT_TASKS, expand_tasks
 
-    names = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.tasks is None:  # plots or perplexity alone run no zero-shot tasks
+        names = [] if args.perplexity or args.plots else list(DEFAULT_TASKS)
+    elif args.tasks.strip().lower() == "none":
+        names = []
+    else:
+        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     paradigms = [p.strip() for p in args.blimp_paradigms.split(",")] if args.blimp_paradigms else None
     tasks = expand_tasks(names, paradigms)
     metadata = {}

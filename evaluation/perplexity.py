@@ -92,7 +92,7 @@ def evaluate_perplexity(model, tokenizer, text: str, context: int | None = None,
         context: window length in tokens; defaults to the model's `max_position_embeddings`.
         stride: sliding-window step; defaults to half the context. Ignored by `chunked`.
     """
-    from tqdm.auto import tqdm
+    from .progress import Progress
 
     context = context or getattr(model.config, "max_position_embeddings", 1024)
     stride = (stride or max(1, context // 2)) if protocol == "sliding" else context
@@ -103,7 +103,8 @@ def evaluate_perplexity(model, tokenizer, text: str, context: int | None = None,
     device = next(model.parameters()).device
     model.eval()
     nll, scored = 0.0, 0
-    for first in tqdm(range(0, len(spans), batch_size), desc=f"perplexity ({protocol})", disable=not progress):
+    bar = Progress(len(spans), f"perplexity ({protocol})", unit="windows", enabled=progress)
+    for first in range(0, len(spans), batch_size):
         batch = spans[first:first + batch_size]
         width = max(end - start for start, end, _ in batch)
         input_ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -117,6 +118,8 @@ def evaluate_perplexity(model, tokenizer, text: str, context: int | None = None,
             targets = ids[first_scored:end]
             nll -= float(log_probs[row, positions, targets].sum())
             scored += targets.numel()
+        bar.update(len(batch))
+    bar.close()
     num_bytes = len(text.encode("utf-8"))
     return PerplexityResult(protocol=protocol, context=context, stride=stride, tokens=int(ids.numel()),
                             scored_tokens=scored, bytes=num_bytes, nll=nll, perplexity=math.exp(nll / scored),

@@ -17,6 +17,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -25,17 +28,56 @@ import torch
 from . import TASKS_DIR
 from .tasks import utils as task_data
 
-# short names accepted by `switchhead eval --tasks`
-TASK_ALIASES = {
-    "lambada": ["switchhead_lambada"],
-    "blimp": ["switchhead_blimp"],
-    "cbt": ["switchhead_cbt"],
-    "cbt_cn": ["switchhead_cbt_cn"],
-    "cbt_ne": ["switchhead_cbt_ne"],
-    "wikitext": ["switchhead_wikitext103"],
-    "wikitext103": ["switchhead_wikitext103"],
-    "wikitext2": ["switchhead_wikitext2"],
+
+
+@dataclass(frozen=True)
+class TaskAlias:
+    """A short name of `switchhead eval --tasks`: our lm-eval task(s), the lm-eval built-in it mirrors, the data."""
+
+    tasks: tuple[str, ...]
+    lm_eval: str  # the built-in task whose definition ours repeats (tests/test_lm_eval_parity.py)
+    data: str  # what is read, relative to the data folder
+    deviation: str  # how our numbers differ from the built-in's, "" if they do not
+
+
+TASK_CATALOGUE = {
+    "lambada": TaskAlias(("switchhead_lambada",), "lambada_openai", "lambada/lambada_test.jsonl (OpenAI, 5,153)", ""),
+    "blimp": TaskAlias(("switchhead_blimp",), "blimp (67 blimp_* paradigms)", "blimp/<paradigm>.jsonl (67 x 1,000)",
+                       ""),
+    "wikitext": TaskAlias(("switchhead_wikitext2",), "wikitext (WikiText-2 test)",
+                          "wikitext-2/wiki.test.tokens (word-level, wikitext-2-v1)",
+                          "lm-eval reads the raw files (wikitext-2-raw-v1); ours the word-level ones, whose rare "
+                          "words are <unk>: same 62 articles, different text, perplexities not comparable"),
+    "wikitext2": TaskAlias(("switchhead_wikitext2",), "wikitext (WikiText-2 test)",
+                           "wikitext-2/wiki.test.tokens (word-level, wikitext-2-v1)", "same as wikitext"),
+    "wikitext103": TaskAlias(("switchhead_wikitext103",), "none: wikitext's definition on WikiText-103",
+                             "wikitext-103/wiki.test.tokens (word-level, wikitext-103-v1)",
+                             "no lm-eval built-in; the same 62 test articles with WikiText-103's vocabulary"),
+    "cbt": TaskAlias(("switchhead_cbt",), "none (lm-eval has no CBT task)", "cbt/cbtest_{CN,NE}_test_2500ex.txt "
+                     "(not shipped: --cbt-dir)", "no lm-eval built-in to compare with"),
+    "cbt_cn": TaskAlias(("switchhead_cbt_cn",), "none (lm-eval has no CBT task)",
+                        "cbt/cbtest_CN_test_2500ex.txt (not shipped: --cbt-dir)", "no lm-eval built-in to compare with"),
+    "cbt_ne": TaskAlias(("switchhead_cbt_ne",), "none (lm-eval has no CBT task)",
+                        "cbt/cbtest_NE_test_2500ex.txt (not shipped: --cbt-dir)", "no lm-eval built-in to compare with"),
 }
+# short names accepted by `switchhead eval --tasks`
+TASK_ALIASES = {name: list(alias.tasks) for name, alias in TASK_CATALOGUE.items()}
+DEFAULT_TASKS = ("lambada", "blimp", "wikitext")
+
+
+def describe_tasks() -> str:
+    """The `switchhead eval --tasks list` table: each short name, our task, the lm-eval built-in, the data read."""
+    header = ("name", "our lm-eval task", "mirrors lm-eval built-in", "data read (under the data folder)")
+    rows = [header] + [(name, ",".join(alias.tasks), alias.lm_eval, alias.data) for name, alias in
+                       TASK_CATALOGUE.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    notes = [f"{name}: {alias.deviation}" for name, alias in TASK_CATALOGUE.items()
+             if alias.deviation and not alias.deviation.startswith("same as")]
+    return "\n".join(lines + ["", "Differences from the lm-eval built-ins:"] + [f"  {note}" for note in notes]
+                     + [f"Default: {','.join(DEFAULT_TASKS)}. Also accepted: any switchhead_* task name, e.g. "
+                        "switchhead_blimp_causative."])
 
 
 def expand_tasks(names: list[str], blimp_paradigms: list[str] | None = None) -> list[str]:
@@ -49,7 +91,8 @@ def expand_tasks(names: list[str], blimp_paradigms: list[str] | None = None) -> 
         elif name.startswith("switchhead_"):
             tasks.append(name)
         else:
-            raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_ALIASES)} or a switchhead_* task")
+            raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASK_ALIASES)} or a switchhead_* task "
+                             "(`switchhead eval --tasks list` describes them)")
     return list(dict.fromkeys(tasks))
 
 
@@ -73,8 +116,14 @@ def blimp_mean(summary: dict[str, dict[str, float]]) -> float | None:
 
 def run_lm_eval(model: str, tasks: list[str], *, limit: int | float | None = None, batch_size: int = 1,
                 device: str = "cpu", metadata: dict | None = None, log_samples: bool = False,
-                dtype: str | None = None) -> dict:
-    """`lm_eval.simple_evaluate` on a saved model folder with our task folder; returns lm-eval's result dict."""
+                dtype: str | None = None, progress: bool = True) -> dict:
+    """`lm_eval.simple_evaluate` on a saved model folder with our task folder; returns lm-eval's result dict.
+
+    The numbers are those of `lm-eval run --model hf --model_args pretrained=MODEL,trust_remote_code=True ...`
+    (the same HFLM, built from the same argument string). What differs is the output: one progress line or bar per
+    request type for the whole run (`progress=False`: none) instead of lm-eval's bar per task and per batch of
+    rolling windows, and without its per-task "Custom kwargs" warning that our local-file tasks trigger.
+    """
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -83,9 +132,74 @@ def run_lm_eval(model: str, tasks: list[str], *, limit: int | float | None = Non
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {', '.join(unknown)} in {TASKS_DIR}")
-    return lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, limit=limit,
-                                   batch_size=batch_size, device=device, task_manager=manager,
-                                   log_samples=log_samples)
+    lm = _one_bar_hflm_class().create_from_arg_string(model_args, {"batch_size": batch_size, "device": device})
+    lm.show_progress = progress
+    with _quiet_lm_eval():
+        return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
+                                       log_samples=log_samples)
+
+
+_REQUEST_KINDS = {"loglikelihood": ("zero-shot log-likelihood", "requests"),
+                  "loglikelihood_rolling": ("zero-shot rolling log-likelihood", "documents")}
+
+
+def _one_bar_hflm_class():
+    """lm-eval's HFLM reporting to one `Progress` per request type instead of drawing its own bars."""
+    from lm_eval.models.huggingface import HFLM
+
+    from .progress import Progress
+
+    class OneBarHFLM(HFLM):
+        show_progress = True
+        progress_interval = 30.0  # seconds between two progress lines in a log
+
+        def _in_slices(self, method, requests, kind: str):
+            # slices of about 1% of the requests (at least a batch): HFLM still sorts and batches within a slice
+            desc, unit = _REQUEST_KINDS[kind]
+            step = max(int(self.batch_size) if str(self.batch_size).isdigit() else 1, -(-len(requests) // 100))
+            results = []
+            with Progress(len(requests), desc, unit=unit, enabled=self.show_progress,
+                          interval=self.progress_interval) as bar:
+                for start in range(0, len(requests), step):
+                    chunk = requests[start:start + step]
+                    results += method(chunk, disable_tqdm=True)
+                    bar.update(len(chunk))
+            return results
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return self._in_slices(super().loglikelihood, requests, "loglikelihood")
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return self._in_slices(super().loglikelihood_rolling, requests, "loglikelihood_rolling")
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            # HFLM's rolling log-likelihood asks for a bar per batch of windows; the run's bar stands for them
+            return super()._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=override_bs)
+
+    return OneBarHFLM
+
+
+class _NoCustomKwargsWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_lm_eval():
+    """While lm-eval builds requests: no progress bar per task, no per-task warning about `custom_dataset`
+    keyword arguments (our tasks read local files through it, as designed). Restored afterwards."""
+    import lm_eval.api.task as task_module
+    from tqdm import tqdm
+
+    logger, quiet = logging.getLogger(task_module.__name__), _NoCustomKwargsWarning()
+    original = task_module.tqdm
+    task_module.tqdm = functools.partial(tqdm, disable=True)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        task_module.tqdm = original
+        logger.removeFilter(quiet)
 
 
 # ==================================================================================================== scoring
@@ -111,6 +225,7 @@ class ContinuationScorer:
         if prefix is None:
             raise ValueError("the tokenizer has neither a BOS nor an EOS token to condition empty contexts on")
         self.prefix_token_id = prefix
+        self.progress = None  # a `Progress` of the whole run; when None, `score(progress=desc)` draws its own bar
 
     def encode(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         if not context:
@@ -129,7 +244,8 @@ class ContinuationScorer:
         encoded = [self.encode(context, continuation) for context, continuation in pairs]
         scores: list[ContinuationScore] = []
         starts = range(0, len(encoded), self.batch_size)
-        for start in tqdm(starts, desc=progress, disable=progress is None):
+        run_bar = self.progress
+        for start in starts if run_bar is not None else tqdm(starts, desc=progress, disable=progress is None):
             batch = encoded[start:start + self.batch_size]
             # inputs predict tokens 1..n of (context + continuation); keep the last max_length inputs
             rows = [(context + continuation)[-(self.max_length + 1):] for context, continuation in batch]
@@ -148,6 +264,8 @@ class ContinuationScorer:
                 token_log_probs = log_probs[i, positions, targets]
                 greedy = bool((log_probs[i, positions].argmax(-1) == targets).all())
                 scores.append(ContinuationScore(float(token_log_probs.sum()), n, greedy))
+            if run_bar is not None:
+                run_bar.update(len(batch))
         return scores
 
 
@@ -189,31 +307,38 @@ def paper_cbt(scorer: ContinuationScorer, rows: list[dict], kind: str = "cbt") -
 
 
 def run_paper_protocol(model, tokenizer, tasks: list[str], *, limit: int | float | None = None,
-                       metadata: dict | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
+                       metadata: dict | None = None, batch_size: int = 8,
+                       progress: bool = True) -> dict[str, dict[str, float]]:
     """Score LAMBADA, BLiMP paradigms and CBT with the authors' protocol; returns {task: {metric: value}}.
 
     `tasks` are our lm-eval task names (see `expand_tasks`); WikiText is not scored here (use lm-eval or
-    `switchhead.evaluation.perplexity`).
+    `switchhead.evaluation.perplexity`). One progress bar (or log line) covers every scored continuation.
     """
-    scorer = ContinuationScorer(model, tokenizer, batch_size=batch_size)
-    results: dict[str, dict[str, float]] = {}
+    from .progress import Progress
+
+    jobs = []  # (result name, scoring function, rows, continuations scored)
     for task in tasks:
         if task == "switchhead_lambada":
-            results[task] = paper_lambada(scorer, _limited(task_data.lambada_rows(metadata), limit))
-        elif task == "switchhead_blimp":
-            for paradigm in task_data.blimp_paradigms(metadata):
+            rows = _limited(task_data.lambada_rows(metadata), limit)
+            jobs.append((task, paper_lambada, rows, len(rows)))
+        elif task == "switchhead_blimp" or task.startswith("switchhead_blimp_"):
+            paradigms = task_data.blimp_paradigms(metadata) if task == "switchhead_blimp" else [
+                task[len("switchhead_blimp_"):]]
+            for paradigm in paradigms:
                 rows = _limited(task_data.blimp_rows(paradigm, metadata), limit)
-                results[f"switchhead_blimp_{paradigm}"] = paper_blimp(scorer, rows, paradigm)
-        elif task.startswith("switchhead_blimp_"):
-            paradigm = task[len("switchhead_blimp_"):]
-            results[task] = paper_blimp(scorer, _limited(task_data.blimp_rows(paradigm, metadata), limit), paradigm)
+                jobs.append((f"switchhead_blimp_{paradigm}", paper_blimp, rows, 2 * len(rows)))
         elif task in ("switchhead_cbt", "switchhead_cbt_cn", "switchhead_cbt_ne"):
-            kinds = ["CN", "NE"] if task == "switchhead_cbt" else [task[-2:].upper()]
-            for kind in kinds:
+            for kind in ["CN", "NE"] if task == "switchhead_cbt" else [task[-2:].upper()]:
                 rows = _limited(task_data.cbt_rows(kind, metadata), limit)
-                results[f"switchhead_cbt_{kind.lower()}"] = paper_cbt(scorer, rows, f"cbt {kind}")
+                jobs.append((f"switchhead_cbt_{kind.lower()}", paper_cbt, rows, sum(len(r["choices"]) for r in rows)))
         else:
             raise ValueError(f"the paper protocol covers LAMBADA, BLiMP and CBT, not {task!r}")
+    scorer = ContinuationScorer(model, tokenizer, batch_size=batch_size)
+    results: dict[str, dict[str, float]] = {}
+    with Progress(sum(job[3] for job in jobs), "paper protocol", unit="continuations", enabled=progress) as bar:
+        scorer.progress = bar
+        for name, score, rows, _ in jobs:
+            results[name] = score(scorer, rows)
     mean = blimp_mean(results)
     if mean is not None and sum(t.startswith("switchhead_blimp_") for t in results) > 1:
         results["switchhead_blimp"] = {"acc": mean}

@@ -306,6 +306,8 @@ def test_eval_cli_paper_protocol_perplexity_plots_then_card_with_model_index(mod
     assert metrics[("blimp", "accuracy")] == pytest.approx(blimp, abs=1e-4)
     assert metrics[("text", "perplexity")] == pytest.approx(report["perplexity"][0]["perplexity"], rel=1e-4)
     assert "first 4 examples" in text and "Randomly initialised (test)." in text
+    # the task table: the lm-eval built-in each task repeats, the data version read, the paper protocol apart
+    assert "`lambada_openai`" in text and "`wikitext-2-raw-v1`" in text and "PAPER.md section 7" in text
     from huggingface_hub import ModelCard
 
     parsed = ModelCard(text).data.eval_results
@@ -355,3 +357,94 @@ def test_eval_and_card_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--tasks", "nope"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 3 and all(line.startswith("switchhead ") for line in errors)
+
+
+# ---------------------------------------------------------------------------------------------------- task names, CLI
+def test_task_names_follow_lm_eval_and_the_list_names_each_counterpart(capsys):
+    from switchhead.evaluation.zero_shot import TASK_CATALOGUE, expand_tasks
+
+    assert expand_tasks(["wikitext"]) == ["switchhead_wikitext2"]  # lm-eval's `wikitext` is WikiText-2
+    assert expand_tasks(["wikitext103"]) == ["switchhead_wikitext103"]
+    assert expand_tasks(["lambada", "blimp"]) == ["switchhead_lambada", "switchhead_blimp"]
+    assert main(["eval", "--tasks"]) == 0 and main(["eval", "--tasks", "list"]) == 0
+    printed = capsys.readouterr().out
+    listing = printed.split("\n\n")[0]
+    assert "wikitext: lm-eval reads the raw files (wikitext-2-raw-v1)" in printed  # the deviation is stated
+    for name, alias in TASK_CATALOGUE.items():
+        [row] = [line for line in listing.splitlines() if line.split()[0] == name]
+        assert alias.lm_eval in row and ",".join(alias.tasks) in row and alias.data in row
+    from lm_eval.tasks import TaskManager
+
+    import lm_eval.tasks
+    builtin = TaskManager(include_defaults=False, include_path=[Path(lm_eval.tasks.__file__).parent / d
+                                                                for d in ("lambada", "blimp", "wikitext")]).all_tasks
+    named = {alias.lm_eval.split()[0] for alias in TASK_CATALOGUE.values() if not alias.lm_eval.startswith("none")}
+    assert named == {"lambada_openai", "blimp", "wikitext"} and named <= set(builtin)
+
+
+def test_plots_or_perplexity_alone_run_no_zero_shot_tasks(model_dir, data_dir, tmp_path, monkeypatch):
+    from switchhead.evaluation import zero_shot
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a zero-shot task ran although --tasks named none")
+
+    monkeypatch.setattr(zero_shot, "run_lm_eval", refuse)
+    monkeypatch.setattr(zero_shot, "run_paper_protocol", refuse)
+    text_file = tmp_path / "text.txt"
+    text_file.write_text((data_dir / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:1000])
+    out = tmp_path / "ppl.json"
+    assert main(["eval", str(model_dir), "--perplexity", str(text_file), "--context", "64", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["results"] == {} and len(report["perplexity"]) == 1
+    out = tmp_path / "plots.json"
+    assert main(["eval", str(model_dir), "--plots", str(tmp_path / "plots"), "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["results"] == {} and len(list((tmp_path / "plots").glob("*.png"))) == 6
+    # without --perplexity / --plots the default task set runs (here: the refusing stand-in is called)
+    with pytest.raises(AssertionError, match="zero-shot task ran"):
+        main(["eval", str(model_dir), "--limit", "1"])
+
+
+def test_progress_writes_few_plain_lines_to_a_log():
+    import io
+
+    from switchhead.evaluation.progress import Progress
+
+    log = io.StringIO()
+    with Progress(139_153, "zero-shot log-likelihood", stream=log, interval=3600) as bar:
+        for _ in range(1000):
+            bar.update(139)
+        bar.update(153)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 2  # the first update and the end, nothing in between
+    assert lines[-1].startswith("zero-shot log-likelihood: 139,153/139,153 requests (100%)")
+
+
+def test_one_bar_lm_gives_lm_eval_numbers_without_its_bars(model_dir, capfd):
+    """Our HFLM subclass (one progress report per request type) against lm-eval's own HFLM, same requests."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from switchhead.evaluation.zero_shot import _one_bar_hflm_class
+
+    rows = task_data.lambada_rows({"data_dir": str(Path(TASKS_DIR, task_data.DEFAULT_DATA_DIR))})[:30]
+    pairs = [(row["text"].rsplit(" ", 1)[0][-100:], " " + row["text"].rsplit(" ", 1)[1]) for row in rows]
+    requests = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
+    pages = [(row["text"][:300],) for row in rows[:3]]
+    rolling = [Instance("loglikelihood_rolling", {}, page, 0) for page in pages]
+    arguments = f"pretrained={model_dir},trust_remote_code=True"
+    ours = _one_bar_hflm_class().create_from_arg_string(arguments, {"batch_size": 4, "device": "cpu"})
+    ours.progress_interval = 3600
+    capfd.readouterr()
+    got, got_rolling = ours.loglikelihood(requests), ours.loglikelihood_rolling(rolling)
+    err = capfd.readouterr().err
+    # plain lines, not lm-eval's bars: the first slice and the end (30 requests in slices of 4), then the 3
+    # documents in one slice
+    assert "\r" not in err and err.splitlines() == [line for line in err.splitlines() if "zero-shot" in line]
+    assert [line.split(" (")[0] for line in err.splitlines()] == [
+        "zero-shot log-likelihood: 4/30 requests", "zero-shot log-likelihood: 30/30 requests",
+        "zero-shot rolling log-likelihood: 3/3 documents"], err
+    reference = HFLM.create_from_arg_string(arguments, {"batch_size": 4, "device": "cpu"})
+    expected, expected_rolling = reference.loglikelihood(requests), reference.loglikelihood_rolling(rolling)
+    assert [g for _, g in got] == [g for _, g in expected]
+    assert [l for l, _ in got] == pytest.approx([l for l, _ in expected], abs=1e-4)
+    assert got_rolling == pytest.approx(expected_rolling, abs=1e-4)
