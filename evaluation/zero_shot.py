@@ -56,9 +56,11 @@ TASK_CATALOGUE = {
     "cbt": TaskAlias(("switchhead_cbt",), "none (lm-eval has no CBT task)", "cbt/cbtest_{CN,NE}_test_2500ex.txt "
                      "(not shipped: --cbt-dir)", "no lm-eval built-in to compare with"),
     "cbt_cn": TaskAlias(("switchhead_cbt_cn",), "none (lm-eval has no CBT task)",
-                        "cbt/cbtest_CN_test_2500ex.txt (not shipped: --cbt-dir)", "no lm-eval built-in to compare with"),
+                        "cbt/cbtest_CN_test_2500ex.txt (not shipped: --cbt-dir)",
+                        "no lm-eval built-in to compare with"),
     "cbt_ne": TaskAlias(("switchhead_cbt_ne",), "none (lm-eval has no CBT task)",
-                        "cbt/cbtest_NE_test_2500ex.txt (not shipped: --cbt-dir)", "no lm-eval built-in to compare with"),
+                        "cbt/cbtest_NE_test_2500ex.txt (not shipped: --cbt-dir)",
+                        "no lm-eval built-in to compare with"),
 }
 # short names accepted by `switchhead eval --tasks`
 TASK_ALIASES = {name: list(alias.tasks) for name, alias in TASK_CATALOGUE.items()}

@@ -62,7 +62,8 @@ def quiet_and_compiled_once():
     level = logger.level
     logger.setLevel(logging.ERROR)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lm_eval.utils.env, "from_string", functools.lru_cache(maxsize=None)(lm_eval.utils.env.from_string))
+        compile_once = functools.lru_cache(maxsize=None)(lm_eval.utils.env.from_string)
+        patch.setattr(lm_eval.utils.env, "from_string", compile_once)
         yield
     logger.setLevel(level)
 
