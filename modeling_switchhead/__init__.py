@@ -2,7 +2,8 @@
 
 Importing the package registers the model with AutoConfig, AutoModel and AutoModelForCausalLM, and marks the
 classes so that `save_pretrained` writes an `auto_map` and copies the model files: a saved folder then loads
-with `trust_remote_code=True` where this package is not installed.
+with `trust_remote_code=True` where this package is not installed. It also registers our CVMM kernels as the
+Transformers experts implementation "cvmm" (`switchhead.experts`), usable by any MoE model.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -24,6 +25,11 @@ AutoModelForCausalLM.register(SwitchHeadConfig, SwitchHeadForCausalLM, exist_ok=
 SwitchHeadConfig.register_for_auto_class()
 SwitchHeadModel.register_for_auto_class("AutoModel")
 SwitchHeadForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+# our CVMM as Transformers' experts implementation "cvmm", for this model and every other MoE model
+from . import experts as _experts  # noqa: E402 - after the registrations above, which it does not need
+
+_experts.register()
 
 __all__ = [
     "SwitchHeadConfig",

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -163,6 +164,22 @@ def expert_projection(inputs, expert_index, weight, gates=None, out_groups=1, im
     if _kernels is not None:
         return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups, implementation=implementation)
     return expert_projection_torch(inputs, expert_index, weight, gates, out_groups, implementation)
+
+
+# Transformers' experts implementations -> our formulation of the same choice for the attention's V/O experts (and
+# the sigma-MoE MLP's "eager"): the PyTorch formulations above. "cvmm" (registered by the switchhead package), None
+# (a module used on its own) and other registered ones (deepgemm, sonicmoe: MLP-shaped kernels) take
+# `expert_projection`, i.e. our kernels when the package is installed.
+EXPERTS_FORMULATIONS = {"eager": "auto", "batched_mm": "batched", "grouped_mm": "grouped"}
+
+
+def expert_projection_for(experts_implementation: str | None) -> Callable:
+    """The expert projection (the CVMM contract) that `config._experts_implementation` asks for."""
+    formulation = EXPERTS_FORMULATIONS.get(experts_implementation)
+    if formulation is None:
+        return expert_projection
+    return lambda inputs, expert_index, weight, gates=None, out_groups=1: expert_projection_torch(
+        inputs, expert_index, weight, gates, out_groups, implementation=formulation)
 
 
 # ==================================================================================================== routers
@@ -560,7 +577,8 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         batch, length, d = hidden_states.shape
         tokens = hidden_states.reshape(-1, 1, d)
         _, gates, index = self.value_selection(tokens[:, 0])
-        values = expert_projection(tokens, index, self.value_experts, gates, out_groups=self.num_heads)
+        project = expert_projection_for(self.config._experts_implementation)
+        values = project(tokens, index, self.value_experts, gates, out_groups=self.num_heads)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
     def project_output(self, attended, hidden_states):
@@ -568,7 +586,8 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
         rows = attended.reshape(-1, self.num_heads, self.head_dim)
         # one weighted sum over all heads and their selected experts
-        return expert_projection(rows, index, self.output_experts, gates, out_groups=1).view(batch, length, d)
+        project = expert_projection_for(self.config._experts_implementation)
+        return project(rows, index, self.output_experts, gates, out_groups=1).view(batch, length, d)
 
 
 class MultiHeadAttention(SwitchHeadAttentionBase):
@@ -613,26 +632,62 @@ class SwitchHeadMLP(nn.Module):
         return self.down_proj(self.act_fn(self.up_proj(hidden_states)))
 
 
-class SigmaMoeMLP(nn.Module):
-    """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T)."""
+@use_experts_implementation(has_gate=False, is_transposed=True, has_bias=False)
+class SigmaMoeExperts(nn.Module):
+    """The sigma-MoE experts as a Transformers experts module: `act(x keys_e) values_e`, gated and summed.
 
-    is_transposed = True  # keys [E, d, S] and values [E, S, d] are [experts, in, out]
+    `config._experts_implementation` picks how they run (`from_pretrained(..., experts_implementation=...)`,
+    `model.set_experts_implementation(...)`): "eager" is this forward (the PyTorch formulations of
+    `expert_projection_torch`), "batched_mm" / "grouped_mm" Transformers' functions, "cvmm" our kernels (registered
+    when the switchhead package is imported). The flags say what those functions need to know: no gated (GLU)
+    projection, no biases, and weights stored `[experts, in, out]` (is_transposed): `keys` `[E, d, S]` is their
+    up projection, `values` `[E, S, d]` their down projection (checkpoint names stay `keys` / `values`).
+    """
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
         d, experts, size = config.hidden_size, config.num_mlp_experts, config.mlp_expert_size
-        self.top_k = config.num_mlp_experts_per_tok
-        self.expert_selection = ExpertSelection(d, 1, experts, self.top_k, config.mlp_expert_dropout, True)
+        self.num_experts = experts
         self.keys = nn.Parameter(torch.empty(experts, d, size))  # [E, d, S]
         self.values = nn.Parameter(torch.empty(experts, size, d))  # [E, S, d]
         self.act_fn = _ACTIVATIONS[config.hidden_act]
 
+    @property
+    def up_proj(self) -> torch.Tensor:  # the name Transformers' experts functions read
+        return self.keys
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self.values
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        """hidden_states `[N, d]`, top_k_index `[N, k]` (experts), top_k_weights `[N, k]` (gates) -> `[N, d]`."""
+        tokens = hidden_states.unsqueeze(1)
+        inner = self.act_fn(expert_projection_torch(tokens, top_k_index, self.keys))  # [N, k, S]
+        out = expert_projection_torch(inner, top_k_index, self.values, top_k_weights, out_groups=1)
+        return out.view(hidden_states.shape)
+
+
+class SigmaMoeMLP(SigmaMoeExperts):
+    """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T).
+
+    The router (`expert_selection`) picks each token's experts; the experts run as `SigmaMoeExperts` says.
+    """
+
+    is_transposed = True  # keys [E, d, S] and values [E, S, d] are [experts, in, out]
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__(config)
+        self.top_k = config.num_mlp_experts_per_tok
+        self.expert_selection = ExpertSelection(config.hidden_size, 1, config.num_mlp_experts, self.top_k,
+                                                config.mlp_expert_dropout, True)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
-        tokens = hidden_states.reshape(-1, 1, shape[-1])
-        _, gates, index = self.expert_selection(tokens[:, 0])
-        inner = self.act_fn(expert_projection(tokens, index, self.keys))  # [N, k, S]
-        return expert_projection(inner, index, self.values, gates, out_groups=1).view(shape)
+        tokens = hidden_states.reshape(-1, shape[-1])
+        _, gates, index = self.expert_selection(tokens)
+        return super().forward(tokens, index, gates).view(shape)
 
 
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -700,6 +755,13 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
         "hidden_states": SwitchHeadDecoderLayer,
         "attentions": [OutputRecorder(SwitchHeadAttention, index=1), OutputRecorder(MultiHeadAttention, index=1)],
     }
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """Transformers' check, with our default: "cvmm" (our kernels) once the switchhead package registered it,
+        else "eager" (this file's sync-free PyTorch path), rather than Transformers' "grouped_mm"."""
+        if requested_experts is None:
+            requested_experts = "cvmm" if "cvmm" in ALL_EXPERTS_FUNCTIONS else "eager"
+        return super().get_correct_experts_implementation(requested_experts)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with an `auto_map` for all three Auto classes.
