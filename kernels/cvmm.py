@@ -35,7 +35,6 @@ Weight gradients never use atomics.
 
 # no `from __future__ import annotations` here: torch.library reads the op signatures' annotations at run time
 import contextlib
-import functools
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -99,9 +98,15 @@ def is_deterministic() -> bool:
     return os.environ.get(DETERMINISTIC_ENV, "0") == "1" or torch.are_deterministic_algorithms_enabled()
 
 
-@functools.cache
-def triton_installed() -> bool:
+def _find_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+_TRITON_INSTALLED = _find_triton()
+
+
+def triton_installed() -> bool:
+    return _TRITON_INSTALLED  # looked up once at import (a plain constant for torch.compile, unlike a cache)
 
 
 def _triton_runs_on(device: torch.device) -> bool:

@@ -40,6 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils import output_capturing
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_switchhead import SwitchHeadConfig
@@ -351,6 +352,29 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int, dtype: torch.dtype =
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[:, :dim]
 
 
+_PAST_ENCODINGS: dict[tuple, torch.Tensor] = {}  # (dim, computation dtype, device) -> rows for p = 0, -1, -2, ...
+
+
+def past_sinusoidal_encoding(num_distances: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`sinusoidal_embedding` of the relative positions 0, -1, ..., -(num_distances - 1): `[num_distances, dim]`.
+
+    Input-independent, so eager calls read it from one table per (dim, dtype, device), grown by doubling and
+    sliced (row p is the same value however long the table is): a decoding step does not recompute the encoding
+    of every distance in every layer. Under torch.compile it is computed in the graph (no Python-side state).
+    """
+    dtype = torch.promote_types(dtype, torch.float32)
+    if torch.compiler.is_compiling() or device.type == "meta":
+        return sinusoidal_embedding(-torch.arange(num_distances, device=device), dim, dtype)
+    key = (dim, dtype, device)
+    table = _PAST_ENCODINGS.get(key)
+    if table is None or table.shape[0] < num_distances:
+        rows = max(num_distances, 256, 2 * table.shape[0] if table is not None else 0)
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable later with autograd on
+            table = sinusoidal_embedding(-torch.arange(rows, device=device), dim, dtype)
+        _PAST_ENCODINGS[key] = table
+    return table[:num_distances]
+
+
 # ==================================================================================================== attention
 def eager_attention_forward(
     module: nn.Module,
@@ -469,14 +493,30 @@ class SwitchHeadAttentionBase(nn.Module):
         """
         query_length = query.shape[2]
         num_distances = key_length  # the largest distance seen is (last query) - (first key) <= key_length - 1
-        distances = -torch.arange(num_distances, device=query.device)  # relative positions j - i = 0, -1, -2, ...
-        encoding = sinusoidal_embedding(distances, self.config.hidden_size, query.dtype).to(query.dtype)
-        position_keys = self.position_key_proj(encoding).view(num_distances, self.num_heads, self.head_dim)
-        by_distance = torch.einsum("bhqd,khd->bhqk", query, position_keys) * self.scaling  # [B, H, Tq, distance]
+        by_distance = self.xl_distance_scores(query, num_distances)  # [B, H, Tq, distance]
         query_index = torch.arange(query_length, device=query.device) + query_offset
         key_index = torch.arange(key_length, device=query.device)
         distance = (query_index[:, None] - key_index[None, :]).clamp(0, num_distances - 1)  # [Tq, Tk]
         return by_distance.gather(-1, distance.expand(*by_distance.shape[:2], -1, -1))
+
+    def xl_distance_scores(self, query: torch.Tensor, num_distances: int) -> torch.Tensor:
+        """scaling * q . (W_pk PE(-r))_h for the distances r = 0 .. num_distances - 1: `[B, H, Tq, num_distances]`.
+
+        Two orders of the same product: project every distance's encoding into key space (`W_pk PE`, right for
+        many queries: training, prefill), or project the queries back into model space (`W_pk^T q`, then one
+        matmul with the encodings: right for a few queries, i.e. decoding, where it skips the `num_distances x d x
+        H*dh` projection of every step and layer). The encodings come from `past_sinusoidal_encoding`.
+        """
+        batch, heads, query_length, head_dim = query.shape
+        encoding = past_sinusoidal_encoding(num_distances, self.config.hidden_size, query.dtype, query.device)
+        encoding = encoding.to(query.dtype)  # [K, d]
+        plain = type(self.position_key_proj) is nn.Linear  # not wrapped (an adapter's delta lives in its forward)
+        if plain and batch * query_length * (head_dim + num_distances) < num_distances * head_dim:
+            weight = self.position_key_proj.weight.view(heads, head_dim, -1)  # W_pk split into heads [H, dh, d]
+            back = torch.einsum("bhqc,hcd->bhqd", query, weight)  # [B, H, Tq, d]
+            return torch.matmul(back, encoding.t()) * self.scaling
+        position_keys = self.position_key_proj(encoding).view(num_distances, heads, head_dim)
+        return torch.einsum("bhqd,khd->bhqk", query, position_keys) * self.scaling
 
     def xl_paged_attention_mask(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
                                 distance: torch.Tensor) -> torch.Tensor:
@@ -528,6 +568,8 @@ class SwitchHeadAttentionBase(nn.Module):
         query_offset = key.shape[2] - length  # index of the first query among the keys: the memory length
         if past_key_values is not None:
             query_offset = past_key_values.get_seq_length(self.layer_idx)  # before the update: what it held
+            if isinstance(query_offset, torch.Tensor):  # a static cache's counter, which `update` bumps in place
+                query_offset = query_offset.clone()
             key, value = past_key_values.update(key, value, self.layer_idx)
 
         extra = {}
@@ -749,7 +791,7 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_flash_attn = False  # XL needs an additive score bias; RoPE SwitchHead would work, but is untested
     _supports_attention_backend = True
-    _can_compile_fullgraph = False  # the PyTorch expert path syncs once per op; the kernels path does not
+    _can_compile_fullgraph = True  # no host syncs, static shapes; output hooks installed at construction
     _can_record_outputs = {
         "router_logits": OutputRecorder(ExpertSelection, index=0),
         "hidden_states": SwitchHeadDecoderLayer,
@@ -912,6 +954,13 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
             )
         self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
+        # Install Transformers' output-recording hooks now, in eager code. `capture_outputs` would install them on
+        # the first call that records anything (SwitchAll's training forward records router logits for its
+        # entropy loss) under a threading lock, which torch.compile(fullgraph=True) cannot enter. (Mixtral escapes
+        # this only because it records nothing unless asked.)
+        install_hooks = getattr(output_capturing, "maybe_install_capturing_hooks", None)
+        if install_hooks is not None:
+            install_hooks(self)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -1048,9 +1097,12 @@ def sigma_moe_entropy_loss(
     for logits in mlp_router_logits:
         log_probs = F.log_softmax(logits.float(), dim=-1)  # [N, E]
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() == logits.shape[0]:
-            keep = attention_mask.reshape(-1).bool().to(log_probs.device)
-            log_probs = log_probs[keep]
-        log_mean = torch.logsumexp(log_probs, dim=0) - math.log(max(log_probs.shape[0], 1))
+            # padding drops out of the mean by masking, not indexing: no data-dependent shape (torch.compile)
+            keep = attention_mask.reshape(-1, 1).bool().to(log_probs.device)
+            count = keep.sum().clamp(min=1).to(log_probs.dtype)
+            log_mean = torch.logsumexp(log_probs.masked_fill(~keep, float("-inf")), dim=0) - count.log()
+        else:
+            log_mean = torch.logsumexp(log_probs, dim=0) - math.log(max(log_probs.shape[0], 1))
         total = total + (log_mean.exp() * log_mean).sum()
     return torch.as_tensor(total, dtype=torch.float32)
 

@@ -159,3 +159,204 @@ def test_no_host_sync_forward_and_backward(implementation):
     decode_syncs = host_syncs(lambda: [fn(*decode.args(), implementation=implementation)
                                        for fn in (expert_projection_torch, kernels.cvmm)])
     assert decode_syncs == [] or implementation == "grouped", decode_syncs
+
+
+# ------------------------------------------------------------------------------------------------ the model
+from transformers import CompileConfig, StaticCache  # noqa: E402
+
+from padding import left_padded_batch, positions_from_mask  # noqa: E402
+from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
+
+# RoPE and XL, SwitchHead, SwitchAll and the dense baseline
+MODEL_VARIANTS = {
+    "switchhead-rope": ("tiny-switchhead", {}),
+    "switchall-rope": ("tiny-switchall", {}),
+    "dense-rope": ("tiny-dense", {}),
+    "switchhead-xl": ("tiny-switchhead-xl", {}),
+    "switchall-xl": ("tiny-switchall", {"position_encoding": "xl"}),
+    "dense-xl": ("tiny-dense-xl", {}),
+}
+
+
+def _model(variant: str, seed: int = 0) -> SwitchHeadForCausalLM:
+    preset, overrides = MODEL_VARIANTS[variant]
+    torch.manual_seed(seed)
+    return SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset, **overrides)).eval()
+
+
+def _prefill(model, cache, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
+                     past_key_values=cache, use_cache=True)
+
+
+def _next_step(out, ids, mask):
+    token = out.logits[:, -1:].argmax(-1)
+    return torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1), token
+
+
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl", "switchall-xl", "dense-xl"])
+def test_static_cache_logits_equal_the_full_forward_with_left_padding(variant):
+    model = _model(variant)
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    out = _prefill(model, cache, ids, mask)
+    steps = [out.logits[:, -1]]
+    for _ in range(3):
+        ids, mask, token = _next_step(out, ids, mask)
+        with torch.no_grad():
+            out = model(input_ids=token, attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
+                        past_key_values=cache, use_cache=True)
+        steps.append(out.logits[:, -1])
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    for i, logits in enumerate(steps):  # step i predicts the token after position width - 1 + i
+        torch.testing.assert_close(logits, full[:, ids.shape[1] - 4 + i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl", "switchall-xl"])
+def test_static_cache_generation_equals_dynamic_cache(variant):
+    model = _model(variant)
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    dynamic = model.generate(ids, attention_mask=mask, **kwargs)
+    static = model.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+    torch.testing.assert_close(static, dynamic, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("variant", sorted(MODEL_VARIANTS))
+def test_no_host_sync_in_a_decoding_step(variant, cache_kind):
+    model = _model(variant)
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2) if cache_kind == "static" else None
+    out = _prefill(model, cache, ids, mask)
+    ids, mask, token = _next_step(out, ids, mask)
+    positions = positions_from_mask(mask)[:, -1:]
+
+    def step():
+        with torch.no_grad():
+            model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
+                  use_cache=True)
+
+    syncs = host_syncs(step)
+    if cache_kind == "static":
+        assert syncs == []
+    else:
+        # Transformers' own mask helper asks once per forward, in eager mode with a growing (non-compilable) cache,
+        # whether the padding mask is all ones (`_ignore_causal_mask_sdpa`, as for Llama or Mixtral); nothing else
+        assert len(syncs) <= 1 and _sync_callers(step) <= {"_ignore_causal_mask_sdpa"}, syncs
+
+
+def _sync_callers(fn) -> set[str]:
+    """The innermost Python function of every sync `fn` runs (profiler stacks)."""
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        fn()
+    callers = set()
+    for event in prof.events():
+        if event.name == "aten::item":
+            parent = event
+            while parent is not None and not parent.name.endswith(".py)") and "): " not in parent.name:
+                parent = parent.cpu_parent
+            callers.add(parent.name.rsplit(": ", 1)[-1] if parent is not None else "?")
+    return callers
+
+
+def test_xl_decoding_does_not_project_every_distance():
+    model = _model("switchhead-xl")
+    calls = []
+    for layer in model.model.layers:
+        layer.self_attn.position_key_proj.register_forward_hook(lambda *args: calls.append(1))
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
+    out = _prefill(model, None, ids, mask)
+    assert len(calls) == model.config.num_hidden_layers  # the prompt (many queries) projects the distances
+    ids, mask, token = _next_step(out, ids, mask)
+    with torch.no_grad():
+        model(input_ids=token, attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
+              past_key_values=out.past_key_values, use_cache=True)
+    assert len(calls) == model.config.num_hidden_layers  # a decoding step projects its queries instead
+    # both orders of the product give the same bias
+    attention = model.model.layers[0].self_attn
+    query = torch.randn(1, attention.num_heads, 1, attention.head_dim)
+    with torch.no_grad():
+        few = attention.xl_distance_scores(query, 40)
+        many = torch.einsum("bhqd,khd->bhqk", query, attention.position_key_proj(
+            modeling_sinusoidal(40, model.config.hidden_size)).view(40, attention.num_heads, -1)) * attention.scaling
+    torch.testing.assert_close(few, many, rtol=1e-5, atol=1e-6)
+
+
+def modeling_sinusoidal(count, dim):
+    from switchhead.modeling_switchhead import past_sinusoidal_encoding, sinusoidal_embedding
+
+    direct = sinusoidal_embedding(-torch.arange(count), dim)
+    cached = past_sinusoidal_encoding(count, dim, torch.float32, torch.device("cpu"))
+    assert torch.equal(cached, direct)  # the cached table is the same function, row for row
+    assert torch.equal(past_sinusoidal_encoding(count + 700, dim, torch.float32, torch.device("cpu"))[:count], direct)
+    return direct
+
+
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchall-xl", "dense-rope"])
+def test_compile_fullgraph_training_step_on_a_fresh_model(variant):
+    # a fresh model in training mode: SwitchAll records its router logits (entropy loss) through Transformers'
+    # output hooks, which used to be installed inside the first compiled call under a lock dynamo cannot enter
+    model = _model(variant).train()
+    model.config.hidden_dropout = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(8, 5))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = compiled(input_ids=ids, attention_mask=mask, labels=ids).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    eager_loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(loss, eager_loss)
+    for got, want in zip(grads, eager_grads):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchall-xl"])
+def test_compiled_static_cache_generation(variant):
+    model = _model(variant)
+    assert model._can_compile_fullgraph
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    eager = model.generate(ids, attention_mask=mask, **kwargs)
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend="aot_eager", dynamic=False)
+    config._compile_all_devices = True  # Transformers auto-compiles on accelerators only unless told
+    compiled = model.generate(ids, attention_mask=mask, cache_implementation="static", compile_config=config,
+                              **kwargs)
+    assert hasattr(model, "_compiled_call") and model._compiled_call is not None  # it really compiled
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_inductor_compiles_xl_forward_and_hub_copy_without_kernels(tmp_path, monkeypatch):
+    """Inductor (C++ on the CPU) on the Hub copy of the model file, its kernels import switched off."""
+    import importlib
+    import shutil
+
+    package = tmp_path / "hub_copy_fast_path"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    source = Path(__file__).resolve().parents[1] / "modeling_switchhead"
+    for name in ("modeling_switchhead.py", "configuration_switchhead.py"):
+        shutil.copy(source / name, package / name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hub = importlib.import_module("hub_copy_fast_path.modeling_switchhead")
+    monkeypatch.setattr(hub, "_kernels", None)  # as where the switchhead package is not installed
+    reference = _model("switchhead-xl")
+    model = hub.SwitchHeadForCausalLM(hub.SwitchHeadConfig(**reference.config.to_diff_dict())).eval()
+    model.load_state_dict(reference.state_dict())
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(7, 4))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask).logits
+        want = model(input_ids=ids, attention_mask=mask).logits
+        package_logits = reference(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(want, package_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
