@@ -59,8 +59,10 @@ setup(
         "peft": ["peft==0.21.2"],
         # transformers[serving]'s dependencies, pinned, plus the OpenAI client (switchhead serve, tests/test_serving.py)
         "serve": SERVE,
+        # quantised loading (switchhead.training.finetune.load_quantized, --quantize; tests/test_quantization.py)
+        "quant": ["bitsandbytes==0.50.2", "torchao==0.18.0"],
         "test": [*SERVE, "pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
-                 "peft==0.21.2"],
+                 "peft==0.21.2", "bitsandbytes==0.50.2", "torchao==0.18.0"],
     },
     entry_points={"console_scripts": ["switchhead=switchhead.cli:main"]},
 )

@@ -194,6 +194,58 @@ def load_lora(model, adapter_dir: str, is_trainable: bool = False, adapter_name:
                                           config=config)
 
 
+# ============================================================================================ quantised loading
+QUANTIZATIONS = ("bnb-int8", "bnb-nf4", "torchao-int8")
+
+
+def quantization_config(name: str, compute_dtype: torch.dtype | None = None):
+    """A Transformers quantization config for `from_pretrained(..., quantization_config=...)`.
+
+    - `bnb-int8`: bitsandbytes LLM.int8 (`BitsAndBytesConfig(load_in_8bit=True)`);
+    - `bnb-nf4`: bitsandbytes 4-bit NF4 (QLoRA's base), compute in `compute_dtype` (bf16 on CUDA, fp32 on CPU);
+    - `torchao-int8`: torchao int8 weight-only (`TorchAoConfig(Int8WeightOnlyConfig())`).
+
+    Each quantises the dense `nn.Linear` projections (q/k, XL's position keys, the dense baseline's v/o, the dense
+    MLP); `lm_head` stays in full precision (Transformers skips the output layer). The expert tensors (SwitchHead's
+    value/output experts, the sigma-MoE keys/values) and the routers are `nn.Parameter`s, not `Linear`s: neither
+    library touches them, so they stay in the checkpoint's precision. bitsandbytes runs on CPU (its CPU backend) and
+    CUDA; torchao's int8 weight-only runs on both.
+    """
+    if name not in QUANTIZATIONS:
+        raise FinetuneError(f"unknown quantization {name!r}; choose from {', '.join(QUANTIZATIONS)}")
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if name.startswith("bnb"):
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise FinetuneError(f"{name} needs bitsandbytes: pip install 'switchhead[quant]'") from None
+        from transformers import BitsAndBytesConfig
+
+        if name == "bnb-int8":
+            return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                                  bnb_4bit_use_double_quant=True)
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig
+    except ImportError:
+        raise FinetuneError(f"{name} needs torchao: pip install 'switchhead[quant]'") from None
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(Int8WeightOnlyConfig())
+
+
+def load_quantized(model_dir: str, name: str, device_map: str | None = None, compute_dtype: torch.dtype | None = None):
+    """`AutoModelForCausalLM.from_pretrained(model_dir)` with the dense projections quantised (`quantization_config`).
+
+    `device_map` defaults to "auto" with CUDA and "cpu" without."""
+    from transformers import AutoModelForCausalLM
+
+    config = quantization_config(name, compute_dtype)
+    device_map = device_map or ("auto" if torch.cuda.is_available() else "cpu")
+    return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, device_map=device_map)
+
+
 # ============================================================================================ fine-tuning run
 @dataclass
 class FinetuneResult:
@@ -224,6 +276,11 @@ def _blocks(ids: torch.Tensor, block_size: int, limit: int | None = None) -> tor
 @torch.no_grad()
 def _mean_loss(model, blocks: torch.Tensor, batch_size: int) -> float:
     model.eval()
+    for module in model.modules():
+        # bitsandbytes 0.50 repacks 4-bit weights for its CPU inference kernel on the first eval-mode forward and
+        # cannot train them afterwards; left in training mode, its layers compute the same product unrepacked
+        if type(module).__name__ == "Linear4bit":
+            module.train()
     total, count = 0.0, 0
     for start in range(0, len(blocks), batch_size):
         batch = blocks[start: start + batch_size]
@@ -238,11 +295,12 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
              target_modules: list[str] | None = None, target_parameters: list[str] | None = None,
              max_steps: int = 100, batch_size: int = 8, block_size: int | None = None, learning_rate: float = 1e-3,
              warmup_steps: int = 0, valid_blocks: int = 32, seed: int = 0, merge: bool = False,
-             logging_steps: int = 10) -> FinetuneResult:
+             logging_steps: int = 10, quantize: str | None = None) -> FinetuneResult:
     """LoRA-fine-tune the model in `model_dir` (with its tokenizer) on `data` with the Transformers `Trainer`.
 
     Writes the adapter only to `output_dir` (plus `finetune.json` with the losses); with `merge`, also the merged
     plain model to `output_dir/merged`. `data` is what `switchhead train --data` takes (file or folder).
+    `quantize` (one of `QUANTIZATIONS`) loads the base quantised and trains LoRA on top (QLoRA with `bnb-nf4`).
     """
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
@@ -257,9 +315,17 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     if max_steps < 1 or batch_size < 1:
         raise FinetuneError("--max-steps and --batch-size must be >= 1")
     lora_config(SwitchHeadConfig.from_pretrained(model_dir), r, lora_alpha, target_modules, target_parameters)
+    if quantize is not None:
+        if merge:
+            raise FinetuneError("--merge with --quantize would round the merged weights to the quantised base; "
+                                "merge the adapter into the full-precision model instead (load_lora + merge_and_unload)")
+        quantization_config(quantize)  # fails early when the library is missing
     tokenizer = load_tokenizer(model_dir)
     set_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if quantize is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        model = load_quantized(model_dir, quantize)
     block_size = block_size or min(model.config.max_position_embeddings, 256)
     if block_size > model.config.max_position_embeddings:
         raise FinetuneError(f"--block-size {block_size} exceeds the model's max_position_embeddings "
@@ -301,6 +367,7 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     result = FinetuneResult(max_steps, losses, before, after, trainable, total, output_dir)
     with open(os.path.join(output_dir, "finetune.json"), "w", encoding="utf-8") as handle:
         json.dump({"base_model": os.path.abspath(model_dir), "data": data, "rank": r, "steps": max_steps,
+                   "quantize": quantize,
                    "train_losses": losses, "valid_loss_before": before, "valid_loss_after": after,
                    "trainable_parameters": trainable, "total_parameters": total}, handle, indent=2)
     import shutil
@@ -320,6 +387,7 @@ def _take_characters(documents: list[str], characters: int) -> list[str]:
     return taken
 
 
-__all__ = ["DENSE_MODULES", "EXPERT_PARAMETERS", "FinetuneError", "FinetuneResult", "apply_lora",
+__all__ = ["DENSE_MODULES", "EXPERT_PARAMETERS", "FinetuneError", "FinetuneResult", "QUANTIZATIONS", "apply_lora",
+           "load_quantized", "quantization_config",
            "default_lora_targets", "expert_param_wrapper", "finetune", "load_lora", "lora_config",
            "register_switchhead_modules"]
