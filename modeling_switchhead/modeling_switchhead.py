@@ -556,10 +556,10 @@ class SwitchHeadAttentionBase(nn.Module):
         Memory tokens are extra sources: they give keys and (expert-mixed) values, never queries.
         """
         batch, length, _ = hidden_states.shape
-        heads_shape = (batch, length, self.num_heads, self.head_dim)
+        heads_shape = (batch, length, -1, self.head_dim)  # -1: this process's heads under tensor parallelism
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
-        key = self.k_proj(sources).view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
+        key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
         value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
         if position_embeddings is not None:
             cos, sin = position_embeddings
@@ -649,7 +649,7 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
             if config.attention_output_gate else None
 
     def project_values(self, hidden_states):
-        return self.v_proj(hidden_states).view(*hidden_states.shape[:2], self.num_heads, self.head_dim)
+        return self.v_proj(hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim)
 
     def project_output(self, attended, hidden_states):
         if self.output_gate is not None:
