@@ -581,7 +581,6 @@ class SwitchHeadAttentionBase(nn.Module):
         elif self.position_encoding == "xl":
             extra["position_bias"] = self.xl_position_bias(query, key.shape[2], query_offset)
 
-
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
