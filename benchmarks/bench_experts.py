@@ -1,15 +1,16 @@
 """Benchmark of Transformers' experts implementations on Mixtral-shaped experts: our "cvmm" against the others.
 
 A stock `MixtralExperts` module (fused gate/up `[E, 2I, d]`, down `[E, d, I]`, SiLU gate, 8 experts, top-2 with
-softmax-renormalised weights; width scaled down from Mixtral's d=4096, I=14336 by default so a CPU run takes a
-minute) runs its forward, and forward+backward, with each of `experts_implementation` "cvmm" (importing switchhead
+softmax-renormalised weights; width scaled down 8x from Mixtral's d=4096, I=14336 by default, and 8 / 64 tokens,
+so that a CPU run takes a few minutes and "batched_mm", which gathers a copy of every slot's expert matrices, fits
+in memory) runs its forward, and forward+backward, with each of `experts_implementation` "cvmm" (importing switchhead
 registers it), "grouped_mm", "batched_mm" and "eager" (Transformers' per-expert loop). Every implementation is first
 checked against eager (exit status 1 on a mismatch). Timings are wall-clock medians of interleaved repetitions
 (each repetition runs every implementation once, in a rotating order); the table gives each one's time and its
 time divided by cvmm's (> 1: cvmm is faster). Writes JSON and Markdown to benchmarks/results/ with the machine,
 CPU, thread count, torch/transformers versions and the load average before and after.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_experts.py                   # CPU: d=1024, I=3584
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_experts.py                   # CPU: d=512, I=1792
     python benchmarks/bench_experts.py --hidden 4096 --intermediate 14336        # Mixtral's own width (GPU)
 """
 
@@ -142,11 +143,11 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=1024, help="d (Mixtral: 4096)")
-    parser.add_argument("--intermediate", type=int, default=3584, help="I per expert (Mixtral: 14336)")
+    parser.add_argument("--hidden", type=int, default=512, help="d (Mixtral: 4096)")
+    parser.add_argument("--intermediate", type=int, default=1792, help="I per expert (Mixtral: 14336)")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tokens", default="8,512", help="comma-separated token counts (decoding, prefill)")
+    parser.add_argument("--tokens", default="8,64", help="comma-separated token counts (decoding, a batch)")
     parser.add_argument("--reps", type=int, default=5, help="timed interleaved repetitions")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="default: bfloat16 on CUDA, float32 on CPU")
