@@ -111,7 +111,8 @@ def dense_from_gpt2(config: dict, tensors: dict[str, torch.Tensor]) -> UpcycleRe
             q + "self_attn.o_proj.weight": t[p + "attn.c_proj.weight"].T.contiguous(),
             q + "post_attention_layernorm.weight": t[p + "ln_2.weight"],
             q + "post_attention_layernorm.bias": t[p + "ln_2.bias"],
-            q + "mlp.up_proj.weight": t[p + "mlp.c_fc.weight"].T.contiguous(), q + "mlp.up_proj.bias": t[p + "mlp.c_fc.bias"],
+            q + "mlp.up_proj.weight": t[p + "mlp.c_fc.weight"].T.contiguous(),
+            q + "mlp.up_proj.bias": t[p + "mlp.c_fc.bias"],
             q + "mlp.down_proj.weight": t[p + "mlp.c_proj.weight"].T.contiguous(),
             q + "mlp.down_proj.bias": t[p + "mlp.c_proj.bias"],
         })
@@ -196,7 +197,9 @@ def upcycle_state_dict(config: SwitchHeadConfig, state: dict[str, torch.Tensor],
         dtype = state[p + "v_proj.weight"].dtype
         out[p + "value_experts"] = torch.stack(value_experts).to(dtype)
         out[p + "output_experts"] = torch.stack(output_experts).to(dtype)
-        noise = lambda: torch.randn(heads * experts, d, generator=generator, dtype=torch.float64) * router_std  # noqa: E731
+        def noise() -> torch.Tensor:
+            return torch.randn(heads * experts, d, generator=generator, dtype=torch.float64) * router_std
+
         out[p + "value_selection.weight"] = noise().to(dtype)
         if gate is not None:
             out[p + "output_selection.weight"] = (gate[kept].double().repeat_interleave(experts, 0) + noise()).to(dtype)

@@ -9,19 +9,26 @@ What LoRA can reach (`default_lora_targets`):
   expert gets its own rank-r update. The modules holding them say `is_transposed = True` (`[experts, in, out]`),
   the flag PEFT reads for this orientation.
 
-One catch, and its fix: PEFT applies a `target_parameters` update through `torch.nn.utils.parametrize`, which keeps
+Two catches, and their fixes. PEFT applies a `target_parameters` update through `torch.nn.utils.parametrize`, which keeps
 its parametrizations in a `ModuleDict`, and a `ModuleDict` refuses the names `keys` and `values` (they are its
 methods). So the sigma-MoE tensors go through `ExpertParamWrapper`, a `ParamWrapper` that swaps `W + dW` in for the
 duration of the forward instead; `lora_config` registers it (PEFT's custom-module hook), and `load_lora` passes that
-config to `PeftModel.from_pretrained`. SwitchHead's attention experts work with PEFT's own wrapper as well.
+config to `PeftModel.from_pretrained`. And PEFT's `merge_and_unload` skips modules inside a tuner layer, so the
+LoRA on `q_proj`/`k_proj` of an attention layer whose experts are adapted too would stay unmerged; the same wrapper
+(registered for `SwitchHeadAttention` as well) unloads those children. SwitchHead's attention experts alone work
+with PEFT's own wrapper as well (tested equal).
 
     from switchhead.training.finetune import apply_lora, load_lora
     model = apply_lora(AutoModelForCausalLM.from_pretrained("runs/wt2"), r=8)   # a PeftModel
-    ... Trainer(model=model, ...).train(); model.save_pretrained("adapter")       # the adapter only
+    ... Trainer(model=model, ...).train()
+    model.save_pretrained("adapter", save_embedding_layers=False)                # the adapter only (see below)
     model = load_lora(AutoModelForCausalLM.from_pretrained("runs/wt2"), "adapter")
     plain = model.merge_and_unload()                                              # a SwitchHeadForCausalLM again
 
-CLI: `switchhead finetune MODEL_DIR --data ... --output-dir ...`.
+`save_embedding_layers=False`: PEFT otherwise also saves the full `lm_head` weight whenever `lm_head` is a target.
+Quantised bases: `load_quantized` (bitsandbytes / torchao on the dense projections; experts stay full precision).
+
+CLI: `switchhead finetune MODEL_DIR --data ... --output-dir ... [--quantize bnb-nf4]`.
 """
 
 from __future__ import annotations
@@ -318,7 +325,8 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     if quantize is not None:
         if merge:
             raise FinetuneError("--merge with --quantize would round the merged weights to the quantised base; "
-                                "merge the adapter into the full-precision model instead (load_lora + merge_and_unload)")
+                                "merge the adapter into the full-precision model instead "
+                                "(load_lora + merge_and_unload)")
         quantization_config(quantize)  # fails early when the library is missing
     tokenizer = load_tokenizer(model_dir)
     set_seed(seed)
