@@ -132,6 +132,8 @@ def run(args) -> int:
     from .authors_format import parse_renames
     from .checkpoint_io import ConversionError, parse_dtype
 
+    if os.path.isfile(args.output) or (os.path.isdir(args.output) and os.listdir(args.output)):
+        raise UsageError(f"output {args.output} already exists; choose a new path or delete it first")
     try:
         dtype = parse_dtype(args.dtype)
         if args.direction == "authors-to-hf":
@@ -152,4 +154,8 @@ def run(args) -> int:
             print(f"wrote {args.output}")
     except ConversionError as error:
         raise UsageError(str(error)) from None
+    except Exception as error:  # noqa: BLE001 - a damaged .safetensors input: name the file
+        if type(error).__name__ != "SafetensorError":
+            raise
+        raise UsageError(f"{args.input} is a damaged or unreadable .safetensors file ({error})") from None
     return 0

@@ -12,6 +12,8 @@ def register(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy decoding")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-verify", action="store_true",
+                        help="load a training run's folder even when its SHA-256 manifest does not verify")
     parser.set_defaults(handler=run)
 
 
@@ -21,14 +23,30 @@ def run(args) -> int:
 
     from .cli import UsageError
 
-    if not os.path.isdir(args.model):
+    import math
+
+    from .integrity import check_model_folder
+
+    if not os.path.exists(args.model):
         raise UsageError(f"model folder {args.model!r} does not exist")
+    if not os.path.isdir(args.model):
+        raise UsageError(f"model {args.model!r} is a file; give a save_pretrained folder")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0: greedy decoding), got {args.temperature}")
+    if not args.prompt:
+        raise UsageError("--prompt is empty; give some text to continue")
+    if not args.no_verify:
+        check_model_folder(args.model)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     inputs = tokenizer(args.prompt, return_tensors="pt")
+    if inputs["input_ids"].shape[-1] == 0:
+        raise UsageError(f"--prompt {args.prompt!r} gives no tokens with this tokenizer; give some text")
     sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
     output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id
                             or tokenizer.eos_token_id or 0, **sampling)

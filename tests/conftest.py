@@ -25,3 +25,9 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.fail(f"shared test data not found at {SHARED_DATA}; set SWITCHHEAD_SHARED_DATA")
     return SHARED_DATA
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long variants (e.g. 20 SIGKILLs); run with `-m slow`, left out by default")
+    if not config.option.markexpr:  # the default suite leaves the slow variants out (deselected, not skipped)
+        config.option.markexpr = "not slow"

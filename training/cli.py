@@ -49,7 +49,16 @@ def register(subparsers) -> None:
     parser.add_argument("--preset", default=None, help="model preset (see --list-presets; default tiny-switchhead)")
     parser.add_argument("--output-dir", default=None, help="run folder (default runs/switchhead, runs/demo for --demo)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                        help="continue the run in --output-dir from its newest checkpoint, or from CHECKPOINT")
+                        help="continue the run in --output-dir from its newest intact checkpoint, or from CHECKPOINT")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start the run in --output-dir over (only a folder of a previous `switchhead train` "
+                             "run; its checkpoints, logs and model are deleted)")
+    parser.add_argument("--skip-nonfinite", type=int, default=None, metavar="N",
+                        help="skip up to N non-finite updates in a row (counted in log.csv) instead of stopping at "
+                             "the first one (exit code 3)")
+    parser.add_argument("--inexact-resume", action="store_true",
+                        help="resume even when the checkpoint's RNG state is damaged or missing (the continuation "
+                             "then differs from an uninterrupted run; written to events.log)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a model configuration field, e.g. --set hidden_size=128 (repeatable)")
     for flag, (_, kind, help_text) in OPTIONS.items():
@@ -74,7 +83,7 @@ def run(args) -> int:
 
     from .. import PAPER_TRAINING, PRESETS
     from ..cli import UsageError
-    from .trainer import TrainingConfig, find_checkpoint, read_checkpoint_state, train
+    from .trainer import TrainingConfig, TrainingDiverged, find_checkpoint, read_checkpoint_state, train
 
     if args.list_presets:
         for name in sorted(PRESETS):
@@ -86,6 +95,14 @@ def run(args) -> int:
         explicit["tensorboard"] = False
     if args.no_progress:
         explicit["progress"] = False
+    if args.overwrite:
+        explicit["overwrite"] = True
+    if args.inexact_resume:
+        explicit["inexact_resume"] = True
+    if args.skip_nonfinite is not None:
+        if args.skip_nonfinite < 0:
+            raise UsageError(f"--skip-nonfinite must be >= 0, got {args.skip_nonfinite}")
+        explicit["skip_nonfinite"] = args.skip_nonfinite
     model_overrides = parse_model_overrides(args.set)
 
     if args.demo:
@@ -93,7 +110,10 @@ def run(args) -> int:
 
         if args.resume:
             raise UsageError("--demo always starts fresh; drop --resume")
-        return run_demo(output_dir=args.output_dir or "runs/demo", **explicit)
+        try:
+            return run_demo(output_dir=args.output_dir or "runs/demo", **explicit)
+        except TrainingDiverged as error:
+            raise UsageError(str(error), exit_code=3) from None
 
     if args.resume:
         import os
@@ -101,7 +121,10 @@ def run(args) -> int:
         output_dir = args.output_dir
         if output_dir is None and args.resume != "latest":  # CHECKPOINT lies in OUTPUT/checkpoints/
             output_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
-        probe = TrainingConfig(output_dir=output_dir or "runs/switchhead", resume=args.resume)
+        if args.overwrite:
+            raise UsageError("--resume continues a run and --overwrite starts it over: give only one")
+        probe = TrainingConfig(output_dir=output_dir or "runs/switchhead", resume=args.resume,
+                               inexact_resume=args.inexact_resume)
         stored = read_checkpoint_state(find_checkpoint(probe))["config"]
         if args.preset is not None:
             explicit["preset"] = args.preset
@@ -111,7 +134,10 @@ def run(args) -> int:
     else:
         config = TrainingConfig.from_preset(args.preset or "tiny-switchhead", output_dir=args.output_dir
                                             or "runs/switchhead", model=model_overrides, **explicit)
-    result = train(config)
+    try:
+        result = train(config)
+    except TrainingDiverged as error:
+        raise UsageError(str(error), exit_code=3) from None
     if PartialState().is_main_process:
         print(f"step {result.step}: validation loss {result.valid_loss:.4f}, perplexity {result.valid_perplexity:.2f} "
               f"(unigram {result.unigram_perplexity:.1f}); saved to {result.output_dir}")

@@ -15,9 +15,18 @@ Output folder layout:
     OUTPUT/log.csv                  one row per logged step (loss, lr, grad norm, tokens/s, peak memory, validation)
     OUTPUT/tensorboard/             the same numbers for TensorBoard (when it is installed)
     OUTPUT/checkpoints/step-NNNNNNN model, optimizer, RNG states, XL memory and the step (the data position)
+    OUTPUT/SHA256SUMS, OUTPUT/checkpoints/step-NNNNNNN/SHA256SUMS   SHA-256 manifests, written last
+    OUTPUT/events.log               fallbacks to older checkpoints, inexact resumes, divergence stops
 
-Checkpoints are written to a hidden temporary folder and renamed into place when complete, so a crash or kill
-never leaves a half-written checkpoint under a `step-*` name.
+Checkpoints are written to a hidden temporary folder, closed with a SHA-256 manifest and renamed into place when
+complete, so a crash or kill never leaves a half-written checkpoint under a `step-*` name, and `--resume` finds
+any file that changed afterwards (it then falls back to the newest intact checkpoint and says so).
+
+Failing loudly: `train` writes only into a new or empty folder, or into one of its own runs with `resume` or
+`overwrite`. A non-finite loss or gradient norm stops the run (`TrainingDiverged`, exit code 3 on the command
+line) before the update is applied, unless `skip_nonfinite` allows skipping that many bad updates in a row; no
+non-finite weights are ever saved. A checkpoint whose RNG state is damaged or missing is resumed only with
+`inexact_resume` (written to events.log).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from typing import Any
 import torch
 
 from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
+from ..integrity import MANIFEST, read_manifest, verify_manifest, write_manifest
 from .data import DataError, TokenBatches, load_documents, load_tokenizer, tokenize_documents, train_tokenizer, \
     unigram_perplexity
 
@@ -47,16 +57,29 @@ TINY_TRAINING: dict[str, Any] = dict(block_size=128, batch_size=16, learning_rat
                                      save_every=200, log_every=10)
 
 LOG_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_memory_mb", "valid_loss",
-              "valid_perplexity")
+              "valid_perplexity", "skipped_updates")
 
 # options that may change when a run is resumed: they do not change what is computed, except max_steps, which
 # extends (or shortens) the run and so stretches the cosine schedule from the resumed step on
 CHANGEABLE_ON_RESUME = ("output_dir", "resume", "eval_every", "save_every", "log_every", "keep_checkpoints",
-                        "progress", "tensorboard", "eval_batches", "max_steps")
+                        "progress", "tensorboard", "eval_batches", "max_steps", "overwrite", "skip_nonfinite",
+                        "inexact_resume")
+RUN_MARKER = "training_config.json"  # marks a folder as a `switchhead train` run (written before anything else)
+EVENTS = "events.log"
 
 
 class TrainingError(ValueError):
     """The training run cannot start or continue as asked (one-line reason for the user)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss / gradient norm (or weights) stopped the run; `last_checkpoint` is the newest good one
+    (None when none was written yet). `switchhead train` exits with code 3."""
+
+    def __init__(self, message: str, step: int, last_checkpoint: str | None):
+        super().__init__(message)
+        self.step = step
+        self.last_checkpoint = last_checkpoint
 
 
 @dataclass
@@ -99,6 +122,9 @@ class TrainingConfig:
     tensorboard: bool = True
     progress: bool = True
     resume: str | None = None  # "latest" or a checkpoint folder
+    overwrite: bool = False  # start the run in output_dir (one of our runs) over, deleting its files
+    skip_nonfinite: int = 0  # bad (non-finite) updates in a row to skip before stopping; 0: stop at the first
+    inexact_resume: bool = False  # resume even when the checkpoint's RNG state is damaged or missing
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> "TrainingConfig":
@@ -165,11 +191,27 @@ def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_pro
                             f"({config.learning_rate}) and learning_rate > 0")
     if config.warmup_steps < 0 or config.grad_clip < 0 or config.eval_batches < 0:
         raise TrainingError("warmup_steps, grad_clip and eval_batches must be >= 0")
+    for name in ("learning_rate", "min_learning_rate", "grad_clip", "weight_decay", "valid_fraction"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TrainingError(f"{name} must be a finite number, got {value!r}")
+    if isinstance(config.skip_nonfinite, bool) or not isinstance(config.skip_nonfinite, int) \
+            or config.skip_nonfinite < 0:
+        raise TrainingError(f"skip_nonfinite must be an integer >= 0, got {config.skip_nonfinite!r}")
 
 
 def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
     """The preset's model configuration with the user's overrides and the tokenizer's vocabulary (None: the
     configured BPE vocabulary size, to check the settings before a tokenizer exists)."""
+    import dataclasses as _dataclasses
+    import difflib
+
+    known = {f.name for f in _dataclasses.fields(SwitchHeadConfig)} | {"rope_theta"}
+    for name in config.model:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
+            raise TrainingError(f"model configuration: unknown field {name!r}"
+                                + (f"; did you mean {' or '.join(close)}?" if close else ""))
     if tokenizer is None:
         vocabulary = dict(vocab_size=config.vocab_size)
     else:
@@ -201,17 +243,63 @@ CHECKPOINT_STATE = "trainer_state.json"  # written last: its presence marks a co
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:
-    """Complete checkpoints of a run, oldest first (temporary folders of interrupted saves are not listed)."""
+    """Checkpoints of a run, oldest first (temporary folders of interrupted saves are not listed; whether a listed
+    one is still intact is for `inspect_checkpoint` to say)."""
     root = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
     names = sorted(n for n in os.listdir(root) if n.startswith("step-") and
-                   os.path.isfile(os.path.join(root, n, CHECKPOINT_STATE)))
+                   (os.path.isfile(os.path.join(root, n, MANIFEST))
+                    or os.path.isfile(os.path.join(root, n, CHECKPOINT_STATE))))
     return [os.path.join(root, n) for n in names]
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingConfig, memory: list) -> str:
-    """Write model, optimizer, RNG states, XL memory and the step; atomically (temporary folder, then rename)."""
+def _rng_file(name: str) -> bool:
+    return os.path.basename(name).startswith("random_states_")
+
+
+def inspect_checkpoint(path: str) -> tuple[list[str], list[str]]:
+    """(problems, RNG problems) of a checkpoint folder: files that changed or are missing against its SHA-256
+    manifest, split into the RNG states (resumable, inexactly, with `inexact_resume`) and everything else.
+    Checkpoints written before manifests existed are checked for their state file and loadable RNG states."""
+    problems = verify_manifest(path) if os.path.isfile(os.path.join(path, MANIFEST)) else []
+    if not os.path.isfile(os.path.join(path, MANIFEST)):  # older checkpoints: no manifest to check against
+        if not os.path.isfile(os.path.join(path, CHECKPOINT_STATE)):
+            problems.append(f"no {MANIFEST} or {CHECKPOINT_STATE}")
+    rng = [p for p in problems if _rng_file(p.split(" ", 1)[-1])]
+    other = [p for p in problems if p not in rng]
+    try:
+        with open(os.path.join(path, CHECKPOINT_STATE)) as handle:
+            processes = int(json.load(handle).get("num_processes", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        if not other:
+            other.append(f"unreadable {CHECKPOINT_STATE}")
+        processes = 1
+    listed = read_manifest(path) if os.path.isfile(os.path.join(path, MANIFEST)) and not other else {}
+    for index in range(processes):
+        name = f"random_states_{index}.pkl"
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            if f"missing {name}" not in rng:
+                rng.append(f"missing {name}")
+        elif not listed and not rng:  # no manifest vouches for it: it must at least unpickle (our own file)
+            try:
+                torch.load(file, map_location="cpu", weights_only=False)
+            except Exception as error:  # noqa: BLE001 - a damaged pickle fails in many ways
+                rng.append(f"unreadable {name} ({type(error).__name__})")
+    return other, rng
+
+
+def log_event(output_dir: str, message: str) -> None:
+    """Append one line to the run's events.log (main process only)."""
+    with open(os.path.join(output_dir, EVENTS), "a", encoding="utf-8") as handle:
+        handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}\n")
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingConfig, memory: list,
+                    skipped_updates: int = 0) -> str:
+    """Write model, optimizer, RNG states, XL memory and the step, then the SHA-256 manifest; atomically
+    (temporary folder, then rename)."""
     root = os.path.join(output_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:07d}")
     temporary = os.path.join(root, f".tmp-step-{step:07d}")
@@ -223,11 +311,13 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
     torch.save(memory, os.path.join(temporary, f"xl_memory_{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        state = dict(step=step, num_processes=accelerator.num_processes, config=config.to_dict())
+        state = dict(step=step, num_processes=accelerator.num_processes, config=config.to_dict(),
+                     skipped_updates=skipped_updates)
         with open(os.path.join(temporary, CHECKPOINT_STATE), "w") as handle:
             json.dump(state, handle, indent=1)
             handle.flush()
             os.fsync(handle.fileno())
+        write_manifest(temporary)  # last: its presence marks the checkpoint complete
         if os.path.exists(final):  # the same step saved again (a resumed run): replace the whole folder
             shutil.rmtree(final)
         os.replace(temporary, final)
@@ -237,19 +327,45 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
     return final
 
 
-def find_checkpoint(config: TrainingConfig) -> str:
-    """The folder `config.resume` names ("latest": the newest complete checkpoint of `output_dir`)."""
+def _problems(items: list[str]) -> str:
+    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+
+def choose_checkpoint(config: TrainingConfig) -> tuple[str, list[str], bool]:
+    """(folder, notes, exact) for `config.resume` ("latest": the newest intact checkpoint of `output_dir`,
+    falling back past damaged ones; a folder: that one, refused when damaged). `notes` says what was skipped;
+    `exact` is False when the RNG state is damaged or missing and `inexact_resume` allows going on."""
     if config.resume in ("latest", True):
-        found = checkpoint_dirs(config.output_dir)
-        if not found:
+        candidates = checkpoint_dirs(config.output_dir)[::-1]
+        if not candidates:
             raise TrainingError(f"--resume: {config.output_dir!r} has no complete checkpoint to resume from")
-        return found[-1]
-    path = str(config.resume)
-    if not os.path.isdir(path):
-        raise TrainingError(f"--resume: checkpoint folder {path!r} does not exist")
-    if not os.path.isfile(os.path.join(path, CHECKPOINT_STATE)):
-        raise TrainingError(f"--resume: {path!r} is not a complete checkpoint (no {CHECKPOINT_STATE})")
-    return path
+    else:
+        path = str(config.resume)
+        if not os.path.isdir(path):
+            raise TrainingError(f"--resume: checkpoint folder {path!r} does not exist")
+        candidates = [path]
+    notes = []
+    for path in candidates:
+        other, rng = inspect_checkpoint(path)
+        if other:
+            notes.append(f"checkpoint {path} is damaged or incomplete ({_problems(other)})")
+            continue
+        if rng and not config.inexact_resume:
+            raise TrainingError(f"--resume: the RNG state of checkpoint {path!r} is damaged or missing "
+                                f"({_problems(rng)}), so the continuation would not be exact; pass --inexact-resume "
+                                "to continue anyway")
+        if rng:
+            notes.append(f"inexact resume from {path}: RNG state damaged or missing ({_problems(rng)}); dropout, "
+                         "expert dropout and data-independent randomness will differ from an uninterrupted run")
+        elif notes:
+            notes.append(f"falling back to the newest intact checkpoint, {path}")
+        return path, notes, not rng
+    raise TrainingError(f"--resume: {'; '.join(notes)}; no intact checkpoint is left to resume from")
+
+
+def find_checkpoint(config: TrainingConfig) -> str:
+    """The folder `config.resume` names, checked ("latest": the newest intact checkpoint of `output_dir`)."""
+    return choose_checkpoint(config)[0]
 
 
 def read_checkpoint_state(path: str) -> dict[str, Any]:
@@ -264,9 +380,11 @@ def read_checkpoint_state(path: str) -> dict[str, Any]:
 
 def merge_resumed_config(config: TrainingConfig, stored: dict[str, Any]) -> TrainingConfig:
     """The stored configuration of the run being resumed; the new one may only change harmless options."""
-    resumed = TrainingConfig(**stored)
+    known = {f.name for f in dataclasses.fields(TrainingConfig)}
+    resumed = TrainingConfig(**{name: value for name, value in stored.items() if name in known})
     different = [f"{name} ({getattr(resumed, name)!r} -> {getattr(config, name)!r})"
-                 for name in stored if name not in CHANGEABLE_ON_RESUME and getattr(config, name) != stored[name]]
+                 for name in stored if name in known and name not in CHANGEABLE_ON_RESUME
+                 and getattr(config, name) != stored[name]]
     if different:
         raise TrainingError("--resume continues a run with its own settings; these differ: " + ", ".join(different))
     for name in CHANGEABLE_ON_RESUME:
@@ -368,24 +486,29 @@ def train(config: TrainingConfig) -> TrainResult:
     accelerator = Accelerator(mixed_precision=config.mixed_precision)
     is_main = accelerator.is_main_process
 
-    # ---------------------------------------------------------------- resume: the stored settings rule
-    checkpoint = None
+    # ---------------------------------------------------------------- the output folder and the resume rule
+    check_output_dir(config)
+    if is_main and config.overwrite and os.path.isdir(config.output_dir):
+        clear_run(config.output_dir)
+    accelerator.wait_for_everyone()
+    checkpoint, resume_notes, exact = None, [], True
     if config.resume:
-        checkpoint = find_checkpoint(config)
+        checkpoint, resume_notes, exact = choose_checkpoint(config)
         state = read_checkpoint_state(checkpoint)
         config = merge_resumed_config(config, state["config"])
-    elif checkpoint_dirs(config.output_dir):
-        raise TrainingError(f"{config.output_dir!r} already holds checkpoints of a run: pass --resume to continue "
-                            "it, or choose another --output-dir")
     if config.preset not in PRESETS:
         raise TrainingError(f"unknown preset {config.preset!r}; choose one of: {', '.join(sorted(PRESETS))}")
 
     # ---------------------------------------------------------------- data and tokenizer
     train_documents, valid_documents = load_documents(config.data, config.text_field, config.valid_data,
                                                       config.valid_fraction)
-    if config.tokenizer is None and not config.resume:
-        model_config = build_model_config(config, None)  # bad settings fail before the tokenizer is trained
+    if not config.resume:  # bad settings fail before anything is written or the tokenizer is trained
+        model_config = build_model_config(config, None)
         check_config(config, model_config, accelerator.num_processes)
+    if is_main and checkpoint is None:  # the run marker goes first: from now on the folder is this run's
+        os.makedirs(config.output_dir, exist_ok=True)
+        _write_json(os.path.join(config.output_dir, RUN_MARKER), config.to_dict())
+    accelerator.wait_for_everyone()
     tokenizer = prepare_tokenizer(config, train_documents, accelerator)
     model_config = build_model_config(config, tokenizer)
     check_config(config, model_config, accelerator.num_processes)
@@ -401,9 +524,6 @@ def train(config: TrainingConfig) -> TrainResult:
         raise DataError(f"validation split: {error}") from None
     unigram = unigram_perplexity(train_ids, valid_ids, len(tokenizer))
 
-    if is_main and checkpoint is None:
-        _write_json(os.path.join(config.output_dir, "training_config.json"), config.to_dict())
-
     # ---------------------------------------------------------------- model and optimizer
     set_seed(config.seed)  # the same initial weights in every process
     model = SwitchHeadForCausalLM(model_config)
@@ -417,6 +537,7 @@ def train(config: TrainingConfig) -> TrainResult:
     memory: list = [None] * accumulation  # XL memory of each micro-batch slot (each is its own set of streams)
 
     step = 0
+    skipped_updates = 0  # non-finite updates skipped (--skip-nonfinite), over the whole run
     if checkpoint is not None:
         try:
             accelerator.load_state(checkpoint)
@@ -427,6 +548,11 @@ def train(config: TrainingConfig) -> TrainResult:
                                 f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
                                 ) from None
         step = state["step"]
+        skipped_updates = int(state.get("skipped_updates", 0))
+        if is_main:
+            for note in resume_notes:
+                accelerator.print(f"switchhead train: {note}")
+                log_event(config.output_dir, f"step {step}: {note}")
         if is_main:  # folders of saves that were interrupted are not checkpoints: clear them away
             root = os.path.join(config.output_dir, "checkpoints")
             for name in os.listdir(root) if os.path.isdir(root) else []:
@@ -447,6 +573,7 @@ def train(config: TrainingConfig) -> TrainResult:
     loss_value, valid_loss = float("nan"), float("nan")
     tokens_per_step = config.batch_size * config.block_size
     tick, steps_since_tick = time.time(), 0
+    bad_in_a_row = 0
     while step < config.max_steps:
         learning_rate = learning_rate_at(step, config)
         for group in optimizer.param_groups:
@@ -455,6 +582,7 @@ def train(config: TrainingConfig) -> TrainResult:
             memory = [None] * accumulation  # a new pass over the streams: no previous segment to remember
 
         step_loss = torch.zeros((), device=accelerator.device)
+        memory_before = list(memory)
         for micro in range(accumulation):
             rows = train_batches.micro_batch(step, micro, accelerator.process_index, accelerator.num_processes,
                                              accumulation).to(accelerator.device)
@@ -466,10 +594,39 @@ def train(config: TrainingConfig) -> TrainResult:
                 accelerator.backward(out.loss / accumulation)
             memory[micro] = _detach(getattr(out, "xl_memory", None))
             step_loss += out.loss.detach() / accumulation
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.grad_clip) if config.grad_clip > 0 \
-            else torch.tensor(float("nan"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # clipping computes the gradient norm anyway (max_norm=inf: the norm without clipping); together with the
+        # loss it decides, in one host sync per optimizer step, whether this update may be applied
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(),
+                                                config.grad_clip if config.grad_clip > 0 else float("inf"))
+        grad_norm = torch.as_tensor(grad_norm, device=accelerator.device)
+        if config.mixed_precision == "fp16":  # the loss scaler skips non-finite gradients itself
+            bad = ~torch.isfinite(step_loss)
+        else:
+            bad = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+        if accelerator.num_processes > 1:
+            bad = accelerator.reduce(bad.float(), reduction="sum") > 0
+        if bool(bad):
+            bad_in_a_row += 1
+            if config.mixed_precision == "fp16":
+                optimizer.step()  # the scaler sees the non-finite gradients and skips the update
+            optimizer.zero_grad(set_to_none=True)
+            memory = memory_before  # the bad step's XL memory is not carried on
+            loss_value = float(accelerator.reduce(step_loss, reduction="mean"))
+            if bad_in_a_row > config.skip_nonfinite:
+                log.write(dict(step=step + 1, loss=repr(loss_value), learning_rate=repr(learning_rate),
+                               grad_norm=f"{float(grad_norm):.6g}", tokens_per_second="", peak_memory_mb="",
+                               valid_loss="", valid_perplexity="", skipped_updates=skipped_updates))
+                progress.close()
+                log.close()
+                _stop_diverged(accelerator, config, step + 1, loss_value, float(grad_norm), bad_in_a_row)
+            skipped_updates += 1
+            if is_main:
+                log_event(config.output_dir, f"step {step + 1}: skipped a non-finite update (loss {loss_value!r}, "
+                                             f"grad norm {float(grad_norm)!r}); {bad_in_a_row} in a row")
+        else:
+            bad_in_a_row = 0
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         step += 1
         steps_since_tick += 1
         progress.update(1)
@@ -482,7 +639,7 @@ def train(config: TrainingConfig) -> TrainResult:
             row = dict(step=step, loss=repr(loss_value), learning_rate=repr(learning_rate),
                        grad_norm=f"{float(grad_norm):.6g}", peak_memory_mb=f"{_peak_memory_mb(accelerator.device):.1f}",
                        tokens_per_second=f"{throughput:.1f}",
-                       valid_loss="", valid_perplexity="")
+                       valid_loss="", valid_perplexity="", skipped_updates=skipped_updates)
             if is_eval:
                 valid_loss = evaluate(model, valid_batches, accelerator, memory_supported, config.eval_batches)
                 row.update(valid_loss=repr(valid_loss), valid_perplexity=f"{math.exp(valid_loss):.4f}")
@@ -491,7 +648,11 @@ def train(config: TrainingConfig) -> TrainResult:
             progress.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{math.exp(valid_loss):.1f}"
                                  if valid_loss == valid_loss else "-")
         if step % config.save_every == 0 or step == config.max_steps:
-            save_checkpoint(accelerator, config.output_dir, step, config, memory)
+            if not _weights_finite(model, accelerator):
+                progress.close()
+                log.close()
+                _stop_diverged(accelerator, config, step, loss_value, float(grad_norm), 0, weights=True)
+            save_checkpoint(accelerator, config.output_dir, step, config, memory, skipped_updates)
     progress.close()
     log.close()
 
@@ -509,6 +670,65 @@ def train(config: TrainingConfig) -> TrainResult:
 
 
 # ================================================================================================ saving
+def check_output_dir(config: TrainingConfig) -> None:
+    """`train` writes only into a new or empty folder, or into one of its own runs with resume / overwrite."""
+    folder = config.output_dir
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise TrainingError(f"--output-dir {folder!r} is a file, not a folder; choose a new folder")
+    if config.resume and config.overwrite:
+        raise TrainingError("--resume continues a run and --overwrite starts it over: give only one")
+    # (a marker whose atomic write was interrupted does not make the folder anyone else's)
+    if not os.path.isdir(folder) or not [e for e in os.listdir(folder) if e != RUN_MARKER + ".tmp"]:
+        return
+    if not os.path.isfile(os.path.join(folder, RUN_MARKER)):
+        raise TrainingError(f"--output-dir {folder!r} is not empty and is not a switchhead training run; choose a "
+                            "new or empty folder (nothing was written)")
+    if not config.resume and not config.overwrite:
+        raise TrainingError(f"--output-dir {folder!r} holds a training run: pass --resume to continue it or "
+                            "--overwrite to start it over (deleting its checkpoints, logs and model)")
+
+
+def clear_run(folder: str) -> None:
+    """--overwrite: delete what a run wrote into `folder` (its files named in its manifest and the run's own
+    files and folders); anything else the user put there stays."""
+    names = {RUN_MARKER, "log.csv", "log.csv.tmp", EVENTS, MANIFEST, "checkpoints", "tensorboard", ".tmp-save"}
+    try:
+        names |= set(read_manifest(folder))
+    except ValueError:
+        pass
+    for name in sorted(names - {RUN_MARKER}) + [RUN_MARKER]:  # the marker last: an interrupted clear stays ours
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+
+def _weights_finite(model, accelerator) -> bool:
+    """Every parameter finite (one host sync; checked before each save so nothing non-finite is written)."""
+    flags = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
+    if accelerator.num_processes > 1:  # FSDP shards: every process checks its own
+        flags = accelerator.reduce(flags.float(), reduction="sum") == accelerator.num_processes
+    return bool(flags)
+
+
+def _stop_diverged(accelerator, config: TrainingConfig, step: int, loss: float, grad_norm: float, in_a_row: int,
+                   weights: bool = False) -> None:
+    found = checkpoint_dirs(config.output_dir)
+    last = found[-1] if found else None
+    where = f"last good checkpoint: {last} (resume with --resume)" if last else "no checkpoint was written yet"
+    if weights:
+        message = f"step {step}: the weights became non-finite; nothing was saved; {where}"
+    else:
+        message = (f"step {step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (loss "
+                   f"{loss!r}, grad norm {grad_norm!r}{f', {in_a_row} bad updates in a row' if in_a_row > 1 else ''});"
+                   f" the update was not applied; {where}; lower --learning-rate or allow --skip-nonfinite N")
+    if accelerator.is_main_process:
+        log_event(config.output_dir, f"stopped: {message}")
+    accelerator.end_training()
+    raise TrainingDiverged(message, step, last)
+
+
 def _write_json(path: str, content: dict) -> None:
     with open(path + ".tmp", "w") as handle:
         json.dump(content, handle, indent=1)
@@ -520,7 +740,13 @@ def _save_model(model, state_dict, tokenizer, output_dir: str) -> None:
     def write(folder):
         model.save_pretrained(folder, state_dict=state_dict)
         tokenizer.save_pretrained(folder)
+        written.extend(os.listdir(folder))
+    written: list[str] = []
+    manifest = os.path.join(output_dir, MANIFEST)
+    if os.path.exists(manifest):  # the files it vouches for are about to be replaced
+        os.remove(manifest)
     _save_into(output_dir, write)
+    write_manifest(output_dir, written)  # last: the model folder is complete
 
 
 def _save_into(output_dir: str, write) -> None:
@@ -535,5 +761,5 @@ def _save_into(output_dir: str, write) -> None:
     os.rmdir(temporary)
 
 
-__all__ = ["TINY_TRAINING", "TrainResult", "TrainingConfig", "TrainingError", "checkpoint_dirs", "learning_rate_at",
-           "train"]
+__all__ = ["TINY_TRAINING", "TrainResult", "TrainingConfig", "TrainingDiverged", "TrainingError", "checkpoint_dirs",
+           "choose_checkpoint", "inspect_checkpoint", "learning_rate_at", "train"]
