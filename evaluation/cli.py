@@ -41,6 +41,9 @@ def register(subparsers) -> None:
     parser.add_argument("--text", default="The cat sat on the mat because it was tired of standing.",
                         help="text for --plots")
     parser.add_argument("--output", metavar="FILE", help="write the results as JSON (input of `switchhead card`)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="evaluate a training run's folder even when its SHA-256 manifest does not verify")
     parser.add_argument("--task-dir", action="store_true", help="print the lm-eval task folder (for "
                                                                 "--include_path) and exit")
     parser.set_defaults(handler=run_eval)
@@ -71,6 +74,7 @@ def register(subparsers) -> None:
         else:
             parser.add_argument("--repo-id", help="Hub repository id shown in the usage snippet")
             parser.add_argument("--output", help="where to write the card (default: MODEL/README.md; '-' for stdout)")
+            parser.add_argument("--overwrite", action="store_true", help="replace an existing card file")
         parser.add_argument("--results", help="JSON written by `switchhead eval --output`")
         parser.add_argument("--training-data", help="one paragraph on the training data")
         parser.add_argument("--dataset", action="append", default=[], help="Hub dataset id for the metadata")
@@ -105,6 +109,14 @@ def run_eval(args) -> int:
         return 0
     if not args.model or not (Path(args.model) / "config.json").is_file():
         raise _usage_error(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
+    if args.output:
+        from switchhead.cli import refuse_existing_output
+
+        refuse_existing_output(args.output, args.overwrite)
+    if not args.no_verify:
+        from switchhead.integrity import check_model_folder
+
+        check_model_folder(args.model)
     if args.batch_size < 1:
         raise _usage_error("--batch-size must be >= 1")
     from .zero_shot import DEFAULT_TASKS, expand_tasks
@@ -173,7 +185,9 @@ def run_eval(args) -> int:
         print(f"wrote {path}")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        temporary = Path(args.output).with_name(f".{Path(args.output).name}.tmp")
+        temporary.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        os.replace(temporary, args.output)
         print(f"wrote {args.output}")
     return 0
 
@@ -227,12 +241,19 @@ def _card(args, repo_id):
 
 
 def run_card(args) -> int:
+    if not (Path(args.model) / "config.json").is_file():
+        raise _usage_error(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     card = _card(args, args.repo_id)
     if args.output == "-":
         sys.stdout.write(str(card))
         return 0
+    from switchhead.cli import refuse_existing_output
+
     output = Path(args.output or os.path.join(args.model, "README.md"))
-    output.write_text(str(card), encoding="utf-8")
+    refuse_existing_output(str(output), args.overwrite)
+    temporary = output.with_name(f".{output.name}.tmp")
+    temporary.write_text(str(card), encoding="utf-8")
+    os.replace(temporary, output)
     print(f"wrote {output}")
     return 0
 
@@ -240,7 +261,18 @@ def run_card(args) -> int:
 def run_publish(args, api=None) -> int:
     from .card import publish
 
+    if not (Path(args.model) / "config.json").is_file():
+        raise _usage_error(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     card = _card(args, args.repo)
-    url = publish(args.model, args.repo, card, api=api, private=args.private, token=args.token)
+    try:
+        url = publish(args.model, args.repo, card, api=api, private=args.private, token=args.token)
+    except Exception as error:  # noqa: BLE001 - the Hub unreachable, offline mode, refused credentials
+        if type(error).__module__.split(".")[0] not in ("huggingface_hub", "httpx", "httpx2", "requests", "urllib3") \
+                and not isinstance(error, (ConnectionError, TimeoutError)):
+            raise
+        if type(error).__name__ == "OfflineModeIsEnabled":
+            raise _usage_error("cannot publish: HF_HUB_OFFLINE is set (unset it to reach the Hub)") from None
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise _usage_error(f"cannot publish to the Hub ({type(error).__name__}: {first})") from None
     print(f"published {args.model} to {url}")
     return 0
