@@ -181,27 +181,46 @@ def _one_bar_hflm_class():
     return OneBarHFLM
 
 
-class _NoCustomKwargsWarning(logging.Filter):
+class _PerRequestWarnings(logging.Filter):
+    """Drops lm-eval's per-task "Custom kwargs" warning (our local-file tasks trigger it by design) and counts its
+    per-request truncation warning instead of letting thousands of them through."""
+
+    def __init__(self):
+        super().__init__()
+        self.truncated = 0
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Custom kwargs can be passed" not in record.getMessage()
+        message = record.getMessage()
+        if message.startswith("Combined length of context"):
+            self.truncated += 1
+            return False
+        return "Custom kwargs can be passed" not in message
 
 
 @contextlib.contextmanager
 def _quiet_lm_eval():
-    """While lm-eval builds requests: no progress bar per task, no per-task warning about `custom_dataset`
-    keyword arguments (our tasks read local files through it, as designed). Restored afterwards."""
+    """While lm-eval runs: no progress bar per task, no per-task or per-request warnings (one summary line for the
+    requests truncated to the model's length). Everything is restored afterwards."""
     import lm_eval.api.task as task_module
+    import lm_eval.models.huggingface as hf_module
     from tqdm import tqdm
 
-    logger, quiet = logging.getLogger(task_module.__name__), _NoCustomKwargsWarning()
+    loggers = [logging.getLogger(task_module.__name__), logging.getLogger(hf_module.__name__)]
+    quiet = _PerRequestWarnings()
     original = task_module.tqdm
     task_module.tqdm = functools.partial(tqdm, disable=True)
-    logger.addFilter(quiet)
+    for logger in loggers:
+        logger.addFilter(quiet)
     try:
         yield
     finally:
         task_module.tqdm = original
-        logger.removeFilter(quiet)
+        for logger in loggers:
+            logger.removeFilter(quiet)
+        if quiet.truncated:
+            logging.getLogger(__name__).warning(
+                "%d lm-eval requests were longer than the model's context; lm-eval kept their last tokens",
+                quiet.truncated)
 
 
 # ==================================================================================================== scoring

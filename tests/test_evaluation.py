@@ -448,3 +448,23 @@ def test_one_bar_lm_gives_lm_eval_numbers_without_its_bars(model_dir, capfd):
     assert [g for _, g in got] == [g for _, g in expected]
     assert [l for l, _ in got] == pytest.approx([l for l, _ in expected], abs=1e-4)
     assert got_rolling == pytest.approx(expected_rolling, abs=1e-4)
+
+
+def test_lm_eval_per_request_warnings_become_one_summary_line(caplog):
+    import logging
+
+    from switchhead.evaluation.zero_shot import _quiet_lm_eval
+
+    hf_logger, task_logger = logging.getLogger("lm_eval.models.huggingface"), logging.getLogger("lm_eval.api.task")
+    with caplog.at_level(logging.WARNING):
+        with _quiet_lm_eval():
+            for _ in range(500):
+                hf_logger.warning("Combined length of context (136) and continuation (3) exceeds model's maximum "
+                                  "length (128). Truncating 12 tokens from the left.")
+            task_logger.warning("switchhead_lambada: Custom kwargs can be passed to `--metadata` in console")
+            task_logger.warning("something else")
+        hf_logger.warning("Combined length of context (1) after the run")  # filters removed again
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["something else",
+                        "500 lm-eval requests were longer than the model's context; lm-eval kept their last tokens",
+                        "Combined length of context (1) after the run"]
