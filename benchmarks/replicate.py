@@ -107,7 +107,7 @@ SCALES = {
                      max_steps=160, warmup_steps=16, learning_rate=2e-3, grad_clip=0.25, hidden_dropout=0.0,
                      vocab_size=8000, seeds=3, eval_every=20, eval_batches=8, save_every=40, blimp_pairs=10,
                      lambada_passages=200, valid_fraction=0.25, perplexity_protocol="chunked", zero_shot_seeds=1,
-                     ablations=(("k1", 5, 1), ("E1", 1, 1), ("k3", 5, 3), ("E8", 8, 2), ("E3", 3, 2))),
+                     ablations=(("E1", 1, 1), ("k1", 5, 1), ("k3", 5, 3), ("E8", 8, 2), ("E3", 3, 2))),
     # the issue's intended size: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",
                  d=192, layers=6, d_ff=768, heads=2, experts=5, k=2, head_dim=32, dense_heads=8, dense_head_dim=24,
@@ -192,8 +192,6 @@ def plan(scale: Scale) -> list[RunSpec]:
     if "rope" in scale.comparisons:
         for seed in range(scale.seeds):
             runs += triple("rope", seed)
-    if "xl" in scale.comparisons:
-        runs += triple("xl", 0)
     if "switchall" in scale.comparisons:
         fields = {**switchhead_fields(scale, "rope"), "mlp_type": "sigma_moe", "num_mlp_experts": scale.mlp_experts,
                   "mlp_expert_size": scale.mlp_expert_size, "num_mlp_experts_per_tok": 4,
@@ -211,8 +209,8 @@ def plan(scale: Scale) -> list[RunSpec]:
                 label = f"SwitchHead E={experts} k={k}, RoPE"
             runs.append(RunSpec(f"rope-ablation-{tag}-s0", f"rope-ablation-{tag}", "ablation", "ablation", label, 0,
                                 fields, True))
-    if "xl" in scale.comparisons:
-        for seed in range(1, scale.seeds):
+    if "xl" in scale.comparisons:  # last: XL is where a grid short of time gives up seeds first
+        for seed in range(scale.seeds):
             runs += triple("xl", seed)
     return runs
 
@@ -381,6 +379,50 @@ def zero_shot_eval(run_dir: Path, scale: Scale, device: str) -> dict:
     numbers["lambada_acc"], numbers["lambada_perplexity"] = lambada["acc"], lambada["perplexity"]
     numbers["seconds"] = time.time() - started
     return numbers
+
+
+# ================================================================================================ diagnosis
+def routing_statistics(run_dir: Path, data: str, tokens: int = 16_384, block_size: int = 256) -> dict:
+    """How a trained model uses its experts on the first `tokens` validation tokens: for every router (each
+    `ExpertSelection` module, by name), per head: the share of top-k picks each expert gets, the normalised
+    entropy of that distribution (1 = uniform, 0 = one expert only) and the mean gate value of the picks."""
+    import torch
+
+    from switchhead import SwitchHeadForCausalLM
+    from switchhead.evaluation.perplexity import read_text
+    from switchhead.training import load_tokenizer
+
+    model = SwitchHeadForCausalLM.from_pretrained(str(run_dir)).eval()
+    tokenizer = load_tokenizer(str(run_dir))
+    ids = torch.tensor(tokenizer(read_text(split_file(data, "valid"))[:400_000], add_special_tokens=False).input_ids)
+    rows = ids[: tokens // block_size * block_size].view(-1, block_size)
+    seen: dict[str, list] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if type(module).__name__ == "ExpertSelection":
+            def hook(module, _inputs, output, name=name):
+                _, gates, index = output
+                seen.setdefault(name, []).append((module, gates.detach().float(), index.detach()))
+            hooks.append(module.register_forward_hook(hook))
+    with torch.no_grad():
+        for start in range(0, rows.shape[0], 8):
+            model(input_ids=rows[start:start + 8], use_cache=False)
+    for handle in hooks:
+        handle.remove()
+    report = {}
+    for name, calls in seen.items():
+        module = calls[0][0]
+        groups, experts = module.num_groups, module.num_experts
+        index = torch.cat([c[2] for c in calls]).reshape(-1)
+        gates = torch.cat([c[1] for c in calls]).reshape(-1)
+        counts = torch.bincount(index, minlength=groups * experts).view(groups, experts).double()
+        share = counts / counts.sum(-1, keepdim=True)
+        entropy = -(share * share.clamp_min(1e-12).log()).sum(-1) / math.log(experts) if experts > 1 else \
+            torch.ones(groups)
+        report[name] = dict(share=[[round(float(v), 4) for v in row] for row in share],
+                            normalised_entropy=[round(float(v), 4) for v in entropy],
+                            mean_gate=round(float(gates.mean()), 4))
+    return report
 
 
 # ================================================================================================ results
@@ -603,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-zero-shot", action="store_true", help="skip BLiMP / LAMBADA")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the results files")
     parser.add_argument("--list", action="store_true", help="print the grid with parameter counts and exit")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="expert usage of every finished SwitchHead/SwitchAll run -> replication_routing.json")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in a child process
     args = parser.parse_args(argv)
     if args.smoke:
@@ -632,6 +676,18 @@ def main(argv: list[str] | None = None) -> int:
             fields = resolved_fields(spec, scale, vocab)
             print(f"{spec.name:28s} {count_parameters(fields, vocab):>11,}  d_ff={fields['intermediate_size']}  "
                   f"{spec.label}")
+        return 0
+    if args.diagnose:
+        routing = {}
+        for spec in specs.values():
+            if (args.out / spec.name / RUN_RECORD).is_file() and spec.fields["attention_type"] == "switchhead":
+                routing[spec.name] = routing_statistics(args.out / spec.name, args.data, block_size=scale.block_size)
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        (args.results_dir / "replication_routing.json").write_text(json.dumps(routing, indent=1))
+        for run, routers in routing.items():
+            for name, stats in routers.items():
+                print(f"{run:24s} {name:40s} entropy per head {stats['normalised_entropy']} "
+                      f"mean gate {stats['mean_gate']}")
         return 0
     if not args.report_only:
         for spec in specs.values():

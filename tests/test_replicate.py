@@ -143,7 +143,7 @@ def test_parameter_matching_of_the_session_grid():
 
     scale = replicate.SCALES["session"]
     vocab = 8000
-    for spec in replicate.plan(scale):
+    for spec in [s for s in replicate.plan(scale) if s.seed == 0]:  # the other seeds have the same fields
         target = replicate.count_parameters(replicate.switchhead_fields(scale, spec.fields["position_encoding"]),
                                             vocab)
         count = replicate.count_parameters(replicate.resolved_fields(spec, scale, vocab), vocab)
@@ -162,3 +162,19 @@ def test_match_parameters_solves_for_the_mlp_width():
     target = replicate.count_parameters({**fields, "intermediate_size": 100}, 500) + 7
     matched, count = replicate.match_parameters(fields, target, 500)
     assert matched["intermediate_size"] == 100 and count == target - 7
+
+
+def test_routing_statistics_of_a_trained_switchhead(smoke):
+    tmp, _ = smoke
+    scale = replicate.SCALES["smoke"]
+    stats = replicate.routing_statistics(tmp / "runs" / "rope-switchhead-s0", str(tmp / "data"), tokens=512,
+                                         block_size=scale.block_size)
+    names = sorted(stats)
+    assert names == ["model.layers.0.self_attn.output_selection", "model.layers.0.self_attn.value_selection"]
+    for router in stats.values():
+        assert len(router["share"]) == scale.heads and all(len(row) == scale.experts for row in router["share"])
+        for row, entropy in zip(router["share"], router["normalised_entropy"]):
+            assert math.isclose(sum(row), 1.0, abs_tol=1e-3) and 0.0 <= entropy <= 1.0 + 1e-6
+            # k of E experts are picked per token: no expert can hold more than 1/k of the picks
+            assert max(row) <= 1 / scale.k + 1e-6
+        assert 0.0 < router["mean_gate"] < 1.0
