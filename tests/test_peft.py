@@ -162,8 +162,9 @@ def _model_folder(shared_data, tmp_path, preset: str) -> str:
     return folder
 
 
-def test_finetune_cli_lowers_the_loss_and_writes_a_loadable_adapter(shared_data, tmp_path, capsys):
-    base = _model_folder(shared_data, tmp_path, "tiny-switchall")
+@pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-dense-xl"])
+def test_finetune_cli_lowers_the_loss_and_writes_a_loadable_adapter(shared_data, tmp_path, capsys, preset):
+    base = _model_folder(shared_data, tmp_path, preset)
     data = str(shared_data / "wikitext-2")
     out = str(tmp_path / "adapter")
     assert cli_main(["finetune", base, "--data", data, "--output-dir", out, "--rank", "4", "--max-steps", "25",
