@@ -27,12 +27,15 @@ from switchhead.training.finetune import (  # noqa: E402
     lora_config,
 )
 
-PRESETS = ["tiny-switchhead", "tiny-switchall", "tiny-dense", "tiny-switchhead-xl", "tiny-dense-xl"]
+PRESETS = ["tiny-switchhead", "tiny-switchall", "tiny-dense", "tiny-switchhead-xl", "tiny-dense-xl",
+           "tiny-switchall+xl"]
 
 
 def _base(preset: str, seed: int = 0) -> SwitchHeadForCausalLM:
     torch.manual_seed(seed)
-    config = SwitchHeadConfig.from_preset(preset, vocab_size=128, xl_memory_length=0)
+    name, _, xl = preset.partition("+")  # "+xl": the preset with Transformer-XL attention
+    overrides = {"position_encoding": "xl"} if xl else {}
+    config = SwitchHeadConfig.from_preset(name, vocab_size=128, xl_memory_length=0, **overrides)
     return SwitchHeadForCausalLM(config).eval()
 
 
