@@ -360,3 +360,26 @@ def test_inductor_compiles_xl_forward_and_hub_copy_without_kernels(tmp_path, mon
         package_logits = reference(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(want, package_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_benchmark_quick_mode_writes_json_and_markdown(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_model
+
+    out = tmp_path / "model.json"
+    assert bench_model.main(["--quick", "--no-reference", "--no-memory", "--decode-steps", "2", "--out",
+                             str(out)]) == 0
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["machine"]["threads"] >= 1 and report["machine"]["torch"] == torch.__version__
+    assert set(report["ratios"]) == {"rope", "xl"}
+    rope = report["ratios"]["rope"]
+    for key in ("train_time@32", "train_time@64", "prefill_time", "decode_tok_s_eager@b1", "decode_tok_s_eager@b8",
+                "kv_cache_bytes"):
+        assert rope[key] > 0
+    assert 0 < rope["kv_cache_bytes"] < 1  # SwitchHead's cache is smaller than the dense baseline's
+    assert rope["train_peak_memory@32"] is None  # --no-memory; the child's measurement itself, in-process:
+    peak = bench_model._peak_memory("dense-rope", 1, 16, True, "sdpa")
+    assert peak["peak_rise_bytes"] > 0 and peak["parameters"] == report["parameters"]["dense-rope"]
+    assert "Ratios" in out.with_suffix(".md").read_text()
