@@ -47,7 +47,9 @@ def cvmm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top
     index = top_k_index.reshape(num_tokens, -1).long()
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    tokens = hidden_states.to(up.dtype).unsqueeze(1)  # [N, 1, d]: every slot of a token reads its one row
+    # [N, 1, d]: every slot of a token reads its one row (cvmm computes in the autocast dtype under autocast, else
+    # in the promoted dtype of activations and weights)
+    tokens = hidden_states.unsqueeze(1)
 
     inner = cvmm(tokens, index, _as_in_out(up, self.is_transposed))  # [N, k, (2 *) I]
     if up_bias is not None:
