@@ -87,14 +87,15 @@ class SwitchHeadConfig(PreTrainedConfig):
     }
 
     @property
-    def base_model_tp_plan(self) -> dict[str, str]:
+    def base_model_tp_plan(self) -> dict[str, str] | None:
         """Tensor-parallel plan (`from_pretrained(..., tp_plan="auto")`), exact for this configuration.
 
         Dense feed-forward: up_proj colwise, down_proj rowwise. Dense RoPE attention without output gate: q/k/v
         colwise (heads split over processes), o_proj rowwise. SwitchHead's expert tensors (value/output experts,
         sigma-MoE keys/values) and their routers are replicated: sharding them by heads or experts needs the
         per-head expert indices remapped in `expert_projection`, not done yet. XL attention is replicated too (its
-        position projection would have to be split by heads alongside q).
+        position projection would have to be split by heads alongside q). The causal LM adds `lm_head`
+        (`colwise_gather_output`).
         """
         plan = {}
         if self.attention_type == "dense" and self.position_encoding == "rope" and not self.attention_output_gate:
@@ -102,7 +103,7 @@ class SwitchHeadConfig(PreTrainedConfig):
                          "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"})
         if self.mlp_type == "dense":
             plan.update({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
-        return plan
+        return plan or None  # SwitchAll (all expert tensors): no plan
 
     vocab_size: int = 8000
     hidden_size: int = 412

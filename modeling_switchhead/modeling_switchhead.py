@@ -1110,6 +1110,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
     """SwitchHead / SwitchAll language model: the decoder stack plus an (untied, biased) output layer."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # tensor parallelism: vocabulary rows split, logits gathered
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__(config)
