@@ -309,13 +309,15 @@ def run_one(spec: RunSpec, scale: Scale, out: Path, data: str, tokenizer_dir: Pa
             mixed_precision="bf16" if device == "cuda" else "no", eval_every=scale.eval_every,
             eval_batches=scale.eval_batches, log_every=10 if scale.max_steps >= 100 else 1,
             save_every=scale.save_every, keep_checkpoints=1, tensorboard=False, progress=False, resume=resume)
+        load_before = os.getloadavg()[0]
         result = train(config)
         rows = _read_log(run_dir)
         throughput = [float(r["tokens_per_second"]) for r in rows if r["tokens_per_second"]][1:] or \
             [float(r["tokens_per_second"]) for r in rows if r["tokens_per_second"]]
         summary = dict(dataclasses.asdict(result), resumed=resume is not None,
                        tokens_per_second_median=statistics.median(throughput),
-                       peak_memory_mb=max(float(r["peak_memory_mb"]) for r in rows))
+                       peak_memory_mb=max(float(r["peak_memory_mb"]) for r in rows),
+                       torch_threads=torch.get_num_threads(), load_average_1min=[load_before, os.getloadavg()[0]])
         (run_dir / "train_result.json").write_text(json.dumps(summary, indent=1))
     summary = json.loads(trained.read_text())
     rows = _read_log(run_dir)
@@ -518,7 +520,9 @@ def plot_curves(records: list[dict], comparison: str, path: Path) -> bool:
 
     wanted = {name for name, _ in comparison_rows(aggregate(records), comparison)}
     chosen = [r for r in records if r["model"] in wanted]
-    if not chosen:
+    own = {"switchall": "switchall", "ablation": "ablation"}.get(comparison)
+    if not chosen or (own and not any(r["role"] == own for r in chosen)):
+        path.unlink(missing_ok=True)  # no stale picture of an earlier state
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     colours = {}
