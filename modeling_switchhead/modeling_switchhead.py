@@ -958,7 +958,8 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         # entropy loss) under a threading lock, which torch.compile(fullgraph=True) cannot enter. (Mixtral escapes
         # this only because it records nothing unless asked.)
         install_hooks = getattr(output_capturing, "maybe_install_capturing_hooks", None)
-        if install_hooks is not None:
+        records = config.mlp_type == "sigma_moe" and config.entropy_reg_coef > 0
+        if install_hooks is not None and (records or config.output_router_logits):
             install_hooks(self)
         self.post_init()
 
