@@ -953,15 +953,16 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
             )
         self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
-        # Install Transformers' output-recording hooks now, in eager code. `capture_outputs` would install them on
-        # the first call that records anything (SwitchAll's training forward records router logits for its
-        # entropy loss) under a threading lock, which torch.compile(fullgraph=True) cannot enter. (Mixtral escapes
-        # this only because it records nothing unless asked.)
+        self.post_init()
+        # SwitchAll's training forward records its router logits (entropy loss) through Transformers' output hooks,
+        # which `capture_outputs` installs on the first recording call under a threading lock that
+        # torch.compile(fullgraph=True) cannot enter: install them now, in eager code. (Mixtral escapes this only
+        # because it records nothing unless asked.) Only where a plain training step records something: installed
+        # hooks stop a submodule from compiling on its own (they read a ContextVar), so the others stay hook-free.
         install_hooks = getattr(output_capturing, "maybe_install_capturing_hooks", None)
         records = config.mlp_type == "sigma_moe" and config.entropy_reg_coef > 0
         if install_hooks is not None and (records or config.output_router_logits):
             install_hooks(self)
-        self.post_init()
 
     def get_input_embeddings(self):
         return self.embed_tokens
