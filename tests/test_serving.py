@@ -21,8 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-openai = pytest.importorskip("openai", reason="serving tests need the serve extra: pip install -e '.[test]'")
-pytest.importorskip("fastapi", reason="serving tests need the serve extra: pip install -e '.[test]'")
+try:
+    import fastapi  # noqa: F401
+    import openai
+except ImportError as error:  # fail, not skip: the test extra pins them
+    raise ImportError(f"{error}; the serving tests need the serve dependencies: pip install -e '.[test]'") from error
 
 from hub_folder import save_hub_folder  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
