@@ -199,6 +199,7 @@ def plan(scale: Scale) -> list[RunSpec]:
         runs.append(RunSpec("rope-switchall-s0", "rope-switchall", "switchall", "switchall",
                             f"SwitchAll (sigma-MoE MLP {scale.mlp_experts}x{scale.mlp_expert_size}, k=4), RoPE",
                             0, fields, False))
+    ablations: list[RunSpec] = []
     if "ablation" in scale.comparisons:
         for tag, experts, k in scale.ablations:
             if experts == 1:  # SwitchHead with one expert per head: dense attention with a per-head output gate
@@ -207,10 +208,15 @@ def plan(scale: Scale) -> list[RunSpec]:
             else:
                 fields = switchhead_fields(scale, "rope", experts, k)
                 label = f"SwitchHead E={experts} k={k}, RoPE"
-            runs.append(RunSpec(f"rope-ablation-{tag}-s0", f"rope-ablation-{tag}", "ablation", "ablation", label, 0,
-                                fields, True))
-    if "xl" in scale.comparisons:  # last: XL is where a grid short of time gives up seeds first
-        for seed in range(scale.seeds):
+            ablations.append(RunSpec(f"rope-ablation-{tag}-s0", f"rope-ablation-{tag}", "ablation", "ablation", label,
+                                     0, fields, True))
+    # priority: the first two ablations, then one seed of XL, then the other ablations, then XL's other seeds
+    runs += ablations[:2]
+    if "xl" in scale.comparisons:
+        runs += triple("xl", 0)
+    runs += ablations[2:]
+    if "xl" in scale.comparisons:
+        for seed in range(1, scale.seeds):
             runs += triple("xl", seed)
     return runs
 
