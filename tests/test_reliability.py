@@ -135,7 +135,8 @@ def test_resume_from_the_last_good_checkpoint_after_a_stop_equals_an_uninterrupt
     nan_at(set())  # the fault is gone: resume
     resumed = train(config_for(corpus, tmp_path / "run", resume="latest"))
     assert resumed.step == 6 and resumed.valid_loss == reference.valid_loss
-    want, got = load_file(tmp_path / "reference" / "model.safetensors"), load_file(tmp_path / "run" / "model.safetensors")
+    want = load_file(tmp_path / "reference" / "model.safetensors")
+    got = load_file(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(got[name], tensor) for name, tensor in want.items())
 
 

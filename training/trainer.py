@@ -203,10 +203,9 @@ def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_pro
 def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
     """The preset's model configuration with the user's overrides and the tokenizer's vocabulary (None: the
     configured BPE vocabulary size, to check the settings before a tokenizer exists)."""
-    import dataclasses as _dataclasses
     import difflib
 
-    known = {f.name for f in _dataclasses.fields(SwitchHeadConfig)} | {"rope_theta"}
+    known = {f.name for f in dataclasses.fields(SwitchHeadConfig)} | {"rope_theta"}
     for name in config.model:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
