@@ -433,6 +433,45 @@ def routing_statistics(run_dir: Path, data: str, tokens: int = 16_384, block_siz
     return report
 
 
+def interleaved_throughput(scale: Scale, vocab_size: int, repetitions: int = 5, steps: int = 1) -> dict:
+    """Training-step throughput of every model of the grid (seed 0 fields, random tokens, AdamW), measured
+    round-robin so that a change in the machine's load hits every model alike; medians of `repetitions`.
+
+    The per-run tokens/s in the training logs were taken hours apart on a shared machine and differ by load;
+    these are the numbers to compare."""
+    import torch
+
+    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+
+    models = {}
+    for spec in plan(scale):
+        if spec.seed == 0 and spec.model not in models:
+            torch.manual_seed(0)
+            config = SwitchHeadConfig(vocab_size=vocab_size, **resolved_fields(spec, scale, vocab_size))
+            model = SwitchHeadForCausalLM(config).train()
+            models[spec.model] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    batch = torch.randint(0, vocab_size, (scale.batch_size, scale.block_size))
+    times: dict[str, list[float]] = {name: [] for name in models}
+
+    def step(model, optimizer):
+        out = model(input_ids=batch, labels=batch, use_cache=False)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for model, optimizer in models.values():  # warm-up
+        step(model, optimizer)
+    for _ in range(repetitions):
+        for name, (model, optimizer) in models.items():
+            started = time.perf_counter()
+            for _ in range(steps):
+                step(model, optimizer)
+            times[name].append((time.perf_counter() - started) / steps)
+    tokens = scale.batch_size * scale.block_size
+    return {name: dict(step_seconds_median=statistics.median(t), tokens_per_second=tokens / statistics.median(t),
+                       step_seconds=t) for name, t in times.items()}
+
+
 # ================================================================================================ results
 def machine() -> dict:
     import torch
@@ -592,17 +631,23 @@ def write_results(scale: Scale, out: Path, results_dir: Path, command: str) -> d
                  if scale.zero_shot_seeds < scale.seeds else "") + ".", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None) + ".", "",
              "| model | params | attn MACs/layer | attn mem/layer | valid ppl | test ppl | BLiMP % | LAMBADA % | "
-             "train tok/s | peak MB | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "train tok/s (runs) | train tok/s (interleaved) | peak MB | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    throughput_file = results_dir / "replication_throughput.json"
+    throughput = json.loads(throughput_file.read_text()) if throughput_file.is_file() else None
+    report["throughput"] = throughput
     for comparison in scale.comparisons:
         for name, m in comparison_rows(models, comparison):
             if comparison == "switchall" and name != "rope-switchall":
                 continue
             if comparison == "ablation" and name == "rope-switchhead":
                 continue
+            interleaved = f"{throughput['models'][name]['tokens_per_second']:.0f}" \
+                if throughput and name in throughput["models"] else "-"
             lines.append(f"| {m['label']} | {m['parameters']:,} | {format_count(m['attention_macs'])} | "
                          f"{format_count(m['attention_memory'])} | {_fmt(m['valid_ppl'])} | {_fmt(m['test_ppl'])} | "
                          f"{_fmt(m['blimp_acc'], 1, 100)} | {_fmt(m['lambada_acc'], 1, 100)} | "
-                         f"{_fmt(m['tokens_per_second'], 0)} | {_fmt(m['peak_memory_mb'], 0)} | "
+                         f"{_fmt(m['tokens_per_second'], 0)} | {interleaved} | {_fmt(m['peak_memory_mb'], 0)} | "
                          f"{len(m['seeds'])} |")
     lines += ["", "Mean ± sample standard deviation over seeds. Not finished: "
               + (", ".join(missing) if missing else "none") + ".", ""]
@@ -655,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-zero-shot", action="store_true", help="skip BLiMP / LAMBADA")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the results files")
     parser.add_argument("--list", action="store_true", help="print the grid with parameter counts and exit")
+    parser.add_argument("--throughput", action="store_true",
+                        help="interleaved training-step throughput of every model -> replication_throughput.json")
     parser.add_argument("--diagnose", action="store_true",
                         help="expert usage of every finished SwitchHead/SwitchAll run -> replication_routing.json")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in a child process
@@ -686,6 +733,18 @@ def main(argv: list[str] | None = None) -> int:
             fields = resolved_fields(spec, scale, vocab)
             print(f"{spec.name:28s} {count_parameters(fields, vocab):>11,}  d_ff={fields['intermediate_size']}  "
                   f"{spec.label}")
+        return 0
+    if args.throughput:
+        from switchhead.training import load_tokenizer
+
+        load = os.getloadavg()[0]
+        numbers = interleaved_throughput(scale, len(load_tokenizer(str(tokenizer_dir))))
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        (args.results_dir / "replication_throughput.json").write_text(json.dumps(dict(
+            machine=machine(), batch_size=scale.batch_size, block_size=scale.block_size,
+            load_average_1min=[load, os.getloadavg()[0]], models=numbers), indent=1))
+        for name, entry in numbers.items():
+            print(f"{name:24s} {entry['tokens_per_second']:8.0f} tokens/s (median step {entry['step_seconds_median']:.3f} s)")
         return 0
     if args.diagnose:
         routing = {}

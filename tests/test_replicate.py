@@ -178,3 +178,13 @@ def test_routing_statistics_of_a_trained_switchhead(smoke):
             # k of E experts are picked per token: no expert can hold more than 1/k of the picks
             assert max(row) <= 1 / scale.k + 1e-6
         assert 0.0 < router["mean_gate"] < 1.0
+
+
+def test_interleaved_throughput_measures_every_model_of_the_grid():
+    scale = replicate.SCALES["smoke"]
+    numbers = replicate.interleaved_throughput(scale, 1000, repetitions=2, steps=1)
+    assert sorted(numbers) == ["rope-dense-total", "rope-switchhead"]
+    for entry in numbers.values():
+        assert len(entry["step_seconds"]) == 2 and entry["step_seconds_median"] > 0
+        assert math.isclose(entry["tokens_per_second"],
+                            scale.batch_size * scale.block_size / entry["step_seconds_median"])
