@@ -86,8 +86,10 @@ class Scale:
     blimp_paradigms: int | None = None  # first N paradigms in sorted order (None: all 67)
     entropy_reg_coef: float = 0.0001
     comparisons: tuple[str, ...] = ("rope", "xl", "switchall", "ablation")
+    # (tag, E, k); E = 1: SwitchHead with one expert per head (dense + output gate); tag "gate": the
+    # same-total-heads dense baseline with that output gate
     ablations: tuple[tuple[str, int, int], ...] = (("k1", 5, 1), ("k3", 5, 3), ("E1", 1, 1), ("E3", 3, 2),
-                                                   ("E8", 8, 2))
+                                                   ("E8", 8, 2), ("gate", 1, 1))
     perplexity_protocol: str = "sliding"  # stride block_size // 2
     valid_fraction: float = 1.0  # validation perplexity on this leading share of the split (test: always all)
     zero_shot_seeds: int = 3  # zero-shot evaluation only for the runs of seeds below this
@@ -107,7 +109,8 @@ SCALES = {
                      max_steps=160, warmup_steps=16, learning_rate=2e-3, grad_clip=0.25, hidden_dropout=0.0,
                      vocab_size=8000, seeds=3, eval_every=20, eval_batches=8, save_every=40, blimp_pairs=10,
                      lambada_passages=200, valid_fraction=0.25, perplexity_protocol="chunked", zero_shot_seeds=1,
-                     ablations=(("E1", 1, 1), ("k1", 5, 1), ("k3", 5, 3), ("E8", 8, 2), ("E3", 3, 2))),
+                     ablations=(("E1", 1, 1), ("k1", 5, 1), ("gate", 1, 1), ("k3", 5, 3), ("E8", 8, 2),
+                                ("E3", 3, 2))),
     # the intended size: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",
                  d=192, layers=6, d_ff=768, heads=2, experts=5, k=2, head_dim=32, dense_heads=8, dense_head_dim=24,
@@ -202,7 +205,10 @@ def plan(scale: Scale) -> list[RunSpec]:
     ablations: list[RunSpec] = []
     if "ablation" in scale.comparisons:
         for tag, experts, k in scale.ablations:
-            if experts == 1:  # SwitchHead with one expert per head: dense attention with a per-head output gate
+            if tag == "gate":  # the same-total-heads dense baseline with SwitchHead's per-head sigmoid output gate
+                fields = dense_fields(scale, "rope", scale.dense_heads, scale.dense_head_dim, gate=True)
+                label = f"dense H={scale.dense_heads} dh={scale.dense_head_dim} + output gate, RoPE"
+            elif experts == 1:  # SwitchHead with one expert per head: dense attention with a per-head output gate
                 fields = dense_fields(scale, "rope", scale.heads, scale.head_dim, gate=True)
                 label = f"E=1 (dense H={scale.heads} dh={scale.head_dim} + output gate), RoPE"
             else:
