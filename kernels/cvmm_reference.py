@@ -50,6 +50,8 @@ def grouped_mm_usable(dtype: torch.dtype, d_in: int, d_out: int, device_type: st
     """
     if _GROUPED_MM is None or dtype not in _GROUPED_DTYPES or device_type != "cpu":
         return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False  # torch 2.13's fake (meta) kernel of _grouped_mm accepts bf16 only: no fp32/fp16 under compile
     per_16_bytes = 16 // torch.empty(0, dtype=dtype).element_size()
     return d_in % per_16_bytes == 0 and d_out % per_16_bytes == 0
 

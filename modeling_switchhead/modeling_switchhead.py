@@ -65,6 +65,8 @@ def _grouped_mm_usable(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
+    if torch.compiler.is_compiling() and weight.dtype != torch.bfloat16:
+        return False  # torch 2.13's fake (meta) kernel of _grouped_mm accepts bf16 only: no fp32/fp16 under compile
     per_16_bytes = 16 // weight.element_size()
     return weight.shape[1] % per_16_bytes == 0 and weight.shape[2] % per_16_bytes == 0
 

@@ -383,3 +383,27 @@ def test_model_benchmark_quick_mode_writes_json_and_markdown(tmp_path):
     peak = bench_model._peak_memory("dense-rope", 1, 16, True, "sdpa")
     assert peak["peak_rise_bytes"] > 0 and peak["parameters"] == report["parameters"]["dense-rope"]
     assert "Ratios" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("project", [expert_projection_torch, cvmm_reference.expert_projection],
+                         ids=["hub-file", "kernels"])
+def test_many_token_formulations_compile_in_fp32(project):
+    """"auto"/"grouped" with many tokens in fp32 under torch.compile: `_grouped_mm`'s fake kernel takes bf16 only,
+    so the compiled graph must fall back to a formulation it can trace, with the eager values and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 1, 64, generator=gen, requires_grad=True)
+    w = torch.randn(8, 64, 32, generator=gen, requires_grad=True)
+    g = torch.rand(512, 2, generator=gen, requires_grad=True)
+    idx = torch.randint(0, 8, (512, 2), generator=gen)
+    for implementation in ("auto", "grouped"):
+        def loss(x, w, g, implementation=implementation):
+            return (project(x, idx, w, g, 1, implementation=implementation) ** 2).sum()
+
+        eager = loss(x, w, g)
+        want = torch.autograd.grad(eager, (x, w, g))
+        torch._dynamo.reset()
+        compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(x, w, g)
+        got = torch.autograd.grad(compiled, (x, w, g))
+        torch.testing.assert_close(compiled, eager, rtol=2e-5, atol=2e-5)
+        for a, b in zip(got, want):  # sums over 512 tokens in another order: fp32 rounding relative to the scale
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * float(b.abs().max()))
