@@ -91,6 +91,7 @@ class Scale:
     ablations: tuple[tuple[str, int, int], ...] = (("k1", 5, 1), ("k3", 5, 3), ("E1", 1, 1), ("E3", 3, 2),
                                                    ("E8", 8, 2), ("gate", 1, 1))
     perplexity_protocol: str = "sliding"  # stride block_size // 2
+    seeded_ablations: tuple[str, ...] = ()  # ablation tags that also get seeds 1 .. seeds-1 (after the others)
     valid_fraction: float = 1.0  # validation perplexity on this leading share of the split (test: always all)
     zero_shot_seeds: int = 3  # zero-shot evaluation only for the runs of seeds below this
     eval_batch_size: int = 16
@@ -110,7 +111,7 @@ SCALES = {
                      vocab_size=8000, seeds=3, eval_every=20, eval_batches=8, save_every=40, blimp_pairs=10,
                      lambada_passages=200, valid_fraction=0.25, perplexity_protocol="chunked", zero_shot_seeds=1,
                      ablations=(("E1", 1, 1), ("k1", 5, 1), ("gate", 1, 1), ("k3", 5, 3), ("E8", 8, 2),
-                                ("E3", 3, 2))),
+                                ("E3", 3, 2)), seeded_ablations=("gate",)),
     # the intended size: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",
                  d=192, layers=6, d_ff=768, heads=2, experts=5, k=2, head_dim=32, dense_heads=8, dense_head_dim=24,
@@ -216,11 +217,14 @@ def plan(scale: Scale) -> list[RunSpec]:
                 label = f"SwitchHead E={experts} k={k}, RoPE"
             ablations.append(RunSpec(f"rope-ablation-{tag}-s0", f"rope-ablation-{tag}", "ablation", "ablation", label,
                                      0, fields, True))
+    seeded = [dataclasses.replace(spec, name=spec.name[:-1] + str(seed), seed=seed)
+              for spec in ablations if spec.name[len("rope-ablation-"):-3] in scale.seeded_ablations
+              for seed in range(1, scale.seeds)]
     # priority: the first two ablations, then one seed of XL, then the other ablations, then XL's other seeds
     runs += ablations[:2]
     if "xl" in scale.comparisons:
         runs += triple("xl", 0)
-    runs += ablations[2:]
+    runs += ablations[2:] + seeded
     if "xl" in scale.comparisons:
         for seed in range(1, scale.seeds):
             runs += triple("xl", seed)
