@@ -542,7 +542,11 @@ def claim_checks(records: list[dict], models: dict[str, dict]) -> list[dict]:
         ours = f"{position}-switchhead"
         if ours not in models:
             continue
-        for baseline, title in (("dense-total", "same total heads"), ("dense-active", "same active heads")):
+        baselines = [("dense-total", "same total heads"), ("dense-active", "same active heads")]
+        if position == "rope":  # controls from the ablations: SwitchHead's output gate without experts
+            baselines += [("ablation-gate", "control: same total heads + output gate"),
+                          ("ablation-E1", "control: E=1 (H=2 + output gate)")]
+        for baseline, title in baselines:
             theirs = f"{position}-{baseline}"
             if theirs not in models:
                 continue
