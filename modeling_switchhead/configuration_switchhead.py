@@ -233,8 +233,8 @@ class SwitchHeadConfig(PreTrainedConfig):
         if not isinstance(self.rope_parameters, dict):
             raise ValueError(f"rope_parameters must be a dict, got {self.rope_parameters!r}")
         theta = self.rope_parameters.get("rope_theta", self.default_theta)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-            raise ValueError(f"rope_parameters['rope_theta'] must be a positive number, got {theta!r}")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+            raise ValueError(f"rope_parameters['rope_theta'] must be a finite positive number, got {theta!r}")
         self._check_rope_scaling()
         for name in ("layer_norm_eps", "init_scale", "initializer_range"):
             value = getattr(self, name)

@@ -38,6 +38,9 @@ INVALID = [
     (dict(num_attention_heads="2"), "num_attention_heads"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0}), "rope_type"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), "rope_theta"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}), "rope_theta"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": float("inf")}), "rope_theta"),
+    (dict(rope_theta=float("nan")), "rope_theta"),
 ]
 
 
