@@ -63,9 +63,11 @@ def checkpoint_writes(run: Path) -> set[str]:
         return set()
 
 
-def kill_and_restart(corpus, run: Path, steps: int, kills: int, seed: int) -> dict:
+def kill_and_restart(corpus, run: Path, steps: int, kills: int, seed: int, full_run_seconds: float) -> dict:
     """Run to the end, killing the process `kills` times: alternately while its second checkpoint of this attempt
-    is being written (so each attempt also makes progress) and after a random delay. Returns the tally."""
+    is being written (so each attempt also makes progress) and after a random delay. The delay is drawn as a
+    fraction of an uninterrupted run's wall time (`full_run_seconds`), so the kill lands inside the run on a fast
+    machine as on a loaded one. Returns the tally."""
     rng = random.Random(seed)
     tally = {"kills": 0, "during_checkpoint_write": 0, "at_random_moment": 0, "resumed": 0, "started_over": 0}
     while tally["kills"] < kills:
@@ -75,7 +77,7 @@ def kill_and_restart(corpus, run: Path, steps: int, kills: int, seed: int) -> di
         process = subprocess.Popen(command(corpus, run, steps, *flags), env=ENV, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE)
         during_write = tally["kills"] % 2 == 0
-        deadline = time.time() + (600 if during_write else rng.uniform(0.5, 10.0))
+        deadline = time.time() + (600 if during_write else rng.uniform(0.1, 0.45) * full_run_seconds)
         seen: set[str] = set()
         hit = False
         while process.poll() is None and time.time() < deadline:
@@ -115,16 +117,18 @@ def assert_same_run(reference: Path, run: Path) -> None:
     assert verify_manifest(str(run)) == []
 
 
-def reference_run(corpus, folder: Path, steps: int) -> Path:
+def reference_run(corpus, folder: Path, steps: int) -> tuple[Path, float]:
+    """The uninterrupted run, and its wall time in seconds (process start included)."""
     run = folder / "run"
+    started = time.monotonic()
     done = subprocess.run(command(corpus, run, steps), env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return run
+    return run, time.monotonic() - started
 
 
 def test_a_few_sigkills_including_during_checkpoint_writes_end_bitwise_equal(corpus, tmp_path):
-    reference = reference_run(corpus, tmp_path / "reference", steps=10)
-    tally = kill_and_restart(corpus, tmp_path / "run", steps=10, kills=3, seed=0)
+    reference, seconds = reference_run(corpus, tmp_path / "reference", steps=10)
+    tally = kill_and_restart(corpus, tmp_path / "run", steps=10, kills=3, seed=0, full_run_seconds=seconds)
     print(f"fault injection: {tally}")
     assert tally["kills"] == 3 and tally["during_checkpoint_write"] >= 2
     assert_same_run(reference, tmp_path / "run")
@@ -132,8 +136,8 @@ def test_a_few_sigkills_including_during_checkpoint_writes_end_bitwise_equal(cor
 
 @pytest.mark.slow
 def test_twenty_sigkills_at_random_moments_end_bitwise_equal(corpus, tmp_path):
-    reference = reference_run(corpus, tmp_path / "reference", steps=64)
-    tally = kill_and_restart(corpus, tmp_path / "run", steps=64, kills=20, seed=1)
+    reference, seconds = reference_run(corpus, tmp_path / "reference", steps=64)
+    tally = kill_and_restart(corpus, tmp_path / "run", steps=64, kills=20, seed=1, full_run_seconds=seconds)
     print(f"fault injection: {tally}")
     assert tally["kills"] >= 20 and tally["during_checkpoint_write"] >= 10
     assert_same_run(reference, tmp_path / "run")
