@@ -105,7 +105,7 @@ SKIP_KINDS: list[tuple[str, str, str]] = [
     (NOT_APPLICABLE, r"SwitchHeadXLConformanceTest::test_model_rope_scaling_(frequencies|from_config_.*)$",
      r"(no standardized RoPE module|not applicable: the XL variant)"),
     (NOT_APPLICABLE, r".*::test_eager_matches_sdpa_inference_.*_bf16_.*$", r"sigma-gated top-k routing"),
-    (NOT_APPLICABLE, r"SwitchAllConformanceTest::test_eager_matches_batched_and_grouped_inference_2_bf16$",
+    (NOT_APPLICABLE, r"SwitchAllConformanceTest::test_eager_matches_batched_and_grouped_inference_(0_fp16|2_bf16)$",
      r"sigma-gated top-k routing"),
     (NOT_APPLICABLE, r"(SwitchHead|Dense|SwitchHeadXL)ConformanceTest::test_eager_matches_batched_and_grouped_"
                      r"inference_.*$", r"^\[switchhead skip list\] not applicable: no MLP experts"),
@@ -355,7 +355,13 @@ class SwitchAllConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
     variant_skips = {
         "test_eager_matches_batched_and_grouped_inference_2_bf16": (
             "sigma-gated top-k routing: bf16 rounding differences between the experts implementations flip expert "
-            "choices in later layers; the fp32/fp16 comparisons run"),
+            "choices in later layers; the fp32 comparison runs"),
+        # fp16 flips a top-k choice too, for some random weights (seen in 2 of 4 full-suite runs: 31 of 672
+        # logits off by up to 0.09); tests/test_experts_implementation.py holds every implementation to eager
+        # within 1e-5 in fp32, forward and gradients
+        "test_eager_matches_batched_and_grouped_inference_0_fp16": (
+            "sigma-gated top-k routing: fp16 rounding differences between the experts implementations flip expert "
+            "choices for some random weights; the fp32 comparison runs"),
     }
 
 
