@@ -123,6 +123,9 @@ _MODULE_ONE_EXPERT = {
 def module_names(config: SwitchHeadConfig) -> dict[str, str]:
     """The user-facing module's tensor names -> ours (inside model.layers.{i}.) for `config`'s attention."""
     if config.attention_type == "switchhead":
+        if getattr(config, "attention_expert_projections", "value_output") != "value_output":
+            raise ConversionError(f"attention_expert_projections={config.attention_expert_projections!r} (the "
+                                  "value-only / output-only ablation) has no mapping to the authors' format")
         return _MODULE
     if config.attention_output_gate:
         return _MODULE_ONE_EXPERT

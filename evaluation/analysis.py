@@ -99,8 +99,9 @@ def router_layout(config) -> list[tuple[str, int, int]]:
     """(name, groups, top_k) of each router of one block, in the order the model records them."""
     routers = []
     if config.attention_type == "switchhead":
-        for name in ("value selection (W_S)", "output selection (W_D)"):
-            routers.append((name, config.num_attention_heads, config.num_attention_experts_per_tok))
+        names = {"value": "value selection (W_S)", "output": "output selection (W_D)"}
+        for side in getattr(config, "attention_expert_routers", ("value", "output")):
+            routers.append((names[side], config.num_attention_heads, config.num_attention_experts_per_tok))
     if config.mlp_type == "sigma_moe":
         routers.append(("sigma-MoE MLP", 1, config.num_mlp_experts_per_tok))
     return routers

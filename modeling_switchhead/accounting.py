@@ -16,6 +16,10 @@ Two SwitchHead MAC formulas exist, and they disagree:
   like the dense formula, and leaves the selection networks out. Given only as a labelled cross-check.
 
 Memory has only the table formula. The dense baseline has one formula (the same for both labels).
+
+The value-only / output-only ablation (`attention_expert_projections` "value" or "output", the paper's Table 6)
+has one MoE projection and one selection network (`n_exp = n_sel = 1` in the authors' script): the other
+projection is a dense d x H*dh matrix, counted like the dense baseline's, with no gate and no selection.
 """
 
 from __future__ import annotations
@@ -26,8 +30,15 @@ from dataclasses import asdict, dataclass
 from switchhead.configuration_switchhead import SwitchHeadConfig
 
 FORMULAS = ("table", "eq13")
-MOE_PROJECTIONS = 2  # V and O are mixtures of experts (n_exp in the authors' script)
-SELECTIONS = 2  # W_S (value side) and W_D (output side): n_sel
+MOE_PROJECTIONS = 2  # V and O are mixtures of experts (n_exp in the authors' script), by default
+SELECTIONS = 2  # W_S (value side) and W_D (output side): n_sel, by default
+
+
+def moe_projections(config: SwitchHeadConfig) -> int:
+    """How many of V and O are mixtures of experts (each with its own selection network): n_exp = n_sel."""
+    if config.attention_type != "switchhead":
+        return 0
+    return len(getattr(config, "attention_expert_routers", ("value", "output")))
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
 
@@ -70,10 +81,11 @@ def attention_macs(config: SwitchHeadConfig, context: int | None = None, memory_
         # Q, K, V, O projections; XL positional projection over all C*T relative positions
         return attention_matrices + 4 * d * H * dh * T + (2 * H * d * T * dh * C if xl else 0)
     E, k = config.num_attention_experts, config.num_attention_experts_per_tok
-    projections = (MOE_PROJECTIONS * k + 4 - MOE_PROJECTIONS) * d * H * dh * T  # dense Q, K; k experts of V, O
-    gating = MOE_PROJECTIONS * H * k * T * dh  # scaling the k expert outputs by their gates
+    moe = moe_projections(config)  # 2 (V and O), or 1 with a dense V or O (the ablation)
+    projections = (moe * k + 4 - moe) * d * H * dh * T  # dense Q, K (and V or O); k experts of the MoE ones
+    gating = moe * H * k * T * dh  # scaling the k expert outputs by their gates
     if formula == "table":
-        selection = SELECTIONS * E * d * T * C
+        selection = moe * E * d * T * C
         positional = 2 * H * d * T * dh if xl else 0
         return attention_matrices + projections + gating + selection + positional
     positional = 2 * H * d * T * dh * C if xl else 0
@@ -88,7 +100,7 @@ def attention_memory(config: SwitchHeadConfig, context: int | None = None, memor
     projections = 4 * H * dh * T  # q, k, v, attention output
     if config.attention_type == "dense":
         return attention_matrices + projections + (2 * H * T * dh * C if xl else 0)
-    selection = SELECTIONS * config.num_attention_experts * T * C
+    selection = moe_projections(config) * config.num_attention_experts * T * C
     return attention_matrices + projections + selection + (2 * H * T * dh if xl else 0)
 
 
@@ -170,6 +182,9 @@ def format_report(name: str, config: SwitchHeadConfig, report: CostReport) -> st
             f"H={config.num_attention_heads}, dh={config.head_dim}")
     if config.attention_type == "switchhead":
         head += f", E={config.num_attention_experts}, k={config.num_attention_experts_per_tok}"
+        sides = getattr(config, "attention_expert_projections", "value_output")
+        if sides != "value_output":
+            head += f", experts on {sides} only"
     forward = report.model_forward_macs
     lines = [
         head,

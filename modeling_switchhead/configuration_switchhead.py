@@ -20,6 +20,8 @@ from transformers import PreTrainedConfig
 ATTENTION_TYPES = ("switchhead", "dense")
 POSITION_ENCODINGS = ("rope", "xl")
 MLP_TYPES = ("dense", "sigma_moe")
+# which of SwitchHead's value / output projections are mixtures of experts (the paper's Table 6 ablation)
+EXPERT_PROJECTIONS = ("value_output", "value", "output")
 # RoPE types: the paper's, and every scaled type of Transformers' ROPE_INIT_FUNCTIONS, applied to the rotated channels
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -43,6 +45,10 @@ class SwitchHeadConfig(PreTrainedConfig):
         num_attention_experts_per_tok: active experts per head `k` (top-k of the sigmoid gate).
         attention_expert_dropout: probability of excluding a (token, head, expert) score from the top-k during
             training.
+        attention_expert_projections: only with `attention_type="switchhead"`: which projections are mixtures of
+            experts. `"value_output"` (SwitchHead, the default), `"value"` (expert values, a dense ungated output
+            projection `o_proj` `[H*dh -> d]`) or `"output"` (a dense value projection `v_proj` `[d -> H*dh]`,
+            expert outputs). The paper's ablation (its Table 6); the dense side has no router and no gate.
         attention_output_gate: only with `attention_type="dense"`: scale each head's attention result by a
             sigmoid gate computed from the attending token, `sigmoid(x W_gate^T)` with W_gate `[H, d]`, before the
             output projection. This is the authors' SwitchHead module with one expert per head (E = 1), for the
@@ -115,6 +121,7 @@ class SwitchHeadConfig(PreTrainedConfig):
     num_attention_experts: int = 5
     num_attention_experts_per_tok: int = 2
     attention_expert_dropout: float = 0.0
+    attention_expert_projections: str = "value_output"
     attention_output_gate: bool = False
     position_encoding: str = "rope"
     partial_rotary_factor: float = 0.5
@@ -193,6 +200,12 @@ class SwitchHeadConfig(PreTrainedConfig):
         for name in ("attention_expert_dropout", "mlp_expert_dropout", "attention_dropout", "hidden_dropout"):
             probability(name)
         choice("attention_type", ATTENTION_TYPES)
+        choice("attention_expert_projections", EXPERT_PROJECTIONS)
+        if self.attention_expert_projections != "value_output" and self.attention_type != "switchhead":
+            raise ValueError(
+                f"attention_expert_projections={self.attention_expert_projections!r} needs "
+                f"attention_type='switchhead', got {self.attention_type!r}"
+            )
         if not isinstance(self.attention_output_gate, bool):
             raise ValueError(f"attention_output_gate must be True or False, got {self.attention_output_gate!r}")
         if self.attention_output_gate and self.attention_type != "dense":
@@ -344,8 +357,16 @@ class SwitchHeadConfig(PreTrainedConfig):
 
     @property
     def routers_per_layer(self) -> int:
-        """How many expert routers one block has: value and output selection, plus the sigma-MoE one."""
-        return (2 if self.attention_type == "switchhead" else 0) + (1 if self.mlp_type == "sigma_moe" else 0)
+        """How many expert routers one block has: value and/or output selection, plus the sigma-MoE one."""
+        return len(self.attention_expert_routers) + (1 if self.mlp_type == "sigma_moe" else 0)
+
+    @property
+    def attention_expert_routers(self) -> tuple[str, ...]:
+        """The attention projections that are mixtures of experts, in the order a block records their routers."""
+        if self.attention_type != "switchhead":
+            return ()
+        return {"value_output": ("value", "output"), "value": ("value",), "output": ("output",)}[
+            self.attention_expert_projections]
 
     @classmethod
     def preset_names(cls) -> list[str]:

@@ -601,7 +601,13 @@ class SwitchHeadAttentionBase(nn.Module):
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
-    """SwitchHead: sigma-MoE value and output projections, E experts per head, k active per head."""
+    """SwitchHead: sigma-MoE value and output projections, E experts per head, k active per head.
+
+    `config.attention_expert_projections` ("value_output", the default) can make only one side a mixture of
+    experts (the paper's Table 6 ablation): "value" keeps expert values and uses a dense, ungated output
+    projection `o_proj` (H*dh -> d); "output" uses a dense value projection `v_proj` (d -> H*dh) and expert
+    outputs. The dense side has no router.
+    """
 
     is_transposed = True  # expert tensors are [experts, in, out] (Transformers' / PEFT's flag for that layout)
 
@@ -610,14 +616,27 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         heads, experts, d = self.num_heads, config.num_attention_experts, config.hidden_size
         self.num_experts = experts
         self.top_k = config.num_attention_experts_per_tok
+        projections = getattr(config, "attention_expert_projections", "value_output")
+        self.expert_values = projections in ("value_output", "value")
+        self.expert_output = projections in ("value_output", "output")
         selection_args = (d, heads, experts, self.top_k, config.attention_expert_dropout, False)
-        self.value_selection = ExpertSelection(*selection_args)  # W_S: source side
-        self.output_selection = ExpertSelection(*selection_args)  # W_D: destination side
-        self.value_experts = nn.Parameter(torch.empty(heads * experts, d, self.head_dim))  # W_V [H*E, d, dh]
-        self.output_experts = nn.Parameter(torch.empty(heads * experts, self.head_dim, d))  # W_O [H*E, dh, d]
+        if self.expert_values:
+            self.value_selection = ExpertSelection(*selection_args)  # W_S: source side
+        if self.expert_output:
+            self.output_selection = ExpertSelection(*selection_args)  # W_D: destination side
+        if self.expert_values:
+            self.value_experts = nn.Parameter(torch.empty(heads * experts, d, self.head_dim))  # W_V [H*E, d, dh]
+        else:
+            self.v_proj = nn.Linear(d, heads * self.head_dim, bias=False)
+        if self.expert_output:
+            self.output_experts = nn.Parameter(torch.empty(heads * experts, self.head_dim, d))  # W_O [H*E, dh, d]
+        else:
+            self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
 
     def project_values(self, hidden_states):
         batch, length, d = hidden_states.shape
+        if not self.expert_values:
+            return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         tokens = hidden_states.reshape(-1, 1, d)
         _, gates, index = self.value_selection(tokens[:, 0])
         project = expert_projection_for(self.config._experts_implementation)
@@ -626,6 +645,8 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
 
     def project_output(self, attended, hidden_states):
         batch, length, d = hidden_states.shape
+        if not self.expert_output:
+            return self.o_proj(attended.reshape(batch, length, -1))
         _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
         rows = attended.reshape(-1, self.num_heads, self.head_dim)
         # one weighted sum over all heads and their selected experts
@@ -823,10 +844,15 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
         # Dense projections (q, k, W_pk, the baseline's v and o, the dense MLP) are nn.Linear children and get
         # std init_scale / sqrt(fan_in) in the nn.Linear branch below; here only the tensors that are not Linear.
         if isinstance(module, SwitchHeadAttention):
-            init.normal_(module.value_experts, std=scale / math.sqrt(d))
-            init.normal_(module.output_experts, std=scale / math.sqrt(module.num_heads * module.head_dim))
-            for selection in (module.value_selection, module.output_selection):
-                _init_selection(selection.weight, std=scale / math.sqrt(d))
+            # a dense side of the V-only / O-only ablation (v_proj, o_proj) is an nn.Linear child: the same std
+            # as its expert tensor would get (init_scale / sqrt(fan_in)), from the nn.Linear branch below
+            if module.expert_values:
+                init.normal_(module.value_experts, std=scale / math.sqrt(d))
+            if module.expert_output:
+                init.normal_(module.output_experts, std=scale / math.sqrt(module.num_heads * module.head_dim))
+            for selection in (getattr(module, "value_selection", None), getattr(module, "output_selection", None)):
+                if selection is not None:
+                    _init_selection(selection.weight, std=scale / math.sqrt(d))
         elif isinstance(module, MultiHeadAttention):
             if module.output_gate is not None:  # a selection matrix in the reference: rows renormalised
                 _init_selection(module.output_gate, std=scale / math.sqrt(d))

@@ -22,6 +22,7 @@ OUT_OF_RANGE = {
     "num_mlp_experts_per_tok": [17], "num_attention_experts": [1], "hidden_act": ["tanh"],
     "attention_type": ["moe"], "position_encoding": ["alibi"], "mlp_type": ["moe"], "xl_memory_length": [16],
     "attention_output_gate": [True], "head_dim": [1],
+    "attention_expert_projections": ["value_only", "VALUE", "v", "values_outputs"],
 }
 # a ValueError for these fields may name the other field of the rule it breaks
 RELATED = {
@@ -91,6 +92,8 @@ def test_every_hostile_value_is_refused_naming_the_field_or_gives_a_finite_model
     (dict(initializer_range=NAN), "initializer_range"), (dict(pad_token_id=-5), "pad_token_id"),
     (dict(tie_word_embeddings="yes"), "tie_word_embeddings"), (dict(pad_token_id=512), "pad_token_id"),
     (dict(hidden_size=30, num_attention_heads=4, head_dim=None), "head_dim"),
+    (dict(attention_expert_projections="value_and_output"), "attention_expert_projections"),
+    (dict(attention_type="dense", attention_expert_projections="output"), "attention_expert_projections"),
 ])
 def test_the_reported_cases_are_refused(overrides, field):
     with pytest.raises(ValueError, match=field):

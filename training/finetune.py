@@ -67,8 +67,10 @@ def default_lora_targets(config: SwitchHeadConfig) -> tuple[list[str], list[str]
         modules.append("position_key_proj")
     if config.attention_type == "dense":
         modules += ["v_proj", "o_proj"]
-    else:
-        parameters += ["value_experts", "output_experts"]
+    else:  # SwitchHead; the value-only / output-only ablation has a dense v_proj or o_proj on the other side
+        sides = getattr(config, "attention_expert_routers", ("value", "output"))
+        modules += [f"{side[0]}_proj" for side in ("value", "output") if side not in sides]
+        parameters += [f"{side}_experts" for side in ("value", "output") if side in sides]
     if config.mlp_type == "dense":
         modules += ["up_proj", "down_proj"]
     else:
