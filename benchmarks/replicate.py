@@ -7,7 +7,10 @@ WikiText-2 with one 8k BPE tokenizer and the same token budget, optimiser and sc
     (b) dense attention with SwitchHead's total number of heads (H x E), parameter-matched (the paper's baseline)
     (c) dense attention with SwitchHead's number of active heads (H), parameter-matched
     (d) SwitchAll (SwitchHead attention + sigma-MoE MLP)
-    (e) ablations of SwitchHead: k, E (E = 1 is dense attention with a per-head output gate)
+    (e) ablations of SwitchHead: k, E (E = 1 is dense attention with a per-head output gate), value-only and
+        output-only experts (`attention_expert_projections`)
+    (f) a sweep (seed 0): learning rate and token budget of SwitchHead, the same-total-heads baseline and the gated
+        control, to see whether the ranking at the grid's own settings is one of tuning
 
 Every run is `switchhead.training.train` into its own folder, then `switchhead.evaluation` on the saved model:
 validation and test perplexity (`evaluate_perplexity`, the same protocol for every model), zero-shot BLiMP and
@@ -87,7 +90,7 @@ class Scale:
     entropy_reg_coef: float = 0.0001
     comparisons: tuple[str, ...] = ("rope", "xl", "switchall", "ablation")
     # (tag, E, k); E = 1: SwitchHead with one expert per head (dense + output gate); tag "gate": the
-    # same-total-heads dense baseline with that output gate
+    # same-total-heads dense baseline with that output gate; tags "Vonly" / "Oonly": experts on one side only
     ablations: tuple[tuple[str, int, int], ...] = (("k1", 5, 1), ("k3", 5, 3), ("E1", 1, 1), ("E3", 3, 2),
                                                    ("E8", 8, 2), ("gate", 1, 1))
     perplexity_protocol: str = "sliding"  # stride block_size // 2
@@ -95,6 +98,9 @@ class Scale:
     valid_fraction: float = 1.0  # validation perplexity on this leading share of the split (test: always all)
     zero_shot_seeds: int = 3  # zero-shot evaluation only for the runs of seeds below this
     eval_batch_size: int = 16
+    # (f): (tag, training overrides) x models ("switchhead", "dense-total", "gate"), seed 0, RoPE
+    sweeps: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
+    sweep_models: tuple[str, ...] = ("switchhead", "dense-total", "gate")
 
     @property
     def tokens(self) -> int:
@@ -111,7 +117,10 @@ SCALES = {
                      vocab_size=8000, seeds=3, eval_every=20, eval_batches=8, save_every=40, blimp_pairs=10,
                      lambada_passages=200, valid_fraction=0.25, perplexity_protocol="chunked", zero_shot_seeds=1,
                      ablations=(("E1", 1, 1), ("k1", 5, 1), ("gate", 1, 1), ("k3", 5, 3), ("E8", 8, 2),
-                                ("E3", 3, 2)), seeded_ablations=("gate",)),
+                                ("E3", 3, 2), ("Vonly", 5, 2), ("Oonly", 5, 2)), seeded_ablations=("gate",),
+                     comparisons=("rope", "xl", "switchall", "ablation", "sweep"),
+                     sweeps=(("lr1e-3", (("learning_rate", 1e-3),)), ("lr4e-3", (("learning_rate", 4e-3),)),
+                             ("tokens2x", (("max_steps", 320), ("warmup_steps", 32))))),
     # the issue's intended size: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",
                  d=192, layers=6, d_ff=768, heads=2, experts=5, k=2, head_dim=32, dense_heads=8, dense_head_dim=24,
@@ -138,8 +147,10 @@ COMPARISON_TITLES = {
     "rope": "SwitchHead vs dense baselines, RoPE",
     "xl": "SwitchHead vs dense baselines, Transformer-XL",
     "switchall": "SwitchAll vs SwitchHead and dense (RoPE)",
-    "ablation": "SwitchHead ablations (RoPE): k and E",
+    "ablation": "SwitchHead ablations (RoPE): k, E, value-only / output-only experts",
+    "sweep": "Learning rate and token budget (RoPE, seed 0)",
 }
+EXPERT_SIDES = {"Vonly": "value", "Oonly": "output"}  # ablation tag -> attention_expert_projections
 
 
 # ================================================================================================ the grid
@@ -153,6 +164,7 @@ class RunSpec:
     seed: int
     fields: dict  # SwitchHeadConfig fields (before parameter matching and vocabulary)
     match: bool  # adjust intermediate_size to SwitchHead's parameter count
+    training: dict = dataclasses.field(default_factory=dict)  # TrainingConfig overrides (the sweep)
 
 
 def _base_fields(scale: Scale, position: str) -> dict:
@@ -162,10 +174,14 @@ def _base_fields(scale: Scale, position: str) -> dict:
                 attention_dropout=0.0, attention_expert_dropout=0.0, mlp_type="dense")
 
 
-def switchhead_fields(scale: Scale, position: str, experts: int | None = None, k: int | None = None) -> dict:
-    return {**_base_fields(scale, position), "attention_type": "switchhead", "num_attention_heads": scale.heads,
-            "head_dim": scale.head_dim, "num_attention_experts": experts or scale.experts,
-            "num_attention_experts_per_tok": k or scale.k}
+def switchhead_fields(scale: Scale, position: str, experts: int | None = None, k: int | None = None,
+                      sides: str = "value_output") -> dict:
+    fields = {**_base_fields(scale, position), "attention_type": "switchhead", "num_attention_heads": scale.heads,
+              "head_dim": scale.head_dim, "num_attention_experts": experts or scale.experts,
+              "num_attention_experts_per_tok": k or scale.k}
+    if sides != "value_output":  # the default is left out, so the grid's earlier runs keep their fields
+        fields["attention_expert_projections"] = sides
+    return fields
 
 
 def dense_fields(scale: Scale, position: str, heads: int, head_dim: int, gate: bool = False) -> dict:
@@ -209,6 +225,10 @@ def plan(scale: Scale) -> list[RunSpec]:
             if tag == "gate":  # the same-total-heads dense baseline with SwitchHead's per-head sigmoid output gate
                 fields = dense_fields(scale, "rope", scale.dense_heads, scale.dense_head_dim, gate=True)
                 label = f"dense H={scale.dense_heads} dh={scale.dense_head_dim} + output gate, RoPE"
+            elif tag in EXPERT_SIDES:  # SwitchHead with experts on one side, a dense ungated projection on the other
+                fields = switchhead_fields(scale, "rope", experts, k, sides=EXPERT_SIDES[tag])
+                label = (f"SwitchHead {'value' if tag == 'Vonly' else 'output'} experts only "
+                         f"(dense {'O' if tag == 'Vonly' else 'V'}), RoPE")
             elif experts == 1:  # SwitchHead with one expert per head: dense attention with a per-head output gate
                 fields = dense_fields(scale, "rope", scale.heads, scale.head_dim, gate=True)
                 label = f"E=1 (dense H={scale.heads} dh={scale.head_dim} + output gate), RoPE"
@@ -228,7 +248,25 @@ def plan(scale: Scale) -> list[RunSpec]:
     if "xl" in scale.comparisons:
         for seed in range(1, scale.seeds):
             runs += triple("xl", seed)
+    if "sweep" in scale.comparisons:
+        bases = {spec.role: spec for spec in triple("rope", 0)}
+        bases.update({"gate": spec for spec in ablations if spec.name == "rope-ablation-gate-s0"})
+        for tag, overrides in scale.sweeps:
+            for role in [r for r in scale.sweep_models if r in bases]:
+                base = bases[role]
+                runs.append(RunSpec(f"rope-sweep-{tag}-{role}-s0", f"rope-sweep-{tag}-{role}", "sweep", "sweep",
+                                    f"{base.label}, {sweep_title(tag, dict(overrides), scale)}", 0, base.fields,
+                                    base.match, dict(overrides)))
     return runs
+
+
+def sweep_title(tag: str, overrides: dict, scale: Scale) -> str:
+    parts = []
+    if "learning_rate" in overrides:
+        parts.append(f"lr {overrides['learning_rate']:g}")
+    if "max_steps" in overrides:
+        parts.append(f"{overrides['max_steps'] / scale.max_steps:g}x tokens")
+    return ", ".join(parts) or tag
 
 
 # ================================================================================================ parameter matching
@@ -317,14 +355,17 @@ def run_one(spec: RunSpec, scale: Scale, out: Path, data: str, tokenizer_dir: Pa
         resume = "latest" if run_dir.is_dir() and checkpoint_dirs(str(run_dir)) else None
         if resume is None and run_dir.exists():
             shutil.rmtree(run_dir)  # our own run folder, killed before its first checkpoint: start it again
+        settings = dict(learning_rate=scale.learning_rate, warmup_steps=scale.warmup_steps,
+                        max_steps=scale.max_steps)
+        settings.update(spec.training)  # the sweep's overrides
         config = TrainingConfig(
             preset="tiny-switchhead", output_dir=str(run_dir), model=fields, data=data, tokenizer=str(tokenizer_dir),
             vocab_size=scale.vocab_size, block_size=scale.block_size, batch_size=scale.batch_size,
-            learning_rate=scale.learning_rate, min_learning_rate=0.0, warmup_steps=scale.warmup_steps,
-            max_steps=scale.max_steps, weight_decay=0.0, grad_clip=scale.grad_clip, seed=spec.seed,
+            min_learning_rate=0.0, weight_decay=0.0, grad_clip=scale.grad_clip, seed=spec.seed,
             mixed_precision="bf16" if device == "cuda" else "no", eval_every=scale.eval_every,
             eval_batches=scale.eval_batches, log_every=10 if scale.max_steps >= 100 else 1,
-            save_every=scale.save_every, keep_checkpoints=1, tensorboard=False, progress=False, resume=resume)
+            save_every=scale.save_every, keep_checkpoints=1, tensorboard=False, progress=False, resume=resume,
+            **settings)
         load_before = os.getloadavg()[0]
         result = train(config)
         rows = _read_log(run_dir)
@@ -455,7 +496,7 @@ def interleaved_throughput(scale: Scale, vocab_size: int, repetitions: int = 5, 
 
     models = {}
     for spec in plan(scale):
-        if spec.seed == 0 and spec.model not in models:
+        if spec.seed == 0 and spec.model not in models and spec.role != "sweep":  # sweep: same architectures
             torch.manual_seed(0)
             config = SwitchHeadConfig(vocab_size=vocab_size, **resolved_fields(spec, scale, vocab_size))
             model = SwitchHeadForCausalLM(config).train()
@@ -561,11 +602,30 @@ def claim_checks(records: list[dict], models: dict[str, dict]) -> list[dict]:
     return checks
 
 
+def sweep_rows(records: list[dict], scale: Scale) -> list[dict]:
+    """Seed-0 test perplexity of each swept model at the grid's settings and at each sweep setting."""
+    if "sweep" not in scale.comparisons or not scale.sweeps:
+        return []
+    test = {r["model"]: r["perplexity"]["test"]["perplexity"] for r in records if r["seed"] == 0}
+    grid = {"switchhead": "rope-switchhead", "dense-total": "rope-dense-total", "gate": "rope-ablation-gate"}
+    labels = {r["model"]: r["label"] for r in records}
+    rows = []
+    for role in scale.sweep_models:
+        values = {f"lr {scale.learning_rate:g} (grid)": test.get(grid[role])}
+        for tag, overrides in scale.sweeps:
+            values[sweep_title(tag, dict(overrides), scale)] = test.get(f"rope-sweep-{tag}-{role}")
+        if any(v is not None for v in values.values()):
+            rows.append(dict(role=role, label=labels.get(grid[role], role), test_ppl=values))
+    return rows
+
+
 def comparison_rows(models: dict[str, dict], comparison: str) -> list[tuple[str, dict]]:
     if comparison == "switchall":
         names = ["rope-switchall", "rope-switchhead", "rope-dense-total"]
     elif comparison == "ablation":
         names = ["rope-switchhead"] + sorted(n for n in models if n.startswith("rope-ablation-"))
+    elif comparison == "sweep":
+        names = sorted(n for n in models if n.startswith("rope-sweep-"))
     else:
         names = [f"{comparison}-switchhead", f"{comparison}-dense-total", f"{comparison}-dense-active"]
     return [(n, models[n]) for n in names if n in models]
@@ -579,7 +639,7 @@ def plot_curves(records: list[dict], comparison: str, path: Path) -> bool:
 
     wanted = {name for name, _ in comparison_rows(aggregate(records), comparison)}
     chosen = [r for r in records if r["model"] in wanted]
-    own = {"switchall": "switchall", "ablation": "ablation"}.get(comparison)
+    own = {"switchall": "switchall", "ablation": "ablation", "sweep": "sweep"}.get(comparison)
     if not chosen or (own and not any(r["role"] == own for r in chosen)):
         path.unlink(missing_ok=True)  # no stale picture of an earlier state
         return False
@@ -681,6 +741,20 @@ def write_results(scale: Scale, out: Path, results_dir: Path, command: str) -> d
             lines.append(f"| {check['position']} | {check['baseline']} | {check['ratio']:.3f} | "
                          f"{check['difference_mean']:+.2f}{spread} | {check['paired_seeds']} | "
                          f"{check['macs_share']:.0%} | {check['memory_share']:.0%} |")
+        lines.append("")
+    sweep = sweep_rows(records, scale)
+    report["sweep"] = sweep
+    (results_dir / "replication.json").write_text(json.dumps(report, indent=1))
+    if sweep:
+        columns = [f"lr {scale.learning_rate:g} (grid)"] + [sweep_title(tag, dict(o), scale) for tag, o in scale.sweeps]
+        lines += ["## Learning rate and token budget (seed 0)", "",
+                  "Test perplexity of seed 0 at the grid's settings and with one training setting changed (the "
+                  "other settings, the model and the schedule's shape unchanged; the longer run has "
+                  "proportionally longer warmup).", "",
+                  "| model | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for row in sweep:
+            lines.append(f"| {row['label']} | " + " | ".join(
+                f"{row['test_ppl'][c]:.2f}" if row["test_ppl"].get(c) is not None else "-" for c in columns) + " |")
         lines.append("")
     for comparison in scale.comparisons:
         image = results_dir / f"replication_{comparison}.png"

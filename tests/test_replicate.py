@@ -188,3 +188,41 @@ def test_interleaved_throughput_measures_every_model_of_the_grid():
         assert len(entry["step_seconds"]) == 2 and entry["step_seconds_median"] > 0
         assert math.isclose(entry["tokens_per_second"],
                             scale.batch_size * scale.block_size / entry["step_seconds_median"])
+
+
+def test_session_grid_has_the_one_sided_ablations_and_the_sweep():
+    scale = replicate.SCALES["session"]
+    specs = {spec.name: spec for spec in replicate.plan(scale)}
+    for tag, sides in (("Vonly", "value"), ("Oonly", "output")):
+        spec = specs[f"rope-ablation-{tag}-s0"]
+        assert spec.fields["attention_expert_projections"] == sides and spec.match and spec.seed == 0
+        assert spec.fields["attention_type"] == "switchhead" and spec.training == {}
+    # the earlier runs' fields are unchanged (no new key), so their finished records still match the plan
+    assert "attention_expert_projections" not in specs["rope-switchhead-s0"].fields
+    sweep = [spec for spec in specs.values() if spec.role == "sweep"]
+    assert len(sweep) == len(scale.sweeps) * len(scale.sweep_models) == 9
+    for spec in sweep:
+        assert spec.seed == 0 and spec.fields["position_encoding"] == "rope" and spec.training
+        base = {"switchhead": "rope-switchhead-s0", "dense-total": "rope-dense-total-s0",
+                "gate": "rope-ablation-gate-s0"}[next(r for r in scale.sweep_models if spec.model.endswith("-" + r))]
+        assert spec.fields == specs[base].fields and spec.match == specs[base].match
+    assert specs["rope-sweep-lr4e-3-gate-s0"].training == {"learning_rate": 4e-3}
+    assert specs["rope-sweep-tokens2x-switchhead-s0"].training == {"max_steps": 320, "warmup_steps": 32}
+    # the interleaved throughput does not measure the sweep's copies of the same architectures again
+    assert all(spec.role != "sweep" for spec in replicate.plan(replicate.SCALES["smoke"]))
+
+
+def test_sweep_rows_line_up_the_grid_run_and_the_sweep_runs():
+    scale = replicate.SCALES["session"]
+
+    def record(model, seed, ppl):
+        return dict(model=model, seed=seed, label=model, perplexity={"test": {"perplexity": ppl}})
+
+    records = [record("rope-switchhead", 0, 200.0), record("rope-switchhead", 1, 1.0),
+               record("rope-sweep-lr1e-3-switchhead", 0, 210.0), record("rope-sweep-tokens2x-switchhead", 0, 150.0),
+               record("rope-dense-total", 0, 205.0)]
+    rows = {row["role"]: row for row in replicate.sweep_rows(records, scale)}
+    assert sorted(rows) == ["dense-total", "switchhead"]  # no gate runs at all: no row
+    assert rows["switchhead"]["test_ppl"] == {"lr 0.002 (grid)": 200.0, "lr 0.001": 210.0, "lr 0.004": None,
+                                              "2x tokens": 150.0}
+    assert rows["dense-total"]["test_ppl"]["lr 0.002 (grid)"] == 205.0
