@@ -93,23 +93,47 @@ class SwitchHeadConfig(PreTrainedConfig):
     }
 
     @property
-    def base_model_tp_plan(self) -> dict[str, str] | None:
-        """Tensor-parallel plan (`from_pretrained(..., tp_plan="auto")`), exact for this configuration.
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel plan (`from_pretrained(..., tp_plan="auto")`), exact for every configuration.
 
-        Dense feed-forward: up_proj colwise, down_proj rowwise. Dense RoPE attention without output gate: q/k/v
-        colwise (heads split over processes), o_proj rowwise. SwitchHead's expert tensors (value/output experts,
-        sigma-MoE keys/values) and their routers are replicated: sharding them by heads or experts needs the
-        per-head expert indices remapped in `expert_projection`, not done yet. XL attention is replicated too (its
-        position projection would have to be split by heads alongside q). The causal LM adds `lm_head`
-        (`colwise_gather_output`).
+        Attention is split by heads: each process owns whole heads. q_proj / k_proj (and XL's position_key_proj,
+        the dense v_proj) colwise, the dense o_proj rowwise (one all-reduce). SwitchHead's per-head tensors, the
+        value / output experts `[H*E, d, dh]` / `[H*E, dh, d]` and the routers W_S / W_D `[H*E, d]` (and the
+        dense baseline's output gate `[H, d]`), take "switchhead_heads" (modeling file): split along their first
+        dim, which is grouped by head, so a head's top-k runs on the process that owns it, and the output experts'
+        partial sum over heads is all-reduced. Feed-forward: the dense one up_proj colwise, down_proj rowwise; the
+        sigma-MoE one is split along each expert's hidden size S (exact for an element-wise activation:
+        `act(x K[:, S_r]) V[S_r, :]` summed over the processes' slices S_r), with its router replicated so the
+        top-k stays global: `keys` `[E, d, S]` on its last dim ("rowwise"'s placement), `values` `[E, S, d]` on
+        dim 1 ("colwise"'s), and the module "switchhead_sigma_moe" (modeling file: Transformers' "moe_tp_experts"
+        around the experts call, after the router). The causal LM adds `lm_head` (`colwise_gather_output`) and
+        Transformers adds `embed_tokens` (`embedding_rowwise`).
         """
-        plan = {}
-        if self.attention_type == "dense" and self.position_encoding == "rope" and not self.attention_output_gate:
-            plan.update({"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-                         "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"})
+        attention = "layers.*.self_attn"
+        plan = {f"{attention}.q_proj": "colwise", f"{attention}.k_proj": "colwise"}
+        if self.position_encoding == "xl":
+            plan[f"{attention}.position_key_proj"] = "colwise"
+        if self.attention_type == "dense":
+            plan.update({f"{attention}.v_proj": "colwise", f"{attention}.o_proj": "rowwise"})
+            if self.attention_output_gate:
+                plan[attention] = "switchhead_heads"  # the output gate [H, d]
+        else:
+            projections = getattr(self, "attention_expert_projections", "value_output")
+            plan[attention] = "switchhead_heads"  # value_experts / output_experts
+            if projections in ("value_output", "value"):
+                plan[f"{attention}.value_selection"] = "switchhead_heads"
+            else:
+                plan[f"{attention}.v_proj"] = "colwise"
+            if projections in ("value_output", "output"):
+                plan[f"{attention}.output_selection"] = "switchhead_heads"
+            else:
+                plan[f"{attention}.o_proj"] = "rowwise"
         if self.mlp_type == "dense":
             plan.update({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
-        return plan or None  # SwitchAll (all expert tensors): no plan
+        else:
+            plan.update({"layers.*.mlp.keys": "rowwise", "layers.*.mlp.values": "colwise",
+                         "layers.*.mlp": "switchhead_sigma_moe"})
+        return plan
 
     vocab_size: int = 8000
     hidden_size: int = 412

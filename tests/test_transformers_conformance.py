@@ -112,10 +112,7 @@ SKIP_KINDS: list[tuple[str, str, str]] = [
     (NOT_APPLICABLE, r"DenseConformanceTest::test_output_router_logits_from_config$", r"has no expert routers"),
 ]
 # Feature skips another issue is removing right now: reported apart, not failed on (remove an entry when it lands)
-PENDING_FEATURE_SKIPS: list[tuple[str, str, str]] = [
-    ("issue 18: tensor-parallel plan", r".*::test_(tp_plan_matches_params|tied_head_has_a_tp_plan_entry)$",
-     r"does not have a TP plan"),
-]
+PENDING_FEATURE_SKIPS: list[tuple[str, str, str]] = []
 
 
 def skip_kind(test: str, reason: str) -> str | None:
