@@ -8,8 +8,9 @@ top_k_index [N, k], top_k_weights [N, k]) -> [N, d]` chosen by `config._experts_
     model = AutoModelForCausalLM.from_pretrained(..., experts_implementation="cvmm")   # or
     model.set_experts_implementation("cvmm")
 
-runs a stock model's experts on `switchhead.kernels.cvmm`: the Triton kernels on CUDA (forward and backward,
-expert-sorted, no host sync), the sync-free PyTorch formulations on CPU. The function reads the module's layout
+runs a stock model's experts on our CVMM (`modeling_switchhead.expert_projection`): the Triton kernels of
+`switchhead.kernels` on CUDA (forward and backward, expert-sorted, no host sync), the sync-free PyTorch formulations
+of the modeling file on CPU (the same ones SwitchHead's own layers run). The function reads the module's layout
 from the flags `@use_experts_implementation` sets: a fused gate/up projection (`has_gate`, then the module's
 `_apply_gate`) or a plain up projection with `act_fn`, weights `[E, out, in]` or `[E, in, out]` (`is_transposed`),
 optional per-expert biases and a post-expert norm. Expert parallelism (sentinel expert ids) is not supported.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from switchhead.kernels import cvmm
+from switchhead.modeling_switchhead import expert_projection as cvmm  # Triton where it runs, else the PyTorch path
 
 NAME = "cvmm"
 
@@ -32,7 +33,7 @@ def _as_in_out(weight: torch.Tensor, is_transposed: bool) -> torch.Tensor:
 
 def cvmm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts of a Transformers MoE layer on `switchhead.kernels.cvmm`: `[N, d]` -> `[N, d]`.
+    """The experts of a Transformers MoE layer on our CVMM: `[N, d]` -> `[N, d]`.
 
     Slot j of token n runs expert `top_k_index[n, j]`: up (or fused gate/up) projection, gate or activation, down
     projection, scaled by `top_k_weights[n, j]` and summed over the k slots (inside the kernel when there is no

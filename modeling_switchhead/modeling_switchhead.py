@@ -47,7 +47,7 @@ from .configuration_switchhead import SwitchHeadConfig
 
 try:  # our fused kernels, when the package is installed; the Hub copy of this file runs without them
     _kernels = importlib.import_module("switchhead.kernels")
-    if not hasattr(_kernels, "cvmm"):
+    if not (hasattr(_kernels, "cvmm") and hasattr(_kernels, "resolve_backend")):
         _kernels = None
 except Exception:  # noqa: BLE001 - any failure means "use the PyTorch path"
     _kernels = None
@@ -55,7 +55,7 @@ except Exception:  # noqa: BLE001 - any failure means "use the PyTorch path"
 
 # ==================================================================================================== expert op
 EXPERT_IMPLEMENTATIONS = ("auto", "reference", "batched", "all_experts", "grouped")
-_SMALL_PROBLEM_ROWS = 4096  # "auto": every expert for every row while N * R * G stays below this (decoding)
+_FEW_SLOTS = 8  # "auto": gather the selected matrices while N * S (selected matrices in the call) is at most this
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -65,10 +65,35 @@ def _grouped_mm_usable(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if torch.compiler.is_compiling() and weight.dtype != torch.bfloat16:
-        return False  # torch 2.13's fake (meta) kernel of _grouped_mm accepts bf16 only: no fp32/fp16 under compile
+    if torch.compiler.is_compiling():
+        return False  # torch 2.13's fake (meta) kernel of _grouped_mm accepts bf16 only; inductor fuses the rest
     per_16_bytes = 16 // weight.element_size()
     return weight.shape[1] % per_16_bytes == 0 and weight.shape[2] % per_16_bytes == 0
+
+
+def choose_expert_implementation(tokens: int, slots: int, rows: int, out_groups: int | None, num_experts: int,
+                                 inputs: torch.Tensor, weight: torch.Tensor, implementation: str = "auto") -> str:
+    """The formulation `expert_projection_torch` runs: `implementation`, with "auto" resolved by problem size.
+
+    "auto": "batched" for a handful of selected matrices (N * S <= 8: decoding a few sequences, the weight copy is
+    small); "all_experts" while its extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G
+    matrix products per token where S are needed, so it is taken when that is at most twice S, or for few tokens
+    (N * S <= 512, where the grouped path's sorting and copying cost more than the extra products); else
+    "grouped". "grouped" needs `torch._grouped_mm` (`_grouped_mm_usable`) and runs as "all_experts" otherwise.
+    """
+    if implementation not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(EXPERT_IMPLEMENTATIONS)}; got {implementation!r}")
+    if implementation == "auto":
+        mixed = min(rows, out_groups or slots) * num_experts  # products per token of "all_experts"
+        if tokens * slots <= _FEW_SLOTS:
+            implementation = "batched"
+        elif mixed <= 2 * slots or tokens * slots <= 512:
+            implementation = "all_experts"
+        else:
+            implementation = "grouped"
+    if implementation == "grouped" and (tokens == 0 or not _grouped_mm_usable(inputs, weight)):
+        implementation = "all_experts"
+    return implementation
 
 
 def _expert_gated_sum(per_slot: torch.Tensor, gates: torch.Tensor | None, out_groups: int) -> torch.Tensor:
@@ -77,6 +102,84 @@ def _expert_gated_sum(per_slot: torch.Tensor, gates: torch.Tensor | None, out_gr
     n, s, d_out = per_slot.shape
     weighted = per_slot * gates.unsqueeze(-1).to(per_slot.dtype)
     return weighted.view(n, out_groups, s // out_groups, d_out).sum(2)
+
+
+def _mixing_matrix(expert_index: torch.Tensor, gates: torch.Tensor, rows: int, num_experts: int, out_groups: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """`[N, out_groups * G * R]`: entry (o, g, r) sums the gates of the slots of output group o that multiply input
+    row r by expert g (zero where no slot does). The gated sum is linear, so out[o] = sum_{g,r} M[o,g,r] x_r W_g."""
+    n, s = expert_index.shape
+    slot = torch.arange(s, device=expert_index.device)
+    column = ((slot // (s // out_groups)) * num_experts + expert_index) * rows + slot // (s // rows)
+    mixing = torch.zeros(n, out_groups * num_experts * rows, dtype=dtype, device=expert_index.device)
+    return mixing.scatter_add_(1, column, gates.to(dtype))
+
+
+def _grouped_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as `_grouped_mm` takes it: packed experts, each row- or column-major (Transformers' `[E, out, in]`
+    experts seen as `[E, in, out]` are used as they are, with no copy); any other layout is copied."""
+    _, rows, cols = weight.shape
+    if weight.stride(0) == rows * cols and weight.stride()[1:] in ((cols, 1), (1, rows)):
+        return weight
+    return weight.contiguous()
+
+
+class _GroupedExperts(torch.autograd.Function):
+    """The "grouped" formulation with a lean backward: slots sorted by expert, one grouped matmul per direction.
+
+    It saves only its arguments and the sort (the sorted input rows are gathered again in the backward, and no
+    per-slot output is kept), and takes three grouped matmuls in all: the gate gradient comes from the input-side
+    product, d gate_s = <dy_s W_e^T, x_s>, which the input gradient needs anyway.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, weight, gates, expert_index, out_groups):
+        n, s = expert_index.shape
+        r, d_in = inputs.shape[1], inputs.shape[2]
+        g, _, d_out = weight.shape
+        flat = torch.arange(g, device=inputs.device).index_select(0, expert_index.reshape(-1))  # bounds-checked
+        sorted_expert, order = torch.sort(flat, stable=True)
+        ends = torch.searchsorted(sorted_expert, torch.arange(1, g + 1, device=inputs.device)).to(torch.int32)
+        weight = _grouped_weight(weight)
+        sorted_rows = inputs.reshape(n * r, d_in).index_select(0, order // (s // r))
+        sorted_out = _GROUPED_MM(sorted_rows, weight, offs=ends)  # [N * S, d_out]
+        ctx.save_for_backward(inputs, weight, gates, order, ends)
+        ctx.shape = (n, s, r, out_groups)
+        if gates is None:
+            return sorted_out.new_empty(n * s, d_out).index_copy_(0, order, sorted_out).view(n, s, d_out)
+        sorted_out.mul_(gates.reshape(-1).index_select(0, order).to(sorted_out.dtype).unsqueeze(-1))
+        out = sorted_out.new_zeros(n * out_groups, d_out).index_add_(0, order // (s // out_groups), sorted_out)
+        return out.view(n, out_groups, d_out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs, weight, gates, order, ends = ctx.saved_tensors
+        n, s, r, out_groups = ctx.shape
+        d_in, d_out = inputs.shape[2], weight.shape[2]
+        grad = grad.contiguous().reshape(-1, d_out)
+        sorted_rows = inputs.reshape(n * r, d_in).index_select(0, order // (s // r))
+        grad_inputs = grad_weight = grad_gates = None
+        if gates is None:
+            sorted_grad = grad.index_select(0, order)  # [N * S, d_out]
+        else:
+            sorted_grad = grad.index_select(0, order // (s // out_groups))  # d (gated slot output), ungated
+            sorted_gates = gates.reshape(-1).index_select(0, order).to(grad.dtype).unsqueeze(-1)
+        need_inputs = ctx.needs_input_grad[0] or (gates is not None and ctx.needs_input_grad[2])
+        if need_inputs:
+            row_grad = _GROUPED_MM(sorted_grad, weight.transpose(1, 2), offs=ends)  # dy W_e^T, [N * S, d_in]
+            if gates is not None and ctx.needs_input_grad[2]:
+                sorted_gate_grad = (row_grad * sorted_rows).sum(-1)
+                grad_gates = torch.empty_like(sorted_gate_grad).scatter_(0, order, sorted_gate_grad)
+                grad_gates = grad_gates.view(n, s).to(gates.dtype)
+            if ctx.needs_input_grad[0]:
+                if gates is not None:
+                    row_grad = row_grad * sorted_gates
+                grad_inputs = row_grad.new_zeros(n * r, d_in).index_add_(0, order // (s // r), row_grad)
+                grad_inputs = grad_inputs.view(n, r, d_in)
+        if ctx.needs_input_grad[1]:
+            scaled = sorted_grad if gates is None else sorted_grad * sorted_gates
+            grad_weight = _GROUPED_MM(sorted_rows.t(), scaled, offs=ends)  # [G, d_in, d_out]
+        return grad_inputs, grad_weight, grad_gates, None, None
 
 
 def expert_projection_torch(
@@ -99,12 +202,15 @@ def expert_projection_torch(
         implementation: the formulation (`EXPERT_IMPLEMENTATIONS`), all giving the same result:
             "reference" gathers every slot's matrix (`[N, S, d_in, d_out]`) and takes one einsum (the simple twin);
             "batched" gathers the selected matrices and takes one bmm with the gated sum inside;
-            "all_experts" multiplies every row by every expert in one matmul and picks the selected results
-            (G / k times the FLOPs, but no weight copy: the fastest for a few tokens, i.e. decoding);
+            "all_experts" uses every expert in dense matmuls, no weight copy: without gates it multiplies every row
+            by every expert and picks the selected results; with gates it scatters them into a mixing matrix
+            (`_mixing_matrix`) and either multiplies each row by every expert and mixes the results (R <= out
+            groups: SwitchHead's values), or mixes the rows per expert and takes one matmul with all experts
+            stacked (R > out groups: SwitchHead's output);
             "grouped" sorts the slots by expert and takes one grouped matmul (`torch._grouped_mm`, CPU tensors in
-            float32 / bfloat16 / float16 with 16-byte aligned rows; elsewhere it runs as "all_experts"), adding
-            the gated rows into the output with `index_add_`;
-            "auto" (default): "all_experts" while N * R * G <= 4096, else "grouped".
+            float32 / bfloat16 / float16 with 16-byte aligned rows, not under torch.compile; elsewhere it runs as
+            "all_experts") with a hand-written backward that saves no per-slot tensor (`_GroupedExperts`);
+            "auto" (default): by problem size, see `choose_expert_implementation`.
 
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them.
@@ -112,16 +218,12 @@ def expert_projection_torch(
     No formulation syncs with the host (no `.item()` / `.tolist()`, no data-dependent shapes), so the op compiles
     with `torch.compile(fullgraph=True)`. An expert id outside `[0, G)` raises IndexError from an `index_select`.
     """
-    if implementation not in EXPERT_IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {', '.join(EXPERT_IMPLEMENTATIONS)}; got {implementation!r}")
     n, s = expert_index.shape
     r, d_in = inputs.shape[1], inputs.shape[2]
     g, _, d_out = weight.shape
     expert_index = expert_index.long()
-    if implementation == "auto":
-        implementation = "all_experts" if n * r * g <= _SMALL_PROBLEM_ROWS else "grouped"
-    if implementation == "grouped" and not _grouped_mm_usable(inputs, weight):
-        implementation = "all_experts"
+    implementation = choose_expert_implementation(n, s, r, out_groups if gates is not None else None, g, inputs,
+                                                  weight, implementation)
     device = inputs.device
     if implementation == "reference":
         rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in)
@@ -138,35 +240,33 @@ def expert_projection_torch(
         out = torch.bmm(rows.reshape(n * out_groups, 1, per_group * d_in),
                         matrices.view(n * out_groups, per_group * d_in, d_out))
         return out.view(n, out_groups, d_out)
-    if implementation == "all_experts":
+    if implementation == "grouped":
+        return _GroupedExperts.apply(inputs, weight, gates, expert_index, out_groups)
+    # "all_experts"
+    if gates is None or r <= out_groups:
         every = torch.matmul(inputs.reshape(1, n * r, d_in), weight)  # [G, N * R, d_out]
-        row_of_slot = torch.arange(n, device=device)[:, None] * r + torch.arange(s, device=device)[None, :] // (s // r)
-        pick = (expert_index * (n * r) + row_of_slot).reshape(-1)  # out of range iff an expert id is
-        per_slot = every.reshape(g * n * r, d_out).index_select(0, pick).view(n, s, d_out)
-        return _expert_gated_sum(per_slot, gates, out_groups)
-    # "grouped"
-    flat = torch.arange(g, device=device).index_select(0, expert_index.reshape(-1))  # bounds-checked ids
-    sorted_expert, order = torch.sort(flat, stable=True)
-    ends = torch.searchsorted(sorted_expert, torch.arange(1, g + 1, device=device)).to(torch.int32)  # [G]
-    sorted_rows = inputs.reshape(n * r, d_in).index_select(0, order // (s // r))
-    sorted_out = _GROUPED_MM(sorted_rows, weight.contiguous(), offs=ends)  # [M, d_out]
-    if gates is None:
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * s, device=device))
-        return sorted_out.index_select(0, inverse).view(n, s, d_out)
-    sorted_out = sorted_out * gates.reshape(-1).index_select(0, order).unsqueeze(-1).to(sorted_out.dtype)
-    out = sorted_out.new_zeros(n * out_groups, d_out).index_add_(0, order // (s // out_groups), sorted_out)
+        if gates is None:
+            row_of_slot = torch.arange(n, device=device)[:, None] * r + torch.arange(s, device=device)[None, :] // (s // r)
+            pick = (expert_index * (n * r) + row_of_slot).reshape(-1)  # out of range iff an expert id is
+            return every.reshape(g * n * r, d_out).index_select(0, pick).view(n, s, d_out)
+        checked = torch.arange(g, device=device).index_select(0, expert_index.reshape(-1)).view(n, s)
+        mixing = _mixing_matrix(checked, gates, r, g, out_groups, inputs.dtype)  # [N, O * G * R]
+        every = every.view(g, n, r, d_out).permute(1, 0, 2, 3).reshape(n, g * r, d_out)
+        return torch.bmm(mixing.view(n, out_groups, g * r), every)
+    checked = torch.arange(g, device=device).index_select(0, expert_index.reshape(-1)).view(n, s)
+    mixing = _mixing_matrix(checked, gates, r, g, out_groups, inputs.dtype)
+    mixed = torch.bmm(mixing.view(n, out_groups * g, r), inputs)  # [N, O * G, d_in]: each expert's gated input
+    out = torch.matmul(mixed.view(n * out_groups, g * d_in), weight.reshape(g * d_in, d_out))
     return out.view(n, out_groups, d_out)
 
 
 def expert_projection(inputs, expert_index, weight, gates=None, out_groups=1, implementation="auto"):
-    """Dispatch point of the CVMM op: `switchhead.kernels` when installed, else `expert_projection_torch`.
-
-    Both run the same sync-free PyTorch formulations on CPU; with the package, CUDA tensors take its Triton
-    kernels (which ignore `implementation`).
-    """
-    if _kernels is not None:
+    """Dispatch point of the CVMM op: the Triton kernels of `switchhead.kernels` where they run (CUDA tensors, or
+    `TRITON_INTERPRET=1`; they ignore `implementation`), else `expert_projection_torch` (the CPU path, the same
+    with or without the package installed)."""
+    if _kernels is not None and _kernels.resolve_backend(inputs.device, inputs.dtype) == "triton":
         return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups, implementation=implementation)
-    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups, implementation)
+    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups, implementation=implementation)
 
 
 # Transformers' experts implementations -> our formulation of the same choice for the attention's V/O experts (and

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from switchhead import kernels
 from switchhead.kernels import cvmm_reference
+from switchhead import modeling_switchhead as modeling
 from switchhead.modeling_switchhead import EXPERT_IMPLEMENTATIONS, expert_projection_torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -86,6 +87,78 @@ def test_grouped_formulation_really_uses_grouped_mm_where_it_can():
     assert cvmm_reference.choose_implementation(torch.zeros(4096, 1, 8), w32) == "grouped"  # training
     with pytest.raises(ValueError, match="implementation must be one of"):
         expert_projection_torch(x32, torch.zeros(3, 1, dtype=torch.long), w32, implementation="fast")
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+def test_every_formulation_with_repeated_and_cross_group_expert_ids(use):
+    # any id in [0, G) for any slot: the same expert twice in one token, from one row or from several, and a
+    # head's slot taking another head's expert (the contract allows it; the mixing matrix must add, not overwrite)
+    generator = torch.Generator().manual_seed(7)
+    case = random_case(generator, use, tokens=40, heads=2, experts=3, k=2, d_in=8, d_out=4, dtype=torch.float64)
+    case.expert_index = torch.randint(0, case.weight.shape[0], case.expert_index.shape, generator=generator)
+    assert (case.expert_index[:, :1] == case.expert_index[:, 1:2]).any()  # repeats really occur
+    want = _twin(case)
+    want_grads = _grads(want, case.leaves())
+    for implementation in EXPERT_IMPLEMENTATIONS:
+        got = expert_projection_torch(*case.args(), implementation=implementation)
+        _assert_same(got, want, _grads(got, case.leaves()), want_grads, torch.float64)
+    f32 = case.as_dtype(torch.float32)  # float32: the "grouped" formulation really runs torch._grouped_mm
+    want32 = expert_projection_torch(*f32.args(), implementation="reference")
+    got32 = expert_projection_torch(*f32.args(), implementation="grouped")
+    _assert_same(got32, want32, _grads(got32, f32.leaves()), _grads(want32, f32.leaves()), torch.float32)
+
+
+def test_auto_picks_by_problem_size():
+    choose = modeling.choose_expert_implementation
+    x, w = torch.zeros(1, 1, 8), torch.zeros(10, 8, 12)
+    # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding one or two tokens gathers the few matrices
+    assert choose(1, 4, 1, 2, 10, x, w) == "batched"
+    assert choose(2, 4, 1, 2, 10, x, w) == "batched"
+    assert choose(8, 4, 1, 2, 10, x, w) == "all_experts"  # batch-8 decoding: no weight copies
+    assert choose(4096, 4, 1, 2, 10, x, w) == "grouped"  # training: G / k times the products is too much
+    # few experts per slot (G <= 2 S): every expert is cheap even for many tokens
+    assert choose(4096, 4, 1, 2, 6, x, w) == "all_experts"
+    assert choose(4096, 4, 1, 2, 10, x.double(), w.double()) == "all_experts"  # no _grouped_mm for float64
+    assert choose(0, 4, 1, 2, 10, x, w, "grouped") == "all_experts"
+    for explicit in ("reference", "batched", "all_experts"):
+        assert choose(4096, 4, 1, 2, 10, x, w, explicit) == explicit
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        choose(1, 4, 1, 2, 10, x, w, "fast")
+
+
+def test_grouped_formulation_saves_no_per_slot_tensor():
+    # the lean backward keeps the arguments and the sort, nothing of size N * S * d (the sorted rows, the per-slot
+    # outputs): what made SwitchHead's attention layer take more training memory than the dense one
+    case = random_case(torch.Generator().manual_seed(4), "output", tokens=256, heads=2, experts=5, k=2, d_in=16,
+                       d_out=64, dtype=torch.float32)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = expert_projection_torch(*case.args(), implementation="grouped")
+    argument_bytes = sum(t.numel() * t.element_size() for t in case.leaves())
+    slots = case.expert_index.numel()
+    saved_bytes = sum(t.numel() * t.element_size() for t in saved)
+    assert saved_bytes <= argument_bytes + 2 * slots * 8 + 4 * case.weight.shape[0]  # + order (int64), ends
+    assert all(t.numel() < slots * case.weight.shape[2] for t in saved)
+    want = expert_projection_torch(*case.args(), implementation="reference")
+    _assert_same(out, want, _grads(out, case.leaves()), _grads(want, case.leaves()), torch.float32)
+
+
+def test_grouped_formulation_in_bfloat16_with_float32_gates():
+    case = random_case(torch.Generator().manual_seed(5), "value", tokens=64, heads=2, experts=5, k=2, d_in=16,
+                       d_out=8, dtype=torch.float64).as_dtype(torch.bfloat16)
+    assert modeling.choose_expert_implementation(64, 4, 1, 2, 10, case.inputs, case.weight, "grouped") == "grouped"
+    got = expert_projection_torch(*case.args(), implementation="grouped")
+    want = expert_projection_torch(*case.args(), implementation="reference")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    for g, w in zip(_grads(got, case.leaves()), _grads(want, case.leaves())):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
