@@ -631,18 +631,18 @@ class SwitchHeadAttentionBase(nn.Module):
 
         `distance` `[Tq, Tk]` comes from `paged_key_distances` (each request's own key positions in the paged
         cache). The bias is the one `xl_position_bias` defines, gathered at those distances, and it is folded into
-        the additive mask so that every paged attention function (sdpa, eager) applies it.
+        the additive mask so that every paged attention function (sdpa, eager) applies it. No host sync: the
+        distances are bounded statically by the mask's key length Tk (a query of request r sits at most at
+        position keys_of[r] - 1 <= Tk - 1, a key at position >= 0), so `xl_distance_scores` is asked for Tk
+        distances whatever the packed requests are; entries beyond a request's own keys are masked anyway.
         """
         if attention_mask is None:
             raise ValueError(
                 "position_encoding='xl' under continuous batching needs the materialised paged attention mask "
                 "(attn_implementation 'sdpa' or 'eager'); flash/block-table paged attention cannot add the XL "
                 "relative-position bias")
-        num_distances = int(distance.max().clamp(min=0).item()) + 1
-        encoding = sinusoidal_embedding(-torch.arange(num_distances, device=query.device), self.config.hidden_size,
-                                        query.dtype).to(query.dtype)
-        position_keys = self.position_key_proj(encoding).view(num_distances, self.num_heads, self.head_dim)
-        by_distance = torch.einsum("bhqd,khd->bhqk", query, position_keys) * self.scaling  # [1, H, Tq, distance]
+        num_distances = attention_mask.shape[-1]  # static bound (see above)
+        by_distance = self.xl_distance_scores(query, num_distances)  # [1, H, Tq, distance]
         index = distance.clamp(0, num_distances - 1).expand(*by_distance.shape[:2], -1, -1)
         bias = by_distance.gather(-1, index)  # [1, H, Tq, Tk]
         if attention_mask.dtype == torch.bool:

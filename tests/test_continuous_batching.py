@@ -127,6 +127,41 @@ def test_paged_distances_match_positions():
     assert paged_key_distances({"cu_seq_lens_q": torch.tensor([0, 1])}, 1, 1, "cpu") is None  # not a paged call
 
 
+@pytest.mark.parametrize("preset", ["tiny-switchhead-xl", "tiny-dense-xl"])
+def test_xl_paged_mask_equals_per_request_bias_without_host_sync(preset):
+    """The packed XL bias (two requests as above) equals `xl_position_bias` of each request alone, and building it
+    (distances included) traces as one graph with no host sync in it (no `.item()` / `.tolist()` read of a tensor
+    value: torch 2.13 traces those into the graph, so the graph's nodes are checked)."""
+    attention = tiny_model(preset).model.layers[0].self_attn
+    heads, head_dim = attention.num_heads, attention.head_dim
+    query = torch.randn(1, heads, 6, head_dim, generator=torch.Generator().manual_seed(0))
+    cu_q, cu_k = torch.tensor([0, 2, 6]), torch.tensor([0, 5, 9])
+    mask = torch.zeros(1, 1, 6, 9, dtype=torch.bool)
+    mask[..., 0:2, 0:4], mask[..., 1, 4] = True, True  # request 0: 3 cached keys + 2 new (causal)
+    mask[..., 2:6, 5:9] = torch.ones(4, 4, dtype=torch.bool).tril()  # request 1: a 4-token prefill
+
+    def packed(query, mask, cu_q, cu_k):
+        kwargs = {"cache": True, "cu_seq_lens_q": cu_q, "cu_seq_lens_k": {"full_attention": cu_k}}
+        return attention.xl_paged_attention_mask(query, mask, paged_key_distances(kwargs, 6, 9, query.device))
+
+    with torch.no_grad():
+        bias = packed(query, mask, cu_q, cu_k)
+        graphs = []
+        compiled = torch.compile(packed, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward)(
+            query, mask, cu_q, cu_k)
+        alone = [attention.xl_position_bias(query[:, :, 0:2], 5, query_offset=3),
+                 attention.xl_position_bias(query[:, :, 2:6], 4, query_offset=0)]
+    torch.testing.assert_close(compiled, bias)
+    syncs = [node.format_node() for graph in graphs for node in graph.graph.nodes
+             if str(node.target) in ("item", "tolist", "aten._local_scalar_dense.default")]
+    assert len(graphs) == 1 and not syncs, syncs
+    for (rows, cols), want in zip([(slice(0, 2), slice(0, 5)), (slice(2, 6), slice(5, 9))], alone):
+        visible = mask[0, 0, rows, cols]
+        got = bias[0, :, rows, cols]
+        torch.testing.assert_close(got[:, visible], want[0][:, visible], atol=1e-6, rtol=1e-5)
+        assert (got[:, ~visible] == torch.finfo(bias.dtype).min).all()
+
+
 @pytest.mark.parametrize("preset", ["tiny-switchhead", "tiny-dense", "wt103-45m-switchhead-rope",
                                     "wt103-47m-switchhead-xl", "wt103-47m-dense-xl"])
 def test_paged_cache_bytes_are_switchheads(preset):
