@@ -33,19 +33,12 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 import switchhead  # noqa: F401 - registers the "cvmm" experts implementation
 from switchhead import kernels
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_name  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLEMENTATIONS = ("cvmm", "grouped_mm", "batched_mm", "eager")
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_name(device: torch.device) -> str:

@@ -14,6 +14,8 @@ Measured, with the models interleaved inside every repetition and the median tak
   step, each step run in a fresh child process so that freed-but-cached memory of other models does not hide it;
 - prefill time (batch 1, the whole context, with a KV cache) and decode tokens/s at batch 1 and 8 (greedy, one
   token per step through the cache), eager and compiled (inductor, static cache, `fullgraph=True`);
+- the training step compiled with inductor (`torch.compile(model, fullgraph=True)`) at the first context, against
+  the eager step interleaved with it (`--no-compiled-train` skips it);
 - KV-cache bytes after the prefill.
 Ratios are SwitchHead / dense (time ratios < 1 and tokens/s ratios > 1 favour SwitchHead). JSON and Markdown go to
 `benchmarks/results/`, named after the machine, with threads, torch version and the load average before/after.
@@ -39,6 +41,9 @@ import transformers  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAIRS = {  # family -> (SwitchHead model, dense baseline)
@@ -106,14 +111,17 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def train_step(model, batch: int, context: int):
-    ids = torch.randint(1, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
-    model.train()
-    for module in model.modules():  # timing only: no dropout randomness
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+def train_step(model, batch: int, context: int, module=None):
+    """A training step of `model` (`module`: the model behind a compiled wrapper, for its config and layers)."""
+    module = model if module is None else module
+    ids = torch.randint(1, module.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    module.train()
+    for layer in module.modules():  # timing only: no dropout randomness
+        if isinstance(layer, torch.nn.Dropout):
+            layer.p = 0.0
 
     def step():
+        module.train()  # the decoding measurements in between switch to eval mode
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
@@ -191,15 +199,7 @@ def _peak_memory(name: str, batch: int, context: int, quick: bool, attn: str) ->
 
 # ------------------------------------------------------------------------------------------------ driver
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "hostname": platform.node()}
 
@@ -256,6 +256,16 @@ def run(args) -> dict:
             for n in compiled_names:
                 _, decode, _ = prefill_and_decode(models[n], batch, prompt, steps, compiled=True)
                 add(f"decode_tok_s/compiled/{n}/{batch}", batch * steps / decode)
+    compiled_train = {}  # inductor, fullgraph: the training step (forward + backward) at the first context
+    train_context = contexts[0]
+    for n in compiled_names if args.compiled_train else []:
+        compiled_model = torch.compile(models[n], fullgraph=True, dynamic=False)
+        compiled_train[n] = train_step(compiled_model, train_batch, train_context, models[n])
+        report.setdefault("compile_s", {})[f"{n}/train@{train_context}"] = timed(compiled_train[n])  # compiles
+    for rep in range(args.reps if compiled_train else 0):
+        for n in compiled_train:
+            add(f"train_s/{n}/{train_context}", timed(steps_of[(n, train_context)]))  # eager, interleaved again
+            add(f"train_s_compiled/{n}/{train_context}", timed(compiled_train[n]))
     del steps_of
     memory = {}
     for context in [] if args.no_memory else contexts[:1] if quick else contexts:  # quick: one context, one pair
@@ -264,12 +274,13 @@ def run(args) -> dict:
     report["train_peak_memory"] = memory
     report["medians"] = {key: median(values) for key, values in samples.items()}
     report["samples"] = samples
-    report["ratios"] = ratios(report, contexts, decode_batches, args.compiled_batches if compiled_names else [])
+    report["ratios"] = ratios(report, contexts, decode_batches, args.compiled_batches if compiled_names else [],
+                              train_context if compiled_train else None)
     report["load_average_after"] = os.getloadavg()
     return report
 
 
-def ratios(report, contexts, decode_batches, compiled_batches) -> dict:
+def ratios(report, contexts, decode_batches, compiled_batches, compiled_train_context=None) -> dict:
     med, out = report["medians"], {}
     for family, (moe, dense) in PAIRS.items():
         row = {}
@@ -286,6 +297,11 @@ def ratios(report, contexts, decode_batches, compiled_batches) -> dict:
                                                       / med[f"decode_tok_s/compiled/{dense}/{batch}"])
             row[f"compiled_over_eager_switchhead@b{batch}"] = (med[f"decode_tok_s/compiled/{moe}/{batch}"]
                                                                / med[f"decode_tok_s/eager/{moe}/{batch}"])
+        if compiled_train_context is not None:
+            c = compiled_train_context
+            row[f"train_time_compiled@{c}"] = med[f"train_s_compiled/{moe}/{c}"] / med[f"train_s_compiled/{dense}/{c}"]
+            row[f"compiled_over_eager_train_time_switchhead@{c}"] = (med[f"train_s_compiled/{moe}/{c}"]
+                                                                     / med[f"train_s/{moe}/{c}"])
         row["kv_cache_bytes"] = report["kv_cache_bytes"][moe] / report["kv_cache_bytes"][dense]
         out[family] = row
     return out
@@ -317,7 +333,7 @@ def markdown(report) -> str:
         lines.append(f"| {name} | {count / 1e6:.2f}M | {report['kv_cache_bytes'].get(name, 0)} | "
                      + " | ".join("n/a" if p is None else f"{p / 2**20:.0f}" for p in peaks) + " |")
     if report.get("compile_s"):
-        lines += ["", "Compile + first decode steps (s): "
+        lines += ["", "Compile time, including the first call (s): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in report["compile_s"].items())]
     return "\n".join(lines) + "\n"
 
@@ -333,6 +349,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--compiled-batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-compiled-train", dest="compiled_train", action="store_false",
+                        help="skip the compiled (inductor) training steps")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     parser.add_argument("--no-reference", action="store_true", help="skip the Mixtral / JetMoE rows")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (Markdown beside it)")

@@ -36,6 +36,9 @@ import torch
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.accounting import kv_cache_bytes_per_token
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_name  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PAIRS = {
     "47M RoPE": ("wt103-45m-switchhead-rope", ("wt103-47m-dense-xl", {"position_encoding": "rope", "xl_memory_length": 0})),
@@ -53,16 +56,6 @@ def build_config(spec) -> SwitchHeadConfig:
 def label(spec) -> str:
     name, overrides = (spec, {}) if isinstance(spec, str) else spec
     return name + "".join(f" ({k}={v})" for k, v in overrides.items())
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def percentile(values: list[float], q: float) -> float:
