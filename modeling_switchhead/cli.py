@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for a subcommand that relaunches itself
     if extra:  # name the subcommand in the one-line error, as for its other argument errors
         choices = parser._subparsers._group_actions[0].choices if parser._subparsers else {}
         (choices.get(getattr(args, "command", None)) or parser).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -1,7 +1,13 @@
-"""Must-show 5: `accelerate launch --num_processes 2 --cpu` (gloo) trains the tiny preset to the same losses as one
-process with the same global batch, and as one process that accumulates the two halves of it."""
+"""Must-show 5: `accelerate launch --multi_gpu --num_processes 2` with ACCELERATE_USE_CPU=true (2 gloo processes)
+trains the tiny preset to the same losses as one process with the same global batch, and as one process that
+accumulates the two halves of it.
+
+(`accelerate launch --num_processes 2 --cpu` would start ONE process: Accelerate 1.x's CPU launcher is its simple
+launcher, which runs the script once unless an MPI hostfile is given. The torchrun-based launcher with
+ACCELERATE_USE_CPU=true forms the 2-process gloo group; the checkpoint's `num_processes` proves it.)"""
 
 import csv
+import json
 import os
 import socket
 import subprocess
@@ -38,15 +44,18 @@ def test_two_gloo_processes_reach_the_losses_of_one_process_with_the_same_global
         "single": [sys.executable, *train, "--output-dir", str(tmp_path / "single")],
         "accumulated": [sys.executable, *train, "--gradient-accumulation-steps", "2",
                         "--output-dir", str(tmp_path / "accumulated")],
-        "two processes": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+        "two processes": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                           "--main_process_port", str(free_port()), *train, "--output-dir", str(tmp_path / "ddp")],
     }
     for name, cmd in runs.items():
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(cmd, env={**env, "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True,
+                              timeout=600)
         assert done.returncode == 0, (name, done.stderr[-3000:])
     ddp_out = (tmp_path / "ddp" / "log.csv")
     assert ddp_out.exists()
+    state = json.loads(next((tmp_path / "ddp" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
+    assert state["num_processes"] == 2  # really two processes, not one
 
     single, single_valid = losses(tmp_path / "single")
     for name in ("accumulated", "ddp"):

@@ -4,6 +4,7 @@
     switchhead train --preset tiny-switchhead --data ../shared/data/wikitext-2 --output-dir runs/wt2
     switchhead train --output-dir runs/wt2 --resume           # continue from the newest checkpoint
     accelerate launch --num_processes 8 -m switchhead.cli train --preset wt103-47m-switchhead-xl --data DIR
+    switchhead train --accelerate-config fsdp2 --num-processes 8 --preset wt103-47m-switchhead-xl --data DIR
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def register(subparsers) -> None:
                         help="override a model configuration field, e.g. --set hidden_size=128 (repeatable)")
     for flag, (_, kind, help_text) in OPTIONS.items():
         parser.add_argument(flag, type=kind, default=None, help=help_text)
+    parser.add_argument("--accelerate-config", default=None, metavar="FILE",
+                        help="run under `accelerate launch --config_file FILE` (started for you, one machine): an "
+                             "Accelerate YAML, or a shipped one by name: fsdp2 (full state dicts in checkpoints), "
+                             "fsdp2_sharded. Without a GPU, Accelerate runs its processes with DDP over gloo "
+                             "(it applies FSDP on accelerators only). Several machines: `accelerate launch` itself")
+    parser.add_argument("--num-processes", type=int, default=None, metavar="N",
+                        help="with --accelerate-config: processes to start (default: the config's num_processes)")
     parser.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard logs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list-presets", action="store_true", help="list the model presets and exit")
@@ -89,6 +97,13 @@ def run(args) -> int:
         for name in sorted(PRESETS):
             print(f"{name:28s} {'paper training settings' if name in PAPER_TRAINING else 'tiny (CPU)'}")
         return 0
+    if args.accelerate_config is not None:
+        if args.demo:
+            raise UsageError("--demo runs in one process; drop --accelerate-config")
+        return launch_under_accelerate(args)
+    if args.num_processes is not None:
+        raise UsageError("--num-processes goes with --accelerate-config (or use `accelerate launch "
+                         "--num_processes N -m switchhead.cli train ...`)")
     explicit = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in OPTIONS.items()}
     explicit = {field: value for field, value in explicit.items() if value is not None}
     if args.no_tensorboard:
@@ -142,3 +157,71 @@ def run(args) -> int:
         print(f"step {result.step}: validation loss {result.valid_loss:.4f}, perplexity {result.valid_perplexity:.2f} "
               f"(unigram {result.unigram_perplexity:.1f}); saved to {result.output_dir}")
     return 0
+
+
+# `accelerate launch` options of ours, dropped from the command line the launched processes get
+_LAUNCH_OPTIONS = ("--accelerate-config", "--num-processes")
+
+
+def launch_under_accelerate(args) -> int:
+    """`switchhead train --accelerate-config FILE ...`: the same command under `accelerate launch --config_file FILE`.
+
+    One machine: the launched processes run `switchhead train` with every other option unchanged, on a free port
+    unless the config names one. Without an accelerator, Accelerate 1.x does not form a process group from an
+    FSDP (or multi-GPU) config at all: its launcher never sets ACCELERATE_USE_CPU for them, so each process would
+    run alone as "process 0 of 1", all writing the same run folder. Here ACCELERATE_USE_CPU=true is set for them:
+    they join over gloo (`MULTI_CPU`), and since Accelerate turns FSDP on only for accelerator process groups
+    (`AcceleratorState` switches MULTI_GPU / MULTI_XPU / ... to FSDP, never MULTI_CPU), they train with DDP; a note
+    says so.
+    """
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    import yaml
+
+    from ..cli import UsageError
+    from .accelerate_configs import CONFIGS, path
+
+    if os.environ.get("LOCAL_RANK") is not None:
+        raise UsageError("--accelerate-config starts the processes itself: under `accelerate launch` or torchrun, "
+                         "drop it")
+    name = args.accelerate_config
+    config_file = path(name) if name in CONFIGS else name
+    if not os.path.isfile(config_file):
+        raise UsageError(f"--accelerate-config: no file {name!r} (or a shipped config: {', '.join(CONFIGS)})")
+    try:
+        with open(config_file, encoding="utf-8") as handle:
+            launch_config = yaml.safe_load(handle)
+    except yaml.YAMLError as error:
+        raise UsageError(f"--accelerate-config: {config_file} is not YAML ({error})") from None
+    if not isinstance(launch_config, dict) or "distributed_type" not in launch_config:
+        raise UsageError(f"--accelerate-config: {config_file} is not an Accelerate config (no distributed_type)")
+    if args.num_processes is not None and args.num_processes < 1:
+        raise UsageError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if int(launch_config.get("num_machines", 1) or 1) > 1:
+        raise UsageError("--accelerate-config runs on one machine; for several, run `accelerate launch "
+                         "--config_file FILE --machine_rank R ... -m switchhead.cli train ...` on each")
+
+    forwarded, skip = [], False
+    for item in args.argv:
+        if skip:
+            skip = False
+        elif item in _LAUNCH_OPTIONS:
+            skip = True
+        elif not item.startswith(tuple(option + "=" for option in _LAUNCH_OPTIONS)):
+            forwarded.append(item)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file]
+    if args.num_processes is not None:
+        command += ["--num_processes", str(args.num_processes)]
+    if launch_config.get("main_process_port") is None:
+        command += ["--main_process_port", "0"]  # Accelerate picks a free one
+    command += ["-m", "switchhead.cli", *forwarded]
+    env = dict(os.environ)
+    if not torch.accelerator.is_available() or launch_config.get("use_cpu"):
+        env["ACCELERATE_USE_CPU"] = "true"  # the launcher leaves it unset for FSDP / multi-GPU configs
+        if launch_config.get("distributed_type") == "FSDP":
+            print("switchhead train: no GPU here: Accelerate applies FSDP on accelerators only, so these CPU "
+                  "processes (gloo) train with DDP", file=sys.stderr)
+    return subprocess.run(command, env=env).returncode

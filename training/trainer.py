@@ -483,6 +483,12 @@ def train(config: TrainingConfig) -> TrainResult:
 
     started = time.time()
     accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > accelerator.num_processes:  # e.g. an FSDP / multi-GPU Accelerate config on a CPU-only machine
+        raise TrainingError(
+            f"{launched} processes were launched but Accelerate joined none of them (it found no GPU and "
+            f"ACCELERATE_USE_CPU is not set), so each would train alone into the same folder: use `switchhead train "
+            f"--accelerate-config FILE`, or set ACCELERATE_USE_CPU=true to train on CPU processes (gloo)")
     is_main = accelerator.is_main_process
 
     # ---------------------------------------------------------------- the output folder and the resume rule
