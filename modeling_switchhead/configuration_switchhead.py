@@ -101,7 +101,8 @@ class SwitchHeadConfig(PreTrainedConfig):
         value / output experts `[H*E, d, dh]` / `[H*E, dh, d]` and the routers W_S / W_D `[H*E, d]` (and the
         dense baseline's output gate `[H, d]`), take "switchhead_heads" (modeling file): split along their first
         dim, which is grouped by head, so a head's top-k runs on the process that owns it, and the output experts'
-        partial sum over heads is all-reduced. Feed-forward: the dense one up_proj colwise, down_proj rowwise; the
+        partial sum over heads is all-reduced (the value-only / output-only ablations: their dense side v_proj
+        colwise or o_proj rowwise). Feed-forward: the dense one up_proj colwise, down_proj rowwise; the
         sigma-MoE one is split along each expert's hidden size S (exact for an element-wise activation:
         `act(x K[:, S_r]) V[S_r, :]` summed over the processes' slices S_r), with its router replicated so the
         top-k stays global: `keys` `[E, d, S]` on its last dim ("rowwise"'s placement), `values` `[E, S, d]` on
@@ -118,7 +119,7 @@ class SwitchHeadConfig(PreTrainedConfig):
             if self.attention_output_gate:
                 plan[attention] = "switchhead_heads"  # the output gate [H, d]
         else:
-            projections = getattr(self, "attention_expert_projections", "value_output")
+            projections = self.attention_expert_projections
             plan[attention] = "switchhead_heads"  # value_experts / output_experts
             if projections in ("value_output", "value"):
                 plan[f"{attention}.value_selection"] = "switchhead_heads"

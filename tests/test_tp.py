@@ -3,7 +3,7 @@
 `SwitchHeadConfig.base_model_tp_plan` splits attention by heads (q/k/position_key_proj colwise; SwitchHead's
 value / output experts and routers along their head-grouped first dim with the "switchhead_heads" style; the dense
 v/o colwise/rowwise), the dense feed-forward colwise/rowwise and the sigma-MoE along each expert's hidden size with
-its router replicated. For every variant, each process's logits must equal the single-process logits within 1e-5,
+its router replicated. For every variant (and the value-only / output-only SwitchHead ablations), each process's logits must equal the single-process logits within 1e-5,
 the loss gradient of every parameter (gathered from its shards) must equal the single-process gradient, and the
 planned weights must really be sharded (DTensors holding half of the rows or columns named below).
 """
@@ -53,6 +53,8 @@ CASES = {
     "tiny-switchhead": {},
     "tiny-switchhead-xl": {},
     "tiny-switchall": {},
+    "tiny-switchhead-value": {"attention_expert_projections": "value"},  # expert V, dense o_proj (rowwise)
+    "tiny-switchhead-output": {"attention_expert_projections": "output"},  # dense v_proj (colwise), expert O
 }
 
 
@@ -75,10 +77,16 @@ def expected_shards(config: SwitchHeadConfig) -> dict[str, list[int]]:
             shards[f"{layer}.self_attn.output_gate"] = [config.num_attention_heads // 2, d]
     else:
         rows = config.num_attention_heads * config.num_attention_experts // 2  # whole heads' experts
-        shards[f"{layer}.self_attn.value_experts"] = [rows, d, config.head_dim]
-        shards[f"{layer}.self_attn.output_experts"] = [rows, config.head_dim, d]
-        shards[f"{layer}.self_attn.value_selection.weight"] = [rows, d]
-        shards[f"{layer}.self_attn.output_selection.weight"] = [rows, d]
+        if config.attention_expert_projections in ("value_output", "value"):
+            shards[f"{layer}.self_attn.value_experts"] = [rows, d, config.head_dim]
+            shards[f"{layer}.self_attn.value_selection.weight"] = [rows, d]
+        else:
+            shards[f"{layer}.self_attn.v_proj.weight"] = [inner // 2, d]
+        if config.attention_expert_projections in ("value_output", "output"):
+            shards[f"{layer}.self_attn.output_experts"] = [rows, config.head_dim, d]
+            shards[f"{layer}.self_attn.output_selection.weight"] = [rows, d]
+        else:
+            shards[f"{layer}.self_attn.o_proj.weight"] = [d, inner // 2]
     if config.mlp_type == "dense":
         shards[f"{layer}.mlp.up_proj.weight"] = [config.intermediate_size // 2, d]
         shards[f"{layer}.mlp.down_proj.weight"] = [d, config.intermediate_size // 2]
@@ -90,7 +98,7 @@ def expected_shards(config: SwitchHeadConfig) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_plan_auto_on_two_cpu_processes(tmp_path, case):
-    preset = case.removesuffix("-gate")
+    preset = case.removesuffix("-gate").removesuffix("-value").removesuffix("-output")
     config = SwitchHeadConfig.from_preset(preset, hidden_dropout=0.0, **CASES[case])
     torch.manual_seed(0)
     model = SwitchHeadForCausalLM(config).eval()
