@@ -117,9 +117,11 @@ SCALES = {
                      vocab_size=8000, seeds=3, eval_every=20, eval_batches=8, save_every=40, blimp_pairs=10,
                      lambada_passages=200, valid_fraction=0.25, perplexity_protocol="chunked", zero_shot_seeds=1,
                      ablations=(("E1", 1, 1), ("k1", 5, 1), ("gate", 1, 1), ("k3", 5, 3), ("E8", 8, 2),
-                                ("E3", 3, 2), ("Vonly", 5, 2), ("Oonly", 5, 2)), seeded_ablations=("gate",),
+                                ("E3", 3, 2), ("Vonly", 5, 2), ("Oonly", 5, 2)),
+                     seeded_ablations=("gate", "Vonly", "Oonly"),
                      comparisons=("rope", "xl", "switchall", "ablation", "sweep"),
                      sweeps=(("lr1e-3", (("learning_rate", 1e-3),)), ("lr4e-3", (("learning_rate", 4e-3),)),
+                             ("lr8e-3", (("learning_rate", 8e-3),)),
                              ("tokens2x", (("max_steps", 320), ("warmup_steps", 32))))),
     # the intended size: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",
