@@ -757,6 +757,12 @@ def write_results(scale: Scale, out: Path, results_dir: Path, command: str) -> d
         for row in sweep:
             lines.append(f"| {row['label']} | " + " | ".join(
                 f"{row['test_ppl'][c]:.2f}" if row["test_ppl"].get(c) is not None else "-" for c in columns) + " |")
+        by_role = {row["role"]: row["test_ppl"] for row in sweep}
+        for other, title in (("dense-total", "same total heads"), ("gate", "gated control")):
+            if "switchhead" in by_role and other in by_role:
+                ours, theirs = by_role["switchhead"], by_role[other]
+                lines.append(f"| ratio SwitchHead / {title} | " + " | ".join(
+                    f"{ours[c] / theirs[c]:.3f}" if ours.get(c) and theirs.get(c) else "-" for c in columns) + " |")
         lines.append("")
     for comparison in scale.comparisons:
         image = results_dir / f"replication_{comparison}.png"
