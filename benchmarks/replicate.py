@@ -121,7 +121,7 @@ SCALES = {
                      seeded_ablations=("gate", "Vonly", "Oonly"),
                      comparisons=("rope", "xl", "switchall", "ablation", "sweep"),
                      sweeps=(("lr1e-3", (("learning_rate", 1e-3),)), ("lr4e-3", (("learning_rate", 4e-3),)),
-                             ("lr8e-3", (("learning_rate", 8e-3),)),
+                             ("lr8e-3", (("learning_rate", 8e-3),)), ("lr16e-3", (("learning_rate", 1.6e-2),)),
                              ("tokens2x", (("max_steps", 320), ("warmup_steps", 32))))),
     # the intended size: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",

@@ -200,7 +200,7 @@ def test_session_grid_has_the_one_sided_ablations_and_the_sweep():
     # the earlier runs' fields are unchanged (no new key), so their finished records still match the plan
     assert "attention_expert_projections" not in specs["rope-switchhead-s0"].fields
     sweep = [spec for spec in specs.values() if spec.role == "sweep"]
-    assert len(sweep) == len(scale.sweeps) * len(scale.sweep_models) == 12
+    assert len(sweep) == len(scale.sweeps) * len(scale.sweep_models) == 15
     for spec in sweep:
         assert spec.seed == 0 and spec.fields["position_encoding"] == "rope" and spec.training
         base = {"switchhead": "rope-switchhead-s0", "dense-total": "rope-dense-total-s0",
@@ -223,6 +223,6 @@ def test_sweep_rows_line_up_the_grid_run_and_the_sweep_runs():
                record("rope-dense-total", 0, 205.0)]
     rows = {row["role"]: row for row in replicate.sweep_rows(records, scale)}
     assert sorted(rows) == ["dense-total", "switchhead"]  # no gate runs at all: no row
-    assert rows["switchhead"]["test_ppl"] == {"lr 0.002 (grid)": 200.0, "lr 0.001": 210.0, "lr 0.004": None, "lr 0.008": None,
+    assert rows["switchhead"]["test_ppl"] == {"lr 0.002 (grid)": 200.0, "lr 0.001": 210.0, "lr 0.004": None, "lr 0.008": None, "lr 0.016": None,
                                               "2x tokens": 150.0}
     assert rows["dense-total"]["test_ppl"]["lr 0.002 (grid)"] == 205.0
