@@ -148,7 +148,10 @@ def prefill_and_decode(model, batch: int, prompt: int, steps: int, compiled: boo
         start = time.perf_counter()
         for i in range(steps):
             position = torch.full((batch, 1), prompt + i)
-            out = forward(input_ids=token, attention_mask=mask[:, :prompt + i + 1], position_ids=position,
+            # compiled (static cache): a mask of the cache's full length every step, so that no shape changes
+            # (the not yet written slots are future keys, masked by causality); eager: the usual growing mask
+            step_mask = mask if compiled else mask[:, :prompt + i + 1]
+            out = forward(input_ids=token, attention_mask=step_mask, position_ids=position,
                           past_key_values=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
         decode = time.perf_counter() - start
