@@ -101,6 +101,7 @@ class Scale:
     # (f): (tag, training overrides) x models ("switchhead", "dense-total", "gate"), seed 0, RoPE
     sweeps: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
     sweep_models: tuple[str, ...] = ("switchhead", "dense-total", "gate")
+    seeded_sweeps: tuple[str, ...] = ()  # sweep tags that also get seeds 1 .. seeds-1 (after all seed-0 runs)
 
     @property
     def tokens(self) -> int:
@@ -122,7 +123,8 @@ SCALES = {
                      comparisons=("rope", "xl", "switchall", "ablation", "sweep"),
                      sweeps=(("lr1e-3", (("learning_rate", 1e-3),)), ("lr4e-3", (("learning_rate", 4e-3),)),
                              ("lr8e-3", (("learning_rate", 8e-3),)), ("lr16e-3", (("learning_rate", 1.6e-2),)),
-                             ("tokens2x", (("max_steps", 320), ("warmup_steps", 32))))),
+                             ("tokens2x", (("max_steps", 320), ("warmup_steps", 32)))),
+                     seeded_sweeps=("lr8e-3",)),
     # the intended size: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",
                  d=192, layers=6, d_ff=768, heads=2, experts=5, k=2, head_dim=32, dense_heads=8, dense_head_dim=24,
@@ -253,12 +255,14 @@ def plan(scale: Scale) -> list[RunSpec]:
     if "sweep" in scale.comparisons:
         bases = {spec.role: spec for spec in triple("rope", 0)}
         bases.update({"gate": spec for spec in ablations if spec.name == "rope-ablation-gate-s0"})
-        for tag, overrides in scale.sweeps:
-            for role in [r for r in scale.sweep_models if r in bases]:
-                base = bases[role]
-                runs.append(RunSpec(f"rope-sweep-{tag}-{role}-s0", f"rope-sweep-{tag}-{role}", "sweep", "sweep",
-                                    f"{base.label}, {sweep_title(tag, dict(overrides), scale)}", 0, base.fields,
-                                    base.match, dict(overrides)))
+        sweep = [RunSpec(f"rope-sweep-{tag}-{role}-s0", f"rope-sweep-{tag}-{role}", "sweep", "sweep",
+                         f"{bases[role].label}, {sweep_title(tag, dict(overrides), scale)}", 0, bases[role].fields,
+                         bases[role].match, dict(overrides))
+                 for tag, overrides in scale.sweeps for role in scale.sweep_models if role in bases]
+        runs += sweep
+        runs += [dataclasses.replace(spec, name=spec.name[:-1] + str(seed), seed=seed)
+                 for seed in range(1, scale.seeds) for spec in sweep
+                 if any(spec.model.startswith(f"rope-sweep-{tag}-") for tag in scale.seeded_sweeps)]
     return runs
 
 

@@ -200,9 +200,14 @@ def test_session_grid_has_the_one_sided_ablations_and_the_sweep():
     # the earlier runs' fields are unchanged (no new key), so their finished records still match the plan
     assert "attention_expert_projections" not in specs["rope-switchhead-s0"].fields
     sweep = [spec for spec in specs.values() if spec.role == "sweep"]
-    assert len(sweep) == len(scale.sweeps) * len(scale.sweep_models) == 15
+    assert len([s for s in sweep if s.seed == 0]) == len(scale.sweeps) * len(scale.sweep_models) == 15
+    # seeds 1 and 2 only for the seeded sweep settings, after every seed-0 run
+    assert sorted(s.name for s in sweep if s.seed) == sorted(f"rope-sweep-lr8e-3-{role}-s{seed}" for seed in (1, 2)
+                                                             for role in scale.sweep_models)
+    names = list(specs)
+    assert max(names.index(s.name) for s in sweep if s.seed == 0) < min(names.index(s.name) for s in sweep if s.seed)
     for spec in sweep:
-        assert spec.seed == 0 and spec.fields["position_encoding"] == "rope" and spec.training
+        assert spec.fields["position_encoding"] == "rope" and spec.training
         base = {"switchhead": "rope-switchhead-s0", "dense-total": "rope-dense-total-s0",
                 "gate": "rope-ablation-gate-s0"}[next(r for r in scale.sweep_models if spec.model.endswith("-" + r))]
         assert spec.fields == specs[base].fields and spec.match == specs[base].match
