@@ -55,7 +55,7 @@ except Exception:  # noqa: BLE001 - any failure means "use the PyTorch path"
 
 # ==================================================================================================== expert op
 EXPERT_IMPLEMENTATIONS = ("auto", "reference", "batched", "all_experts", "grouped")
-_FEW_SLOTS = 8  # "auto": gather the selected matrices while N * S (selected matrices in the call) is at most this
+_FEW_SLOTS = 4  # "auto": gather the selected matrices while N * S (selected matrices in the call) is at most this
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -75,7 +75,7 @@ def choose_expert_implementation(tokens: int, slots: int, rows: int, out_groups:
                                  inputs: torch.Tensor, weight: torch.Tensor, implementation: str = "auto") -> str:
     """The formulation `expert_projection_torch` runs: `implementation`, with "auto" resolved by problem size.
 
-    "auto": "batched" for a handful of selected matrices (N * S <= 8: decoding a few sequences, the weight copy is
+    "auto": "batched" for a handful of selected matrices (N * S <= 4: decoding one sequence, the weight copy is
     small); "all_experts" while its extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G
     matrix products per token where S are needed, so it is taken when that is at most twice S, or for few tokens
     (N * S <= 512, where the grouped path's sorting and copying cost more than the extra products); else

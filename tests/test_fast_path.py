@@ -111,10 +111,10 @@ def test_every_formulation_with_repeated_and_cross_group_expert_ids(use):
 def test_auto_picks_by_problem_size():
     choose = modeling.choose_expert_implementation
     x, w = torch.zeros(1, 1, 8), torch.zeros(10, 8, 12)
-    # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding one or two tokens gathers the few matrices
+    # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding one sequence gathers its 4 matrices
     assert choose(1, 4, 1, 2, 10, x, w) == "batched"
-    assert choose(2, 4, 1, 2, 10, x, w) == "batched"
-    assert choose(8, 4, 1, 2, 10, x, w) == "all_experts"  # batch-8 decoding: no weight copies
+    assert choose(2, 4, 1, 2, 10, x, w) == "all_experts"  # batch decoding: no weight copies
+    assert choose(8, 4, 1, 2, 10, x, w) == "all_experts"
     assert choose(4096, 4, 1, 2, 10, x, w) == "grouped"  # training: G / k times the products is too much
     # few experts per slot (G <= 2 S): every expert is cheap even for many tokens
     assert choose(4096, 4, 1, 2, 6, x, w) == "all_experts"
