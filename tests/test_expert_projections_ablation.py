@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel
 from switchhead.accounting import attention_macs, attention_memory, cost_report
 from switchhead.modeling_switchhead import SwitchHeadAttention
-from padding import left_padded_batch
+from padding import generate_cached_and_uncached, left_padded_batch
 
 SIDES = ["value_output", "value", "output"]
 SMALL = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, head_dim=8,
@@ -186,13 +186,7 @@ def test_cached_decoding_equals_uncached(sides, position):
     extra = dict(position_encoding="xl", xl_memory_length=0) if position == "xl" else {}
     model = small_model(sides, **extra).eval()
     ids, mask = left_padded_batch(64)
-    common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True, pad_token_id=0)
-    cached = model.generate(ids, use_cache=True, **common)
-    uncached = model.generate(ids, use_cache=False, **common)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    for step_cached, step_uncached in zip(cached.logits, uncached.logits):
-        torch.testing.assert_close(step_cached, step_uncached, atol=1e-5, rtol=0)
+    generate_cached_and_uncached(model, ids, mask, new_tokens=6)
 
 
 # ------------------------------------------------------------------------------------------ routers

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel, expert_projection_torch
 from switchhead.modeling_switchhead import SwitchHeadAttention, sigma_moe_entropy_loss
-from padding import left_padded_batch, positions_from_mask
+from padding import generate_cached_and_uncached, left_padded_batch, positions_from_mask
 
 VARIANTS = ["tiny-switchhead", "tiny-switchall", "tiny-dense"]
 
@@ -223,13 +223,7 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tmp_path)
 def test_cached_decoding_equals_uncached_and_full_forward(preset):
     model = tiny_model(preset).eval()
     ids, mask = left_padded_batch(512)
-    common = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True, pad_token_id=0)
-    cached = model.generate(ids, use_cache=True, **common)
-    uncached = model.generate(ids, use_cache=False, **common)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    for step_cached, step_uncached in zip(cached.logits, uncached.logits):
-        torch.testing.assert_close(step_cached, step_uncached, atol=1e-5, rtol=0)
+    cached = generate_cached_and_uncached(model, ids, mask, new_tokens=8)
 
     # every cached step's logits equal one full forward over the final sequence
     sequences = cached.sequences
