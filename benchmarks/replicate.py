@@ -102,6 +102,7 @@ class Scale:
     sweeps: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
     sweep_models: tuple[str, ...] = ("switchhead", "dense-total", "gate")
     seeded_sweeps: tuple[str, ...] = ()  # sweep tags that also get seeds 1 .. seeds-1 (after all seed-0 runs)
+    sweep_ablations: tuple[tuple[str, str], ...] = ()  # (sweep tag, ablation tag): an ablation at that setting, last
 
     @property
     def tokens(self) -> int:
@@ -124,7 +125,7 @@ SCALES = {
                      sweeps=(("lr1e-3", (("learning_rate", 1e-3),)), ("lr4e-3", (("learning_rate", 4e-3),)),
                              ("lr8e-3", (("learning_rate", 8e-3),)), ("lr16e-3", (("learning_rate", 1.6e-2),)),
                              ("tokens2x", (("max_steps", 320), ("warmup_steps", 32)))),
-                     seeded_sweeps=("lr8e-3",)),
+                     seeded_sweeps=("lr8e-3",), sweep_ablations=(("lr8e-3", "Vonly"), ("lr8e-3", "Oonly"))),
     # the intended size: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",
                  d=192, layers=6, d_ff=768, heads=2, experts=5, k=2, head_dim=32, dense_heads=8, dense_head_dim=24,
@@ -263,6 +264,13 @@ def plan(scale: Scale) -> list[RunSpec]:
         runs += [dataclasses.replace(spec, name=spec.name[:-1] + str(seed), seed=seed)
                  for seed in range(1, scale.seeds) for spec in sweep
                  if any(spec.model.startswith(f"rope-sweep-{tag}-") for tag in scale.seeded_sweeps)]
+        overrides_of = dict(scale.sweeps)
+        for tag, ablation in scale.sweep_ablations:
+            base = next((spec for spec in ablations if spec.name == f"rope-ablation-{ablation}-s0"), None)
+            if base is not None and tag in overrides_of:
+                runs.append(RunSpec(f"rope-sweep-{tag}-{ablation}-s0", f"rope-sweep-{tag}-{ablation}", "sweep",
+                                    "sweep", f"{base.label}, {sweep_title(tag, dict(overrides_of[tag]), scale)}", 0,
+                                    base.fields, base.match, dict(overrides_of[tag])))
     return runs
 
 
@@ -614,9 +622,10 @@ def sweep_rows(records: list[dict], scale: Scale) -> list[dict]:
         return []
     test = {r["model"]: r["perplexity"]["test"]["perplexity"] for r in records if r["seed"] == 0}
     grid = {"switchhead": "rope-switchhead", "dense-total": "rope-dense-total", "gate": "rope-ablation-gate"}
+    grid.update({ablation: f"rope-ablation-{ablation}" for _, ablation in scale.sweep_ablations})
     labels = {r["model"]: r["label"] for r in records}
     rows = []
-    for role in scale.sweep_models:
+    for role in list(scale.sweep_models) + list(dict.fromkeys(a for _, a in scale.sweep_ablations)):
         values = {f"lr {scale.learning_rate:g} (grid)": test.get(grid[role])}
         for tag, overrides in scale.sweeps:
             values[sweep_title(tag, dict(overrides), scale)] = test.get(f"rope-sweep-{tag}-{role}")

@@ -200,7 +200,10 @@ def test_session_grid_has_the_one_sided_ablations_and_the_sweep():
     # the earlier runs' fields are unchanged (no new key), so their finished records still match the plan
     assert "attention_expert_projections" not in specs["rope-switchhead-s0"].fields
     sweep = [spec for spec in specs.values() if spec.role == "sweep"]
-    assert len([s for s in sweep if s.seed == 0]) == len(scale.sweeps) * len(scale.sweep_models) == 15
+    assert len([s for s in sweep if s.seed == 0]) == len(scale.sweeps) * len(scale.sweep_models) + 2 == 17
+    for tag in ("Vonly", "Oonly"):  # the one-sided ablations at lr 8e-3: their grid fields, the sweep's lr
+        spec = specs[f"rope-sweep-lr8e-3-{tag}-s0"]
+        assert spec.fields == specs[f"rope-ablation-{tag}-s0"].fields and spec.training == {"learning_rate": 8e-3}
     # seeds 1 and 2 only for the seeded sweep settings, after every seed-0 run
     assert sorted(s.name for s in sweep if s.seed) == sorted(f"rope-sweep-lr8e-3-{role}-s{seed}" for seed in (1, 2)
                                                              for role in scale.sweep_models)
@@ -208,6 +211,8 @@ def test_session_grid_has_the_one_sided_ablations_and_the_sweep():
     assert max(names.index(s.name) for s in sweep if s.seed == 0) < min(names.index(s.name) for s in sweep if s.seed)
     for spec in sweep:
         assert spec.fields["position_encoding"] == "rope" and spec.training
+        if spec.model.endswith("only"):
+            continue
         base = {"switchhead": "rope-switchhead-s0", "dense-total": "rope-dense-total-s0",
                 "gate": "rope-ablation-gate-s0"}[next(r for r in scale.sweep_models if spec.model.endswith("-" + r))]
         assert spec.fields == specs[base].fields and spec.match == specs[base].match
