@@ -243,18 +243,18 @@ def expert_projection_torch(
     if implementation == "grouped":
         return _GroupedExperts.apply(inputs, weight, gates, expert_index, out_groups)
     # "all_experts"
-    if gates is None or r <= out_groups:
+    if gates is None:  # every row times every expert, then each slot's result picked
         every = torch.matmul(inputs.reshape(1, n * r, d_in), weight)  # [G, N * R, d_out]
-        if gates is None:
-            row_of_slot = torch.arange(n, device=device)[:, None] * r + torch.arange(s, device=device)[None, :] // (s // r)
-            pick = (expert_index * (n * r) + row_of_slot).reshape(-1)  # out of range iff an expert id is
-            return every.reshape(g * n * r, d_out).index_select(0, pick).view(n, s, d_out)
-        checked = torch.arange(g, device=device).index_select(0, expert_index.reshape(-1)).view(n, s)
-        mixing = _mixing_matrix(checked, gates, r, g, out_groups, inputs.dtype)  # [N, O * G * R]
+        slot_row = torch.arange(s, device=device)[None, :] // (s // r)
+        row_of_slot = torch.arange(n, device=device)[:, None] * r + slot_row
+        pick = (expert_index * (n * r) + row_of_slot).reshape(-1)  # out of range iff an expert id is
+        return every.reshape(g * n * r, d_out).index_select(0, pick).view(n, s, d_out)
+    checked = torch.arange(g, device=device).index_select(0, expert_index.reshape(-1)).view(n, s)  # bounds check
+    mixing = _mixing_matrix(checked, gates, r, g, out_groups, inputs.dtype)  # [N, O * G * R]
+    if r <= out_groups:  # project every row by every expert, then mix the results
+        every = torch.matmul(inputs.reshape(1, n * r, d_in), weight)  # [G, N * R, d_out]
         every = every.view(g, n, r, d_out).permute(1, 0, 2, 3).reshape(n, g * r, d_out)
         return torch.bmm(mixing.view(n, out_groups, g * r), every)
-    checked = torch.arange(g, device=device).index_select(0, expert_index.reshape(-1)).view(n, s)
-    mixing = _mixing_matrix(checked, gates, r, g, out_groups, inputs.dtype)
     mixed = torch.bmm(mixing.view(n, out_groups * g, r), inputs)  # [N, O * G, d_in]: each expert's gated input
     out = torch.matmul(mixed.view(n * out_groups, g * d_in), weight.reshape(g * d_in, d_out))
     return out.view(n, out_groups, d_out)
