@@ -10,15 +10,24 @@ writes a JSON with the machine and device names to benchmarks/results/. Before t
 against the fp32 reference (exit status 1 on a mismatch).
 
     python benchmarks/bench_cvmm.py --full        # GPU: the full paper shapes, bf16, triton.testing.do_bench medians
+    python benchmarks/bench_cvmm.py --full --authors-cvmm PATH/TO/their/switchhead/cvmm.py   # + the authors' kernel
     python benchmarks/bench_cvmm.py               # anywhere: small token counts (CPU: wall-clock medians)
+    python benchmarks/bench_cvmm.py --cpu-smoke   # CPU, Triton interpreted, tiny shapes: checks that it all runs
+
+The authors' CVMM kernel (the public `switchhead/cvmm.py` of the paper's code) is loaded at run time from the path
+given, never copied here; it is called through its own `CVMMSel` (sorted ids, input rows, output slots, and the
+gates as its reduction weight) and checked against the reference like ours. Its backward needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -67,14 +76,23 @@ def paper_problems(token_override: int | None) -> list[dict]:
 
 
 def make_inputs(problem: dict, device: torch.device, dtype: torch.dtype, generator: torch.Generator):
+    """(inputs, expert_index, weight, gates) of a problem: uniform top-k routing, each head picking k distinct experts
+    of its own (among its first `used_experts` when the problem sets it: the others get no rows); with `strided`
+    the inputs and weight are transposed views (same values, odd strides)."""
     n, heads = problem["tokens"], problem["heads"]
     per_head, k = problem["experts"] // heads, problem["slots"] // heads
-    # uniform top-k routing: each head picks k distinct experts of its own
-    picks = torch.rand(n, heads, per_head, generator=generator).argsort(-1)[..., :k]
+    pool = problem.get("used_experts") or per_head
+    picks = torch.rand(n, heads, pool, generator=generator).argsort(-1)[..., :k]
     index = (picks + torch.arange(heads)[:, None] * per_head).reshape(n, heads * k).to(device)
-    inputs = torch.randn(n, problem["rows"], problem["d_in"], generator=generator).to(device, dtype)
-    weight = (torch.randn(problem["experts"], problem["d_in"], problem["d_out"], generator=generator)
-              * problem["d_in"] ** -0.5).to(device, dtype)
+
+    def make(*shape, scale=1.0):
+        if problem.get("strided"):
+            return (torch.randn(*reversed(shape), generator=generator) * scale).to(device, dtype).permute(
+                *reversed(range(len(shape))))
+        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
+
+    inputs = make(n, problem["rows"], problem["d_in"])
+    weight = make(problem["experts"], problem["d_in"], problem["d_out"], scale=problem["d_in"] ** -0.5)
     gates = None
     if problem["gated"]:
         gates = torch.rand(n, problem["slots"], generator=generator).to(device)  # fp32, as the router gives them
@@ -113,6 +131,41 @@ def per_expert_loop(inputs, expert_index, weight, gates, out_groups):
     if gates is None:
         return out
     return (out * gates.unsqueeze(-1).to(out.dtype)).view(n, out_groups, slots // out_groups, d_out).sum(2)
+
+
+def load_authors_cvmm(path: Path):
+    """The authors' `cvmm.py`, imported from `path` (it registers its op `mylib::cvmm_triton` once)."""
+    spec = importlib.util.spec_from_file_location("switchhead_bench_authors_cvmm", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import the authors' CVMM from {path}: expected their switchhead/cvmm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not (hasattr(module, "cvmm") and hasattr(module, "CVMMSel")):
+        raise ValueError(f"{path} has no cvmm() / CVMMSel: expected the authors' switchhead/cvmm.py")
+    return module
+
+
+def authors_projection(module) -> Callable:
+    """Our (inputs [N, R, d_in], expert_index [N, S], weight, gates, out_groups) call in the authors' terms.
+
+    Their kernel multiplies input row `sel_index[m]` by `keys[sel[m]]` for each sorted slot m and writes output
+    row `out_index[m]`; the result `[N, S, d_out]` is then contracted with `reduction_weight` over its last axis.
+    So: sel = the sorted ids, sel_index = the slot's input row (slot // (S / R) of the flattened inputs),
+    out_index = the slot, reduction_weight = the gates as `[N, out_groups, S / out_groups]`.
+    """
+    def run(inputs, expert_index, weight, gates, out_groups):
+        n, rows, _ = inputs.shape
+        slots = expert_index.shape[1]
+        sorted_ids, order = expert_index.reshape(-1).sort()
+        selection = module.CVMMSel(
+            raw_sel=expert_index, sel=sorted_ids.view_as(expert_index), sel_index=order // (slots // rows),
+            out_index=order,
+            reduction_weight=None if gates is None else gates.view(n, out_groups, slots // out_groups))
+        low_precision = inputs.dtype in (torch.float16, torch.bfloat16)  # their output dtype is autocast's
+        with torch.autocast(inputs.device.type, dtype=inputs.dtype, enabled=low_precision):
+            return module.cvmm(inputs, selection, weight)
+
+    return run
 
 
 def ours(inputs, expert_index, weight, gates, out_groups):
@@ -163,15 +216,17 @@ def time_modes(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor], 
 
 
 CHECK_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+CHECK_TOLERANCE_BY_NAME = {str(k): v for k, v in CHECK_TOLERANCE.items()}
 
 
-def check_against_reference(problem, inputs, index, weight, gates) -> dict:
-    """Our op vs the fp32 PyTorch reference on the same values: max |error| / max |reference| of the output
-    and of each gradient, so the timings below are known to come from a correct kernel on this machine."""
+def check_against_reference(problem, inputs, index, weight, gates, fn=None) -> dict:
+    """`fn` (default: our op) vs the fp32 PyTorch reference on the same values: max |error| / max |reference| of
+    the output and of each gradient, so the timings below are known to come from a correct kernel here."""
+    fn = fn or ours
     leaves = [t.detach().requires_grad_() for t in (inputs, weight, gates) if t is not None]
     wide = [t.detach().float().requires_grad_() for t in leaves]
     args = lambda ts: (ts[0], index, ts[1], ts[2] if len(ts) > 2 else None, problem["out_groups"])  # noqa: E731
-    out, want = ours(*args(leaves)), expert_projection_torch(*args(wide))
+    out, want = fn(*args(leaves)), expert_projection_torch(*args(wide))
     upstream = torch.randn_like(want)
     grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype))
     want_grads = torch.autograd.grad(want, wide, upstream)
@@ -182,13 +237,23 @@ def check_against_reference(problem, inputs, index, weight, gates) -> dict:
     return errors
 
 
-def bench_problem(problem, device, dtype, reps, generator, check_only=False) -> list[dict]:
+def bench_problem(problem, device, dtype, reps, generator, check_only=False, contenders=None) -> list[dict]:
+    """Check rows (our op, and the authors' kernel when given) then timing rows for one problem."""
+    contenders = CONTENDERS if contenders is None else contenders
     inputs, index, weight, gates = make_inputs(problem, device, dtype, generator)
-    errors = check_against_reference(problem, inputs, index, weight, gates)
-    check = dict(problem=problem["name"], impl="cvmm", mode="check", backend=kernels.resolve_backend(device, dtype),
-                 relative_errors=errors, ok=max(errors.values()) <= CHECK_TOLERANCE[dtype])
+    rows = []
+    for name in [n for n in ("cvmm", "authors_cvmm") if n in contenders]:
+        try:
+            errors = check_against_reference(problem, inputs, index, weight, gates, contenders[name])
+            rows.append(dict(problem=problem["name"], impl=name, mode="check", relative_errors=errors,
+                             backend=kernels.resolve_backend(device, dtype) if name == "cvmm" else "authors",
+                             ok=max(errors.values()) <= CHECK_TOLERANCE[dtype]))
+        except Exception as error:  # noqa: BLE001 - reported as a failed check
+            rows.append(dict(problem=problem["name"], impl=name, mode="check", relative_errors={}, ok=False,
+                             backend="authors" if name != "cvmm" else kernels.resolve_backend(device, dtype),
+                             error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
     if check_only:
-        return [check]
+        return rows
     m, d_in, d_out = problem["tokens"] * problem["slots"], problem["d_in"], problem["d_out"]
     flops = {"forward": 2 * m * d_in * d_out}
     flops["backward"] = 2 * flops["forward"]  # d inputs and d weight
@@ -198,11 +263,14 @@ def bench_problem(problem, device, dtype, reps, generator, check_only=False) -> 
     b = torch.randn(d_in, d_out, device=device, dtype=dtype, requires_grad=True)
     timings = {"dense_mm": time_modes(lambda: a @ b, [a, b], device, reps)}
     leaves = [t.requires_grad_() for t in (inputs, weight, gates) if t is not None]
-    for name, fn in CONTENDERS.items():
+    for name, fn in contenders.items():
         if name == "grouped_mm" and dtype != torch.bfloat16:
             continue  # grouped_mm is a bf16 kernel
         if name == "cvmm_deterministic" and kernels.resolve_backend(device, dtype) != "triton":
             continue  # the PyTorch path is always deterministic
+        if name == "authors_cvmm" and not any(r["impl"] == name and r["ok"] for r in rows):
+            timings[name] = {"error": "skipped: it failed its check on this problem"}
+            continue
         kernels.set_deterministic(True if name == "cvmm_deterministic" else None)  # forward and backward alike
         try:
             timings[name] = time_modes(lambda fn=fn: fn(inputs, index, weight, gates, problem["out_groups"]), leaves,
@@ -211,7 +279,6 @@ def bench_problem(problem, device, dtype, reps, generator, check_only=False) -> 
             timings[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
         finally:
             kernels.set_deterministic(None)
-    rows = [check]
     for name, modes in timings.items():
         for mode, ms in modes.items():
             if mode == "error":
@@ -220,6 +287,53 @@ def bench_problem(problem, device, dtype, reps, generator, check_only=False) -> 
             rows.append(dict(problem=problem["name"], impl=name, mode=mode, ms=ms,
                              tflops=flops[mode] / ms / 1e9, fraction_of_dense=timings["dense_mm"][mode] / ms))
     return rows
+
+
+def autotune_choices() -> dict[str, dict[str, str]]:
+    """The configs Triton's autotuner kept for each key of our two kernels (empty when they never ran)."""
+    if kernels.get_backend() == "torch" or "switchhead.kernels.cvmm_triton" not in sys.modules:
+        return {}
+    module = sys.modules["switchhead.kernels.cvmm_triton"]
+    choices = {}
+    for name in ("_gathered_expert_matmul", "_expert_weight_grad"):
+        cache = getattr(getattr(module, name, None), "cache", {}) or {}
+        choices[name] = {str(key): str(config) for key, config in cache.items()}
+    return choices
+
+
+def markdown(report: dict) -> str:
+    """Forward+backward (and forward) of every contender as a fraction of the same-FLOP dense matmul."""
+    lines = [f"# CVMM benchmark ({'paper shapes' if report['full_paper_shapes'] else 'small token counts'})", "",
+             f"Device: {report['device']}; torch {report['torch']}; triton {report['triton']}; dtype "
+             f"{report['dtype']}; cvmm backend {report['cvmm_backend']}; timing: {report['timing']}.", "",
+             "Throughput as a fraction of a dense matmul with the same FLOPs (1.0 = the practical limit; "
+             "higher is better), forward+backward / forward:", ""]
+    timed = [r for r in report["results"] if "fraction_of_dense" in r and r["impl"] != "dense_mm"]
+    impls = list(dict.fromkeys(r["impl"] for r in timed))
+    problems = list(dict.fromkeys(r["problem"] for r in timed))
+    lines += ["| problem | " + " | ".join(impls) + " |", "|---" * (len(impls) + 1) + "|"]
+    for problem in problems:
+        cells = []
+        for impl in impls:
+            got = {r["mode"]: r for r in timed if r["problem"] == problem and r["impl"] == impl}
+            if "forward+backward" in got and "forward" in got:
+                cells.append(f"{got['forward+backward']['fraction_of_dense']:.2f} / "
+                             f"{got['forward']['fraction_of_dense']:.2f}")
+            else:
+                cells.append("-")
+        lines.append(f"| {problem} | " + " | ".join(cells) + " |")
+    checks = [r for r in report["results"] if r["mode"] == "check"]
+    bad = [r for r in checks if not r["ok"]]
+    lines += ["", f"Checks against the fp32 reference: {len(checks) - len(bad)} of {len(checks)} within "
+              f"{CHECK_TOLERANCE_BY_NAME.get(report['dtype'], '?')}."]
+    lines += [f"- {r['problem']} {r['impl']}: {r.get('error') or r['relative_errors']}" for r in bad]
+    layers = [r for r in report["results"] if r["mode"] == "layer forward+backward"]
+    if layers:
+        lines += ["", "| layer (forward+backward) | batch x length | cvmm ms | reference ms | speed-up |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['problem']} | {r['batch']} x {r['length']} | {r['ms']:.3f} | {r['reference_ms']:.3f} | "
+                  f"{r['speedup_over_reference']:.2f} |" for r in layers]
+    return "\n".join(lines) + "\n"
 
 
 def bench_layers(device, dtype, token_override, reps, only) -> list[dict]:
@@ -260,51 +374,75 @@ def bench_layers(device, dtype, token_override, reps, only) -> list[dict]:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import cpu_name
+
+    return cpu_name()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="paper token counts (batch x context); needs a GPU")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="CPU, Triton interpreted (TRITON_INTERPRET=1), tiny shapes, one repetition")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per problem (default: 64 without --full)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--only", default="", help="run only problems whose name contains this text")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU uses do_bench)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/...)")
+    parser.add_argument("--authors-cvmm", type=Path, default=None,
+                        help="path of the authors' switchhead/cvmm.py, to time their kernel too")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/...); "
+                        "the Markdown table goes beside it")
     parser.add_argument("--check-only", action="store_true", help="only compare cvmm with the reference; no timing")
     parser.add_argument("--no-layers", action="store_true", help="skip the whole-layer forward+backward timings")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cpu_smoke:
+        if args.full:
+            parser.error("--cpu-smoke and --full exclude each other")
+        if os.environ.get("TRITON_INTERPRET") != "1":  # Triton reads it at import: start again with it set
+            return subprocess.call([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)],
+                                   env=dict(os.environ, TRITON_INTERPRET="1"))
+        args.reps, args.tokens = 1, args.tokens or 16
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu")
     if args.full and device.type != "cuda":
-        print("--full needs a CUDA GPU (the paper shapes take minutes per contender on a CPU); "
+        print("bench_cvmm: error: --full needs a CUDA GPU (the paper shapes take minutes per contender on a CPU); "
               "run without it for the small CPU benchmark", file=sys.stderr)
+        return 2
+    if args.authors_cvmm is not None and not args.authors_cvmm.is_file():
+        print(f"bench_cvmm: error: --authors-cvmm {args.authors_cvmm} is not a file; pass the path of the "
+              "authors' switchhead/cvmm.py", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     tokens = None if args.full else (args.tokens or 64)
     backend = kernels.resolve_backend(device, dtype)
+    contenders = dict(CONTENDERS)
+    if args.authors_cvmm is not None:
+        contenders["authors_cvmm"] = authors_projection(load_authors_cvmm(args.authors_cvmm))
     print(f"device: {device_name(device)} | dtype {dtype} | cvmm backend: {backend} | torch {torch.__version__}")
 
     generator = torch.Generator().manual_seed(0)
     rows = []
     header = f"{'problem':44} {'impl':16} {'mode':17} {'ms':>9} {'TFLOP/s':>8} {'x dense':>8}"
     print(header)
-    for problem in paper_problems(tokens):
-        if args.only not in problem["name"]:
-            continue
-        for row in bench_problem(problem, device, dtype, args.reps, generator, args.check_only):
+    problems = [p for p in paper_problems(tokens) if args.only in p["name"]]
+    if args.cpu_smoke:  # the interpreter runs block by block: keep the routing, shrink the widths
+        problems = [dict(p, d_in=min(p["d_in"], 40), d_out=min(p["d_out"], 24)) for p in problems
+                    if p["name"].startswith("wt103-47m-")]  # the four uses: V, O, keys, values
+    for problem in problems:
+        for row in bench_problem(problem, device, dtype, args.reps, generator, args.check_only, contenders):
             rows.append(row)
             if row["mode"] == "check":
-                worst = max(row["relative_errors"].values())
-                print(f"{row['problem']:44} {'cvmm':16} {'check':17} max relative error {worst:.2e} "
-                      f"({'ok' if row['ok'] else 'MISMATCH'}, {row['backend']} backend)")
+                worst = max(row["relative_errors"].values(), default=float("nan"))
+                print(f"{row['problem']:44} {row['impl']:16} {'check':17} max relative error {worst:.2e} "
+                      f"({'ok' if row['ok'] else 'MISMATCH'}, {row['backend']} backend) {row.get('error', '')}")
             elif "error" in row:
                 print(f"{row['problem']:44} {row['impl']:16} error: {row['error']}")
             else:
                 print(f"{row['problem']:44} {row['impl']:16} {row['mode']:17} {row['ms']:9.3f} "
                       f"{row['tflops']:8.2f} {row['fraction_of_dense']:8.2f}")
 
-    if not args.check_only and not args.no_layers:
+    if not args.check_only and not args.no_layers and not args.cpu_smoke:
         print(f"{'layer':44} {'batch x length':16} {'cvmm ms':>9} {'reference ms':>13} {'speed-up':>9}")
         for row in bench_layers(device, dtype, tokens, args.reps, args.only):
             rows.append(row)
@@ -320,15 +458,19 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(machine=platform.node(), device=device_name(device), device_type=device.type, dtype=str(dtype),
                   cvmm_backend=backend, full_paper_shapes=args.full, tokens_override=tokens,
                   torch=torch.__version__, triton=triton_version, timing="triton.testing.do_bench median"
-                  if device.type == "cuda" else f"wall-clock median of {args.reps}", results=rows)
+                  if device.type == "cuda" else f"wall-clock median of {args.reps}",
+                  authors_cvmm=str(args.authors_cvmm) if args.authors_cvmm else None,
+                  autotune=autotune_choices(), results=rows)
     slug = "".join(c if c.isalnum() else "-" for c in device_name(device).lower()).strip("-")
-    path = args.out or RESULTS / f"cvmm_{slug}_{'full' if args.full else 'small'}.json"
+    kind = "full" if args.full else "smoke" if args.cpu_smoke else "small"
+    path = args.out or RESULTS / f"cvmm_{slug}_{kind}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
-    mismatches = [row["problem"] for row in rows if row["mode"] == "check" and not row["ok"]]
+    path.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {path} and {path.with_suffix('.md').name}")
+    mismatches = [f"{row['problem']} ({row['impl']})" for row in rows if row["mode"] == "check" and not row["ok"]]
     if mismatches:
-        print(f"cvmm disagrees with the reference beyond {CHECK_TOLERANCE[dtype]} on: {', '.join(mismatches)}",
+        print(f"disagreement with the reference beyond {CHECK_TOLERANCE[dtype]} on: {', '.join(mismatches)}",
               file=sys.stderr)
         return 1
     return 0
