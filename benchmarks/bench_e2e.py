@@ -27,9 +27,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,9 +35,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 
 from switchhead import PAPER_TRAINING, SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -174,31 +174,6 @@ def prefill_and_decode(model, batch: int, prompt: int, steps: int, device, autoc
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def environment(device) -> dict:
-    info = dict(machine=platform.node(), python=platform.python_version(), torch=torch.__version__,
-                transformers=transformers.__version__, device_type=device.type)
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        info["device"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            info["driver"] = None
-    else:
-        sys.path.insert(0, str(HERE))
-        from machine import cpu_name
-
-        info["device"], info["threads"] = cpu_name(), torch.get_num_threads()
-    return info
-
-
 def run_pair(name: str, args, device, log) -> dict:
     smoke = args.cpu_smoke
     (moe_preset, moe_over), (dense_preset, dense_over) = PAIRS[name]
@@ -317,7 +292,7 @@ def main(argv=None) -> int:
     if not names:
         print(f"bench_e2e: error: --only {args.only!r} matches none of {', '.join(PAIRS)}", file=sys.stderr)
         return 2
-    env = environment(device)
+    env = describe(device)
     slug = "".join(c if c.isalnum() else "-" for c in env["device"].lower()).strip("-")[:40]
     path = args.out_dir / f"e2e_{'smoke_' if args.cpu_smoke else ''}{slug}.json"
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,6 @@ import importlib
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -263,7 +262,8 @@ def model_presets(smoke: bool) -> dict[str, tuple[str, dict]]:
             "switchall-xl": ("wt103-47m-switchall-xl", two)}
 
 
-def build_model(preset: str, overrides: dict, device, attn: str = "sdpa"):
+def build_model(preset: str, overrides: dict, device, attn: str = "sdpa", train: bool = False):
+    """A freshly initialised model (seed 0); `train=True`: training mode with every dropout off (comparable runs)."""
     import torch
 
     from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
@@ -271,7 +271,13 @@ def build_model(preset: str, overrides: dict, device, attn: str = "sdpa"):
     torch.manual_seed(0)
     config = SwitchHeadConfig.from_preset(preset, **overrides)
     config._attn_implementation = attn
-    return SwitchHeadForCausalLM(config).to(device).eval()
+    model = SwitchHeadForCausalLM(config).to(device)
+    if not train:
+        return model.eval()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model.train()
 
 
 def loss_and_grads(model, ids, autocast_dtype=None):
@@ -293,11 +299,7 @@ def model_section(smoke: bool, device, log) -> list[dict]:
     batch, length = (2, 12) if smoke else (4, 128)
     for variant, (preset, overrides) in model_presets(smoke).items():
         try:
-            model = build_model(preset, overrides, device)
-            model.train()
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+            model = build_model(preset, overrides, device, train=True)
             ids = torch.randint(1, model.config.vocab_size, (batch, length),
                                 generator=torch.Generator().manual_seed(5)).to(device)
             for label, autocast in (("fp32", None), ("bf16", torch.bfloat16)):
@@ -365,11 +367,7 @@ def compile_section(smoke: bool, device, backend: str, log) -> list[dict]:
     for variant, (preset, overrides) in variants.items():
         name = f"{variant} compiled training step ({backend}, fullgraph)"
         try:
-            model = build_model(preset, overrides, device)
-            model.train()
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+            model = build_model(preset, overrides, device, train=True)
             ids = torch.randint(1, model.config.vocab_size, (batch, length),
                                 generator=torch.Generator().manual_seed(8)).to(device)
             torch._dynamo.reset()
@@ -415,13 +413,9 @@ def flex_row(smoke, device, preset_overrides, log) -> dict:
     preset, overrides = preset_overrides
     name = "switchhead-xl flex_attention (compiled) vs sdpa"
     try:
-        sdpa = build_model(preset, overrides, device, attn="sdpa").train()
-        flex = build_model(preset, overrides, device, attn="flex_attention").train()
+        sdpa = build_model(preset, overrides, device, attn="sdpa", train=True)
+        flex = build_model(preset, overrides, device, attn="flex_attention", train=True)
         flex.load_state_dict(sdpa.state_dict())
-        for model in (sdpa, flex):
-            for module in model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
         batch, length = (2, 16) if smoke else (4, 256)
         ids = torch.randint(1, sdpa.config.vocab_size, (batch, length),
                             generator=torch.Generator().manual_seed(10)).to(device)
@@ -446,34 +440,6 @@ def flex_row(smoke, device, preset_overrides, log) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def environment(device) -> dict:
-    import torch
-    import transformers
-
-    info = dict(machine=platform.node(), python=platform.python_version(), torch=torch.__version__,
-                transformers=transformers.__version__, device_type=device.type)
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        info["device"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            info["driver"] = None
-    else:
-        sys.path.insert(0, str(HERE))
-        from machine import cpu_name
-
-        info["device"] = f"{cpu_name()} (Triton interpreter)"
-    return info
-
-
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# GPU correctness check ({'CPU smoke, Triton interpreted' if report['smoke'] else 'CUDA'})", "",
@@ -535,7 +501,10 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE))
     from bench_cvmm import paper_problems
 
-    env = environment(device)
+    sys.path.insert(0, str(HERE))
+    from machine import describe
+
+    env = describe(device, interpreted=smoke)
     slug = "".join(c if c.isalnum() else "-" for c in env["device"].lower()).strip("-")[:40]
     stem = args.out_dir / f"gpu_check_{'smoke_' if smoke else ''}{slug}"
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -15,3 +16,30 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def describe(device, interpreted: bool = False) -> dict:
+    """Machine, device (GPU name, CUDA and driver versions; or the CPU and its threads) and library versions."""
+    import torch
+    import transformers
+
+    info = dict(machine=platform.node(), python=platform.python_version(), torch=torch.__version__,
+                transformers=transformers.__version__, device_type=device.type)
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = None
+    else:
+        info["device"] = cpu_name() + (" (Triton interpreter)" if interpreted else "")
+        info["threads"] = torch.get_num_threads()
+    return info
