@@ -173,10 +173,13 @@ def triton_op(inputs, index, weight, gates, out_groups):
 
 
 def reference_op(inputs, index, weight, gates, out_groups):
-    from switchhead import kernels
+    """The model's PyTorch path (the Hub file's `expert_projection_torch`, itself held against the simple einsum
+    twin in tests/test_fast_path.py). On a GPU it runs its "all_experts" formulation, whose memory stays near
+    G x N x d (the kernels' own PyTorch twin would materialise [G, N * R, d_out]: 34 GB in float64 for SwitchAll
+    259M's sigma-MoE values at the paper's 32k tokens)."""
+    from switchhead.modeling_switchhead import expert_projection_torch
 
-    with kernels.use_backend("torch"):
-        return kernels.cvmm(inputs, index, weight, gates, out_groups)
+    return expert_projection_torch(inputs, index, weight, gates, out_groups)
 
 
 def random_problem(generator, index: int, max_tokens: int, sizes, element_budget: int) -> dict:
