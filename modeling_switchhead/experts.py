@@ -63,13 +63,14 @@ def cvmm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top
 
     down = _as_in_out(self.down_proj, self.is_transposed)  # [E, I, d]
     weights = top_k_weights.reshape(num_tokens, slots)
-    if not self.has_bias and not self.has_post_expert_norm:
+    post_norm = getattr(self, "has_post_expert_norm", False)  # set by Transformers >= 5.18's decorator only
+    if not self.has_bias and not post_norm:
         out = cvmm(inner, index, down, weights, out_groups=1)  # gated sum over the k slots in the kernel
         return out.view(num_tokens, hidden_dim).to(hidden_states.dtype)
     per_slot = cvmm(inner, index, down)  # [N, k, d]
     if self.has_bias:
         per_slot = per_slot + self.down_proj_bias[index]
-    if self.has_post_expert_norm:
+    if post_norm:
         per_slot = self.post_expert_norm(per_slot)
     out = (per_slot * weights.unsqueeze(-1)).sum(dim=1)
     return out.to(hidden_states.dtype)
