@@ -255,3 +255,15 @@ def test_load_authors_rejects_a_file_without_their_api(tmp_path):
     path.write_text("def something_else():\n    pass\n")
     with pytest.raises(ValueError, match="CVMMSel"):
         bench_cvmm.load_authors_cvmm(path)
+
+
+def test_gpu_run_sh_imports_this_checkout_without_installing_it(tmp_path):
+    """gpu_run.sh links the folders into a throw-away `switchhead` package (no pip on the GPU machine), records the
+    versions, and refuses an unknown stage with exit status 2."""
+    env = dict(os.environ, OUT=str(tmp_path), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_run.sh"), "nonsense"], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=BENCHMARKS.parent)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "unknown stage nonsense" in result.stderr
+    environment = (tmp_path / "environment.txt").read_text()
+    assert f"torch {torch.__version__}" in environment
