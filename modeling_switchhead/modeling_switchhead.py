@@ -22,6 +22,7 @@ through the pure-PyTorch implementation below, which gives the same results.
 # annotations at run time (e.g. to know that forward accepts output_attentions), which needs real objects.
 import importlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +52,9 @@ try:  # our fused kernels, when the package is installed; the Hub copy of this f
         _kernels = None
 except Exception:  # noqa: BLE001 - any failure means "use the PyTorch path"
     _kernels = None
+# Triton runs CPU tensors only in its interpreter, which it reads from the environment when the kernels are defined
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_UNSET = object()
 
 
 # ==================================================================================================== expert op
@@ -285,6 +289,120 @@ def expert_projection_for(experts_implementation: str | None) -> Callable:
         inputs, expert_index, weight, gates, out_groups, implementation=formulation)
 
 
+# ==================================================================================================== head experts
+# SwitchHead's own case of the op: the routing is per head (head h's slots pick among head h's experts, global ids
+# h * E + e, which `ExpertSelection` guarantees), so the top-k can be held as dense gates `[N, H, E]` (zero for the
+# experts not chosen, summed where an id repeats) and both projections run against every expert of a head with no
+# index arithmetic: a handful of ops per call, which is what decoding pays for (a few tokens; the generic
+# formulations spend their time in index and mixing-matrix ops there). It does the work of "all_experts" (E / k
+# times the products of the selected slots), so `SwitchHeadAttention` takes it only where "auto" would pick
+# "all_experts" or "batched". Under autograd, custom functions keep what the backward needs and no more: the value
+# side its arguments and the products of every expert `[N, H * E, dh]` (the gates' gradient reads them; recomputing
+# them instead would save another 40 MiB of the 47M model's training step at context 512, for about 5% more step
+# time), the output side only its arguments (the gated input rows `[N, H * E * dh]` are recomputed: elementwise).
+def dense_head_gates(expert_index: torch.Tensor, gates: torch.Tensor, num_groups: int, num_experts: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """`[N, S]` global expert ids (group h's slots pick ids in `[h * E, (h + 1) * E)`) and their gates -> the dense
+    gates `[N, groups, E]` in `dtype` (summed where an id repeats, zero where no slot picked the expert)."""
+    dense = gates.new_zeros(gates.shape[0], num_groups * num_experts)
+    return dense.scatter_add_(1, expert_index, gates).view(-1, num_groups, num_experts).to(dtype)
+
+
+def _every_expert_values(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """inputs `[N, d]`, weight `[H * E, d, dh]` -> every expert's projection `[H * E, N, dh]`."""
+    if inputs.shape[0] == 1:  # decoding one token: one batched matrix-vector product (no broadcasting matmul)
+        return torch.bmm(inputs.expand(weight.shape[0], 1, inputs.shape[1]), weight)
+    return torch.matmul(inputs.unsqueeze(0), weight)
+
+
+def _head_values_forward(inputs: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    n, heads, experts = gates.shape
+    every = _every_expert_values(inputs, weight)  # [H * E, N, dh]
+    if n == 1:  # [H, 1, E] x [H, E, dh]
+        return torch.bmm(gates.view(heads, 1, experts), every.view(heads, experts, -1)).view(1, heads, -1)
+    mixed = (every.view(heads, experts, n, weight.shape[2]) * gates.permute(1, 2, 0).unsqueeze(-1)).sum(1)
+    return mixed.transpose(0, 1)
+
+
+def _head_output_mixed(rows: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """rows `[N, H, dh]`, gates `[N, H, E]` -> every expert's gated input row, `[N, H * E * dh]`."""
+    n, heads, experts = gates.shape
+    return (gates.unsqueeze(-1) * rows.unsqueeze(2)).view(n, heads * experts * rows.shape[2])
+
+
+class _HeadExpertValues(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs, gates, weight):
+        n, heads, experts = gates.shape
+        every = _every_expert_values(inputs, weight)  # [H * E, N, dh]
+        ctx.save_for_backward(inputs, gates, weight, every)
+        mixed = every.view(heads, experts, n, weight.shape[2]) * gates.permute(1, 2, 0).unsqueeze(-1)
+        return mixed.sum(1).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [N, H, dh]
+        inputs, gates, weight, every = ctx.saved_tensors
+        n, heads, experts = gates.shape
+        d, dh = weight.shape[1], weight.shape[2]
+        grad_inputs = grad_gates = grad_weight = None
+        if ctx.needs_input_grad[1]:  # d gate[n, h, e] = <dy[n, h], x_n W_he>
+            grad_gates = (every.view(heads, experts, n, dh) * grad.transpose(0, 1).unsqueeze(1)).sum(-1)
+            grad_gates = grad_gates.permute(2, 0, 1)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            scaled = (gates.unsqueeze(-1) * grad.unsqueeze(2)).reshape(n, heads * experts * dh)  # [N, H*E*dh]
+            if ctx.needs_input_grad[0]:
+                grad_inputs = scaled @ weight.transpose(1, 2).reshape(heads * experts * dh, d)
+            if ctx.needs_input_grad[2]:
+                grad_weight = (inputs.t() @ scaled).view(d, heads * experts, dh).transpose(0, 1).contiguous()
+        return grad_inputs, grad_gates, grad_weight
+
+
+class _HeadExpertOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, gates, weight):
+        ctx.save_for_backward(rows, gates, weight)
+        return _head_output_mixed(rows, gates) @ weight.reshape(-1, weight.shape[2])
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [N, d]
+        rows, gates, weight = ctx.saved_tensors
+        n, heads, experts = gates.shape
+        grad_rows = grad_gates = grad_weight = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            grad_mixed = (grad @ weight.reshape(-1, weight.shape[2]).t()).view(n, heads, experts, weight.shape[1])
+            if ctx.needs_input_grad[0]:
+                grad_rows = (grad_mixed * gates.unsqueeze(-1)).sum(2)
+            if ctx.needs_input_grad[1]:
+                grad_gates = (grad_mixed * rows.unsqueeze(2)).sum(-1)
+        if ctx.needs_input_grad[2]:  # the gated input rows, recomputed
+            grad_weight = (_head_output_mixed(rows, gates).t() @ grad).view(weight.shape)
+        return grad_rows, grad_gates, grad_weight
+
+
+def _lean_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether to run the custom functions above: autograd records the call, and no autocast (whose casts the
+    hand-written backwards do not replay; under autocast the plain ops run, and autograd saves what they need)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors) \
+        and not torch.is_autocast_enabled(tensors[0].device.type)
+
+
+def head_expert_values(inputs: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head expert values: inputs `[N, d]`, dense gates `[N, H, E]` (`dense_head_gates`), weight
+    `[H * E, d, dh]` (head h's experts in rows h * E .. h * E + E - 1) -> `[N, H, dh]`,
+    out[n, h] = sum_e gates[n, h, e] * inputs[n] @ weight[h * E + e]."""
+    if _lean_autograd(inputs, gates, weight):
+        return _HeadExpertValues.apply(inputs, gates, weight)
+    return _head_values_forward(inputs, gates, weight)
+
+
+def head_expert_output(rows: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head expert outputs summed over heads: rows `[N, H, dh]`, dense gates `[N, H, E]`, weight
+    `[H * E, dh, d]` -> `[N, d]`, out[n] = sum_{h, e} gates[n, h, e] * rows[n, h] @ weight[h * E + e]."""
+    if _lean_autograd(rows, gates, weight):
+        return _HeadExpertOutput.apply(rows, gates, weight)
+    return _head_output_mixed(rows, gates) @ weight.reshape(-1, weight.shape[2])
+
+
 # ==================================================================================================== routers
 class ExpertSelection(nn.Module):
     """Sigma-gated top-k routing: `scores = sigmoid(x W^T)` in float32, top-k within each group of experts.
@@ -306,21 +424,34 @@ class ExpertSelection(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`)."""
-        logits = F.linear(hidden_states, self.weight)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32, as in the paper
+        logits, gates, index = self.select(F.linear(hidden_states, self.weight))
         # groups from the logits' width: under tensor parallelism this process holds only its heads' rows
-        groups = logits.shape[-1] // self.num_experts
-        scores = torch.sigmoid(logits).view(-1, groups, self.num_experts)
-        ranked = scores
-        if self.training and self.expert_dropout > 0:
-            dropped = torch.rand_like(scores) < self.expert_dropout
-            ranked = scores.masked_fill(dropped, 0.0 if self.drop_to_zero else float("-inf"))
-            if self.drop_to_zero:
-                scores = ranked
-        _, index = ranked.topk(self.top_k, dim=-1, sorted=False)
-        gates = scores.gather(-1, index)
-        index = index + self.group_offsets[:groups].to(index.device)[:, None]
+        offsets = self.group_offsets if gates.shape[1] == self.num_groups else self.group_offsets[:gates.shape[1]]
+        index = index + offsets.to(index.device).unsqueeze(-1)
         return logits, gates.flatten(1), index.flatten(1)
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routing of given logits `[N, groups * E]` (any number of groups, each choosing among its own E
+        experts) -> (logits in at least float32, gates `[N, groups, k]`, index within the group `[N, groups, k]`)."""
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32, as in the paper
+        scores = torch.sigmoid(logits).view(-1, logits.shape[-1] // self.num_experts, self.num_experts)
+        if not (self.training and self.expert_dropout > 0):
+            gates, index = scores.topk(self.top_k, dim=-1, sorted=False)  # the top-k values are the gates
+            return logits, gates, index
+        dropped = torch.rand_like(scores) < self.expert_dropout
+        ranked = scores.masked_fill(dropped, 0.0 if self.drop_to_zero else float("-inf"))
+        if self.drop_to_zero:
+            scores = ranked
+        _, index = ranked.topk(self.top_k, dim=-1, sorted=False)
+        return logits, scores.gather(-1, index), index
+
+    def needs_call(self) -> bool:
+        """Whether routing must go through the module call rather than `select` on the logits directly: where the
+        call runs hooks (Transformers' output recording: `router_logits`) or a forward replaced on the instance
+        (tensor parallelism's local forward)."""
+        return bool(self._forward_hooks or self._forward_pre_hooks or "forward" in self.__dict__
+                    or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
 # ==================================================================================================== positions
@@ -584,6 +715,11 @@ class SwitchHeadAttentionBase(nn.Module):
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
+    def joint_gates(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Routing that the value and output sides share when both read the same tokens (no XL memory), passed to
+        `project_values` / `project_output` as their last argument; None (the default): each side routes itself."""
+        return None
+
     def xl_position_bias(self, query: torch.Tensor, key_length: int, query_offset: int = 0) -> torch.Tensor:
         """The Transformer-XL position term for query i and key j, as an additive score bias `[B, H, Tq, Tk]`.
 
@@ -667,7 +803,9 @@ class SwitchHeadAttentionBase(nn.Module):
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
         key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
-        value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
+        routed = self.joint_gates(hidden_states) if memory is None else None  # both routers in one matmul
+        value = self.project_values(sources) if routed is None else self.project_values(sources, routed[0])
+        value = value.transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
@@ -702,7 +840,9 @@ class SwitchHeadAttentionBase(nn.Module):
             **extra,
             **kwargs,
         )  # attended: [B, T, H, dh]
-        return self.project_output(attended.view(heads_shape), hidden_states), probs
+        if routed is None:
+            return self.project_output(attended.view(heads_shape), hidden_states), probs
+        return self.project_output(attended.view(heads_shape), hidden_states, routed[1]), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
@@ -737,26 +877,103 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             self.output_experts = nn.Parameter(torch.empty(heads * experts, self.head_dim, d))  # W_O [H*E, dh, d]
         else:
             self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
+        self._both_experts = self.expert_values and self.expert_output
+        self._by_size: dict[tuple, bool] = {}  # `per_head_experts`' choice by problem size
+        self._config_attributes = vars(config)  # read by `per_head_experts` (the live attributes, not a copy)
 
-    def project_values(self, hidden_states):
+    def per_head_experts(self, tokens: int, inputs: torch.Tensor, sides: tuple[str, ...]) -> bool:
+        """Whether the projections of `sides` ("values", "output") over `tokens` tokens run as `head_expert_values`
+        / `head_expert_output` (dense per-head gates, every expert of a head): where the configured experts
+        implementation resolves to this file's "auto" choice and that choice is "all_experts" or "batched" (few
+        tokens, or few experts per head); not for the explicit "batched_mm" / "grouped_mm", nor where the
+        package's Triton kernels run. Called once or twice per layer and decoding step, so it is kept cheap: the
+        choice by size is remembered per shape, and the configured implementation is read from the configuration's
+        attributes directly (the property behind `config._experts_implementation` costs more than the decision)."""
+        key = (tokens, sides, self.num_heads, inputs.dtype)
+        by_size = self._by_size.get(key)
+        if by_size is None:  # a function of shapes and dtypes only: worked out once per key
+            by_size = True
+            heads, slots = self.num_heads, self.num_heads * self.top_k
+            for side in sides:
+                weight = self.value_experts if side == "values" else self.output_experts
+                rows, out_groups = (1, heads) if side == "values" else (heads, 1)
+                by_size &= choose_expert_implementation(tokens, slots, rows, out_groups, weight.shape[0], inputs,
+                                                        weight) != "grouped"
+            if not torch.compiler.is_compiling():
+                self._by_size[key] = by_size
+        if not by_size:
+            return False
+        requested = self._config_attributes.get("_experts_implementation_internal", _UNSET)
+        if requested is _UNSET:
+            requested = self.config._experts_implementation
+        if EXPERTS_FORMULATIONS.get(requested, "auto") != "auto":
+            return False
+        if requested in EXPERTS_FORMULATIONS or _kernels is None:
+            return True
+        if inputs.device.type == "cpu" and not _TRITON_INTERPRET:  # no Triton on CPU: skip the (slow) look-up
+            return True
+        return _kernels.resolve_backend(inputs.device, inputs.dtype) != "triton"
+
+    def joint_gates(self, hidden_states):
+        """Dense per-head gates `[N, H, E]` of both sides from one router matmul (the two routers' weights stacked
+        at call time), or None where the sides route themselves: one side dense, expert dropout active (its random
+        draws keep their order), a router that needs its module call (hooks: recorded `router_logits` come from the
+        routers' own calls; tensor parallelism's forward), `project_values` / `project_output` replaced on the
+        instance (tensor parallelism), or not the per-head formulation (`per_head_experts`)."""
+        if not self._both_experts or "project_values" in self.__dict__ or "project_output" in self.__dict__:
+            return None
+        values, output = self._modules["value_selection"], self._modules["output_selection"]
+        if (self.training and values.expert_dropout > 0) or values.needs_call() or output.needs_call():
+            return None
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if not self.per_head_experts(tokens.shape[0], tokens, ("values", "output")):
+            return None
+        _, gates, index = values.select(F.linear(tokens, torch.cat((values.weight, output.weight))))
+        dense = gates.new_zeros(index.shape[0], index.shape[1], self.num_experts).scatter_(-1, index, gates)
+        if dense.dtype != tokens.dtype:
+            dense = dense.to(tokens.dtype)
+        return dense[:, :self.num_heads], dense[:, self.num_heads:]
+
+    def _dense_gates(self, selection: ExpertSelection, tokens: torch.Tensor) -> torch.Tensor:
+        """One side's dense per-head gates `[N, H, E]`, through the module call where it needs one."""
+        if selection.needs_call():
+            _, gates, index = selection(tokens)
+            return dense_head_gates(index, gates, self.num_heads, self.num_experts, tokens.dtype)
+        _, gates, index = selection.select(F.linear(tokens, selection.weight))
+        return gates.new_zeros(index.shape[0], index.shape[1], self.num_experts).scatter_(-1, index, gates) \
+            .to(tokens.dtype)
+
+    def project_values(self, hidden_states, gates=None):
+        """`gates`: dense per-head gates `[N, H, E]` from `joint_gates`, or None (route here)."""
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
-        tokens = hidden_states.reshape(-1, 1, d)
-        _, gates, index = self.value_selection(tokens[:, 0])
+        tokens = hidden_states.reshape(-1, d)
+        if gates is None and self.per_head_experts(tokens.shape[0], tokens, ("values",)):
+            gates = self._dense_gates(self.value_selection, tokens)
+        if gates is not None:
+            values = head_expert_values(tokens, gates, self.value_experts)
+            return values.reshape(batch, length, self.num_heads, self.head_dim)
+        _, gates, index = self.value_selection(tokens)
         project = expert_projection_for(self.config._experts_implementation)
-        values = project(tokens, index, self.value_experts, gates, out_groups=self.num_heads)
+        values = project(tokens.unsqueeze(1), index, self.value_experts, gates, out_groups=self.num_heads)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
-    def project_output(self, attended, hidden_states):
+    def project_output(self, attended, hidden_states, gates=None):
+        """`gates`: dense per-head gates `[N, H, E]` from `joint_gates`, or None (route here)."""
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
-        _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
+        tokens = hidden_states.reshape(-1, d)
         rows = attended.reshape(-1, self.num_heads, self.head_dim)
+        if gates is None and self.per_head_experts(rows.shape[0], rows, ("output",)):
+            gates = self._dense_gates(self.output_selection, tokens)
+        if gates is not None:
+            return head_expert_output(rows, gates, self.output_experts).view(batch, length, -1)
+        _, gates, index = self.output_selection(tokens)
         # one weighted sum over all heads and their selected experts
         project = expert_projection_for(self.config._experts_implementation)
-        return project(rows, index, self.output_experts, gates, out_groups=1).view(batch, length, d)
+        return project(rows, index, self.output_experts, gates, out_groups=1).view(batch, length, -1)
 
 
 class MultiHeadAttention(SwitchHeadAttentionBase):

@@ -84,8 +84,16 @@ def test_the_chosen_implementation_is_what_runs():
         formulations.append(implementation)
         return torch_projection(*args, implementation=implementation, **kwargs)
 
+    def per_head(function):  # "auto" resolved to SwitchHead's per-head formulation (CPU: all of this model's V/O)
+        def run(*args):
+            formulations.append("per_head")
+            return function(*args)
+        return run
+
     with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, mocks), \
-            unittest.mock.patch.object(modeling, "expert_projection_torch", spy):
+            unittest.mock.patch.object(modeling, "expert_projection_torch", spy), \
+            unittest.mock.patch.object(modeling, "head_expert_values", per_head(modeling.head_expert_values)), \
+            unittest.mock.patch.object(modeling, "head_expert_output", per_head(modeling.head_expert_output)):
         for implementation, formulation in (("eager", "auto"), ("batched_mm", "batched"), ("grouped_mm", "grouped")):
             model.set_experts_implementation(implementation)
             formulations.clear()
@@ -93,16 +101,19 @@ def test_the_chosen_implementation_is_what_runs():
                 model(ids)
             layers = model.config.num_hidden_layers
             # V and O of every layer in this formulation; the MLP's eager forward uses the default one
-            assert formulations.count(formulation) >= 2 * layers, (implementation, formulations)
+            taken = formulations.count(formulation) + (formulations.count("per_head") if formulation == "auto" else 0)
+            assert taken >= 2 * layers, (implementation, formulations)
             for name, mock in mocks.items():
                 assert mock.call_count == (layers if name == implementation else 0), (implementation, name)
                 mock.reset_mock()
         model.set_experts_implementation("cvmm")
+        formulations.clear()
         with unittest.mock.patch.object(modeling, "expert_projection", wraps=modeling.expert_projection) as kernel:
             with torch.no_grad():
                 model(ids)
         assert mocks["cvmm"].call_count == model.config.num_hidden_layers
-        assert kernel.call_count == 2 * model.config.num_hidden_layers  # attention V/O on our kernels
+        # attention V/O on our kernels, or (CPU tensors: no Triton) on the per-head formulation of the PyTorch path
+        assert kernel.call_count + formulations.count("per_head") == 2 * model.config.num_hidden_layers
 
 
 def test_choosing_through_config_and_from_pretrained(tmp_path):

@@ -187,6 +187,140 @@ def test_out_of_range_expert_ids_raise_without_a_sync():
             cvmm_reference.cvmm_forward_reference(x, w, None, *torch.sort(index.reshape(-1), stable=True), 1)
 
 
+# ------------------------------------------------------------------------------------------------ per-head experts
+def _per_head_case(generator, use, tokens, heads, experts, k, d_in, d_out, dtype, repeats):
+    case = random_case(generator, use, tokens=tokens, heads=heads, experts=experts, k=k, d_in=d_in, d_out=d_out,
+                       dtype=dtype)
+    if repeats:  # each head's k picks drawn with replacement among its own experts: the same id twice in a head
+        local = torch.randint(0, experts, (tokens, heads, k), generator=generator)
+        case.expert_index = (local + torch.arange(heads)[:, None] * experts).reshape(tokens, heads * k)
+    return case
+
+
+def _per_head(case, use, heads, experts):
+    """SwitchHead's per-head formulation on a CVMM case: dense gates, then head_expert_values / _output."""
+    dense = modeling.dense_head_gates(case.expert_index, case.gates, heads, experts, case.inputs.dtype)
+    if use == "value":
+        return modeling.head_expert_values(case.inputs[:, 0], dense, case.weight)  # [N, H, d_out]
+    return modeling.head_expert_output(case.inputs, dense, case.weight).unsqueeze(1)  # [N, 1, d_out]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("use", ["value", "output"])
+@pytest.mark.parametrize("repeats", [False, True], ids=["distinct", "repeated-ids"])
+def test_per_head_formulation_matches_the_twin(use, repeats, dtype):
+    # outputs and gradients w.r.t. inputs, weight and the router's gates, through the custom autograd functions
+    # (grad mode) and the plain forward (no grad); one token (decoding's batched matrix-vector products) and more
+    generator = torch.Generator().manual_seed(21 + repeats)
+    heads, experts = 2, 5
+    for tokens, k in ((0, 2), (1, 3), (1, 1), (7, 3), (33, 2)):
+        case = _per_head_case(generator, use, tokens, heads, experts, k, 8, 12, dtype, repeats)
+        if repeats and tokens >= 7:
+            local = case.expert_index.view(tokens, heads, k)
+            assert (local[..., :1] == local[..., 1:2]).any()  # repeats really occur
+        want = _twin(case)
+        got = _per_head(case, use, heads, experts)
+        _assert_same(got, want, _grads(got, case.leaves()), _grads(want, case.leaves()), dtype)
+        with torch.no_grad():
+            _assert_same(_per_head(case, use, heads, experts), want, [], [], dtype)
+
+
+def test_per_head_functions_save_no_gated_rows():
+    # the output side keeps its arguments only (the gated rows [N, H * E * dh] are recomputed), the value side its
+    # arguments and the products of every expert: the all_experts formulation kept a permuted copy of those too
+    generator = torch.Generator().manual_seed(6)
+    heads, experts, k, tokens = 2, 5, 3, 64
+    for use, extra in (("output", 0), ("value", tokens * heads * experts * 12)):
+        case = _per_head_case(generator, use, tokens, heads, experts, k, 16, 12, torch.float32, False)
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = _per_head(case, use, heads, experts)
+        dense = tokens * heads * experts * 4 + case.expert_index.numel() * 8  # dense gates, ids (their scatter)
+        argument_bytes = sum(t.numel() * t.element_size() for t in (case.inputs, case.weight)) + dense
+        assert sum(t.numel() * t.element_size() for t in saved) <= argument_bytes + extra * 4, use
+        if use == "output":
+            assert all(t.numel() < tokens * heads * experts * case.inputs.shape[2] for t in saved)
+        want = _twin(case)
+        _assert_same(out, want, _grads(out, case.leaves()), _grads(want, case.leaves()), torch.float32)
+
+
+def test_router_select_is_the_forward_routing():
+    # `ExpertSelection.select` (what the per-head path calls) gives the module call's gates and ids, and the
+    # forward's logits are unchanged: the top-k values are the gates (no gather), ids offset by group
+    torch.manual_seed(0)
+    router = modeling.ExpertSelection(16, 3, 4, 2, 0.0, False)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(9, 16)
+    logits, gates, index = router(x)
+    torch.testing.assert_close(logits, torch.nn.functional.linear(x, router.weight), rtol=0, atol=0)
+    scores = torch.sigmoid(logits).view(9, 3, 4)
+    _, want_index = scores.topk(2, dim=-1, sorted=False)
+    assert torch.equal(index, (want_index + torch.arange(3)[:, None] * 4).flatten(1))
+    assert torch.equal(gates, scores.gather(-1, want_index).flatten(1))
+    _, local_gates, local_index = router.select(torch.nn.functional.linear(x, router.weight))
+    assert torch.equal(local_gates.flatten(1), gates) and torch.equal(local_index, want_index)
+
+
+def _two_paths(variant="switchhead-rope"):
+    """Two copies of a model: SwitchHead's per-head path with the joint router, and the generic formulations."""
+    per_head, generic = _model(variant), _model(variant)
+    generic.set_experts_implementation("batched_mm")  # explicit: the CVMM formulation, each side routing itself
+    return per_head, generic
+
+
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl"])
+def test_joint_router_and_per_head_path_equal_the_generic_path(variant):
+    per_head, generic = _two_paths(variant)
+    attention = per_head.model.layers[0].self_attn
+    ids = torch.randint(0, per_head.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 9, per_head.config.hidden_size)
+    assert attention.joint_gates(hidden) is not None  # the joint router runs here (no hooks, no memory)
+    assert generic.model.layers[0].self_attn.joint_gates(hidden) is None
+    for model in (per_head, generic):
+        model.train()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout) or hasattr(module, "expert_dropout"):
+                module.p = 0.0
+                if hasattr(module, "expert_dropout"):
+                    module.expert_dropout = 0.0
+    outs = [model(input_ids=ids, labels=ids, use_cache=False) for model in (per_head, generic)]
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
+    grads = [torch.autograd.grad(out.loss, list(model.parameters())) for out, model in zip(outs, (per_head, generic))]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    per_head.eval(), generic.eval()
+    with torch.no_grad():  # decoding steps through the cache: one token per step (the batched mat-vec products)
+        caches = [model(input_ids=ids[:1, :5], use_cache=True).past_key_values for model in (per_head, generic)]
+        for t in range(5, 9):
+            logits = [model(input_ids=ids[:1, t:t + 1], past_key_values=cache, use_cache=True).logits
+                      for model, cache in zip((per_head, generic), caches)]
+            torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_recorded_router_logits_keep_each_router_call():
+    # with output_router_logits the routers' hooks record their logits: each side routes through its own module
+    # call (no joint matmul), so the recorded tensors are exactly the routers' own, and the outputs do not change
+    per_head, generic = _two_paths()
+    ids = torch.randint(0, per_head.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = per_head(input_ids=ids).logits
+        recorded = per_head(input_ids=ids, output_router_logits=True)
+        reference = generic(input_ids=ids, output_router_logits=True)
+    torch.testing.assert_close(recorded.logits, plain, rtol=1e-5, atol=1e-5)
+    assert len(recorded.router_logits) == len(reference.router_logits) == 2 * per_head.config.num_hidden_layers
+    for layer, (got, want) in enumerate(zip(recorded.router_logits, reference.router_logits)):
+        if layer < 2:  # the first layer's V and O routers read the same inputs in both models: bit for bit
+            assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # later layers: inputs equal up to rounding
+    hidden = torch.randn(1, 3, per_head.config.hidden_size)
+    assert per_head.model.layers[0].self_attn.joint_gates(hidden) is None  # hooks now installed: per-side calls
+
+
 def host_syncs(fn) -> list[str]:
     """The sync ops (`aten::item` / `aten::_local_scalar_dense`) `fn` runs, each named by its outermost caller op.
 
