@@ -19,6 +19,7 @@ Prints tables and writes JSON + Markdown to benchmarks/results/ naming the machi
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -68,10 +69,14 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (length,), generator=generator).tolist() for _ in range(count)]
 
 
-def cb_config(args):
+def cb_config(args=None, **fields):
+    """Transformers' ContinuousBatchingConfig (`page_size` was `block_size` up to Transformers 5.17, the GPU's)."""
     from transformers import ContinuousBatchingConfig
 
-    return ContinuousBatchingConfig(num_blocks=args.cb_blocks, page_size=64, max_batch_tokens=args.max_batch_tokens)
+    fields = fields or dict(num_blocks=args.cb_blocks, page_size=64, max_batch_tokens=args.max_batch_tokens)
+    if "page_size" not in inspect.signature(ContinuousBatchingConfig).parameters:
+        fields["block_size"] = fields.pop("page_size")
+    return ContinuousBatchingConfig(**fields)
 
 
 def bench_generate_batch(model, concurrency: int, args) -> dict:
@@ -164,15 +169,13 @@ def bench_server(server: Server, vocab: int, concurrency: int, args) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- capacity
 def cache_capacity(config: SwitchHeadConfig, context: int, budget_bytes: int) -> dict:
-    from transformers import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.generation.continuous_batching.distributed import DistributedHelper
     from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
 
     page = 64
-    cb = resolve_continuous_batching_config(config, ContinuousBatchingConfig(num_blocks=1, page_size=page,
-                                                                             max_batch_tokens=page), None, False,
-                                            torch.device("cpu"))
+    cb = resolve_continuous_batching_config(config, cb_config(num_blocks=1, page_size=page, max_batch_tokens=page),
+                                            None, False, torch.device("cpu"))
     cache = PagedAttentionCache(config, cb, "cpu", DistributedHelper(None, None), dtype=torch.float32)
     allocator = next(iter(cache.cache_allocators.values()))
     bytes_per_block = allocator.bytes_per_block  # one page of `page` tokens for every layer

@@ -8,6 +8,8 @@ SwitchHead's real cache size (`switchhead.accounting.kv_cache_bytes_per_token`).
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -20,6 +22,13 @@ TINY = sorted(name for name in PRESETS if name.startswith("tiny"))
 LENGTHS = [5, 17, 1, 33, 9, 24]
 NEW_TOKENS = 10
 CB_CONFIG = dict(num_blocks=16, page_size=32, max_batch_tokens=128)  # small cache: several pages per request
+
+
+def cb_config(**fields) -> ContinuousBatchingConfig:
+    """`ContinuousBatchingConfig(**fields)`; `page_size` was `block_size` up to Transformers 5.17 (the GPU's)."""
+    if "page_size" not in inspect.signature(ContinuousBatchingConfig).parameters:
+        fields["block_size"] = fields.pop("page_size")
+    return ContinuousBatchingConfig(**fields)
 
 
 def tiny_model(preset: str, attn: str = "sdpa") -> SwitchHeadForCausalLM:
@@ -50,7 +59,7 @@ def test_generate_batch_equals_generate(preset):
     model = tiny_model(preset)
     inputs = prompts(model.config.vocab_size)
     results = model.generate_batch(inputs=inputs, generation_config=greedy_config(),
-                                   continuous_batching_config=ContinuousBatchingConfig(**CB_CONFIG))
+                                   continuous_batching_config=cb_config(**CB_CONFIG))
     by_prompt = {tuple(out.prompt_ids): out for out in results.values()}
     assert len(by_prompt) == len(inputs)
     for ids in inputs:
@@ -67,7 +76,7 @@ def test_requests_arriving_while_others_decode(preset):
     long_tokens = 24
     manager = model.init_continuous_batching(
         generation_config=greedy_config(long_tokens),
-        continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, page_size=32, max_batch_tokens=16))
+        continuous_batching_config=cb_config(num_blocks=16, page_size=32, max_batch_tokens=16))
     manager.start()
     try:
         first = manager.add_request(inputs[3], request_id="first", max_new_tokens=long_tokens, streaming=True)
@@ -96,7 +105,7 @@ def test_xl_eager_paged(preset):
     model = tiny_model(preset, attn="eager")
     inputs = prompts(model.config.vocab_size)[:3]
     results = model.generate_batch(inputs=inputs, generation_config=greedy_config(),
-                                   continuous_batching_config=ContinuousBatchingConfig(**CB_CONFIG))
+                                   continuous_batching_config=cb_config(**CB_CONFIG))
     for out in results.values():
         assert out.generated_tokens == reference(model, out.prompt_ids)
 
@@ -107,7 +116,7 @@ def test_sampling_runs():
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0, top_k=50, pad_token_id=0,
                               eos_token_id=None)
     results = model.generate_batch(inputs=inputs, generation_config=config,
-                                   continuous_batching_config=ContinuousBatchingConfig(**CB_CONFIG))
+                                   continuous_batching_config=cb_config(**CB_CONFIG))
     assert len(results) == len(inputs)
     for out in results.values():
         assert out.error is None
@@ -170,7 +179,7 @@ def test_paged_cache_bytes_are_switchheads(preset):
     from transformers.generation.continuous_batching.distributed import DistributedHelper
 
     config = SwitchHeadConfig.from_preset(preset)
-    cb = ContinuousBatchingConfig(num_blocks=4, page_size=16, max_batch_tokens=32)
+    cb = cb_config(num_blocks=4, page_size=16, max_batch_tokens=32)
     from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
 
     cb = resolve_continuous_batching_config(config, cb, None, False, torch.device("cpu"))
