@@ -11,7 +11,9 @@ Models (fp32, same attention backend for all, sdpa by default):
 Measured, with the models interleaved inside every repetition and the median taken over repetitions:
 - training step (forward + backward of the LM loss) time at context 256 and 512, and its peak memory: the rise of
   the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) over the resident set before the
-  step, each step run in a fresh child process so that freed-but-cached memory of other models does not hide it;
+  step, each step run in a fresh child process so that freed-but-cached memory of other models does not hide it,
+  with glibc's mmap threshold fixed at 64 KiB (`MALLOC_MMAP_THRESHOLD_`) so that the peak follows the live tensors
+  rather than which freed blocks the allocator happened to keep;
 - prefill time (batch 1, the whole context, with a KV cache) and decode tokens/s at batch 1 and 8 (greedy, one
   token per step through the cache), eager and compiled (inductor, static cache, `fullgraph=True`);
 - the training step compiled with inductor (`torch.compile(model, fullgraph=True)`) at the first context, against
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MMAP_THRESHOLD = 65536  # bytes: the memory children's fixed glibc mmap threshold (see `peak_memory_child`)
 PAIRS = {  # family -> (SwitchHead model, dense baseline)
     "rope": ("switchhead-rope", "dense-rope"),
     "xl": ("switchhead-xl", "dense-xl"),
@@ -170,8 +173,12 @@ def peak_memory_child(name: str, batch: int, context: int, quick: bool, attn: st
         "print(json.dumps(b._peak_memory(%r, %d, %d, %r, %r)))" % (str(Path(__file__).parent), name, batch, context,
                                                                   quick, attn)
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                            env=dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads())))
+    # glibc's mmap threshold fixed (not raised as big blocks are freed): every large tensor is mapped on allocation
+    # and unmapped when freed, so the peak resident set follows the live tensors; with the default dynamic threshold
+    # freed blocks stay in the heap by chance, and the same step's peak varied by up to 30% (570-742 MiB, dense RoPE)
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
     if result.returncode != 0:
         return {"error": result.stderr[-500:]}
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -223,7 +230,9 @@ def run(args) -> dict:
     report = {"machine": machine(), "mode": "quick" if quick else "full", "attn_implementation": args.attn,
               "load_average_before": os.getloadavg(), "parameters": {n: _count(m) for n, m in models.items()},
               "settings": {"train_batch": train_batch, "contexts": contexts, "prompt": prompt,
-                           "decode_steps": steps, "decode_batches": decode_batches, "reps": args.reps}}
+                           "decode_steps": steps, "decode_batches": decode_batches, "reps": args.reps,
+                           "memory_malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_",
+                                                                          str(MMAP_THRESHOLD))}}
     samples: dict[str, list[float]] = {}
 
     def add(key, value):

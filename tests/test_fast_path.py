@@ -225,6 +225,19 @@ def test_per_head_formulation_matches_the_twin(use, repeats, dtype):
             _assert_same(_per_head(case, use, heads, experts), want, [], [], dtype)
 
 
+def test_per_head_formulation_compiles_for_one_token():
+    # decoding under torch.compile(fullgraph=True): one token takes the fused weight-streaming reduction
+    generator = torch.Generator().manual_seed(8)
+    heads, experts = 2, 5
+    for use in ("value", "output"):
+        case = _per_head_case(generator, use, 1, heads, experts, 3, 8, 12, torch.float32, True)
+        want = _twin(case)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda c=case: _per_head(c, use, heads, experts), fullgraph=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(), want, rtol=2e-5, atol=2e-5)
+
+
 def test_per_head_functions_save_no_gated_rows():
     # the output side keeps its arguments only (the gated rows [N, H * E * dh] are recomputed), the value side its
     # arguments and the products of every expert: the all_experts formulation kept a permuted copy of those too
