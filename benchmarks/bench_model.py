@@ -238,6 +238,9 @@ def run(args) -> dict:
     def add(key, value):
         samples.setdefault(key, []).append(value)
 
+    if args.decode_only:  # no training steps, no memory children: prefill and decoding only
+        contexts, args.compiled_train, args.no_memory = [], False, True
+        report["settings"]["contexts"] = []
     steps_of = {(n, c): train_step(m, train_batch, c) for n, m in models.items() for c in contexts}
     for fn in steps_of.values():  # warm-up
         fn()
@@ -261,7 +264,8 @@ def run(args) -> dict:
         compile_decoder(models[n])
         for batch in args.compiled_batches:
             start = time.perf_counter()
-            prefill_and_decode(models[n], batch, prompt, 3, compiled=True)  # compiles
+            # compiles: as many steps as the timed runs, so that the static cache (and the graph) has their shape
+            prefill_and_decode(models[n], batch, prompt, steps, compiled=True)
             report.setdefault("compile_s", {})[f"{n}/{batch}"] = time.perf_counter() - start
     for rep in range(args.reps if compiled_names else 0):
         for batch in args.compiled_batches:
@@ -269,7 +273,7 @@ def run(args) -> dict:
                 _, decode, _ = prefill_and_decode(models[n], batch, prompt, steps, compiled=True)
                 add(f"decode_tok_s/compiled/{n}/{batch}", batch * steps / decode)
     compiled_train = {}  # inductor, fullgraph: the training step (forward + backward) at the first context
-    train_context = contexts[0]
+    train_context = contexts[0] if contexts else None
     for n in compiled_names if args.compiled_train else []:
         compiled_model = torch.compile(models[n], fullgraph=True, dynamic=False)
         compiled_train[n] = train_step(compiled_model, train_batch, train_context, models[n])
@@ -292,6 +296,13 @@ def run(args) -> dict:
     return report
 
 
+def paired(report, key: str, moe: str, dense: str) -> float | None:
+    """The median over repetitions of SwitchHead / dense measured back to back in the same repetition ("paired"):
+    less exposed to other jobs' load changing between repetitions than the ratio of the two medians."""
+    a, b = (report["samples"].get(key.format(name), []) for name in (moe, dense))
+    return median([x / y for x, y in zip(a, b)]) if a and len(a) == len(b) else None
+
+
 def ratios(report, contexts, decode_batches, compiled_batches, compiled_train_context=None) -> dict:
     med, out = report["medians"], {}
     for family, (moe, dense) in PAIRS.items():
@@ -304,9 +315,12 @@ def ratios(report, contexts, decode_batches, compiled_batches, compiled_train_co
         for batch in decode_batches:
             row[f"decode_tok_s_eager@b{batch}"] = (med[f"decode_tok_s/eager/{moe}/{batch}"]
                                                    / med[f"decode_tok_s/eager/{dense}/{batch}"])
+            row[f"decode_tok_s_eager@b{batch} paired"] = paired(report, f"decode_tok_s/eager/{{}}/{batch}", moe, dense)
         for batch in compiled_batches:
             row[f"decode_tok_s_compiled@b{batch}"] = (med[f"decode_tok_s/compiled/{moe}/{batch}"]
                                                       / med[f"decode_tok_s/compiled/{dense}/{batch}"])
+            row[f"decode_tok_s_compiled@b{batch} paired"] = paired(report, f"decode_tok_s/compiled/{{}}/{batch}", moe,
+                                                                   dense)
             row[f"compiled_over_eager_switchhead@b{batch}"] = (med[f"decode_tok_s/compiled/{moe}/{batch}"]
                                                                / med[f"decode_tok_s/eager/{moe}/{batch}"])
         if compiled_train_context is not None:
@@ -321,7 +335,8 @@ def ratios(report, contexts, decode_batches, compiled_batches, compiled_train_co
 
 def markdown(report) -> str:
     m = report["machine"]
-    lines = [f"# Whole-model benchmark ({report['mode']} mode)", "",
+    scope = "" if report["settings"]["contexts"] else ", prefill and decoding only"
+    lines = [f"# Whole-model benchmark ({report['mode']} mode{scope})", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}, transformers "
              f"{m['transformers']}, OMP_WAIT_POLICY={m['omp_wait_policy']}, attention {report['attn_implementation']}, "
              f"fp32. Load average before {tuple(round(x, 2) for x in report['load_average_before'])}, after "
@@ -364,6 +379,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compiled-train", dest="compiled_train", action="store_false",
                         help="skip the compiled (inductor) training steps")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="prefill and decoding only (no training steps, no memory); results named model_decode_*")
     parser.add_argument("--no-reference", action="store_true", help="skip the Mixtral / JetMoE rows")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (Markdown beside it)")
     args = parser.parse_args(argv)
@@ -371,7 +388,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     report = run(args)
     slug = "".join(ch if ch.isalnum() else "-" for ch in report["machine"]["cpu"].lower()).strip("-")[:40]
-    out = args.out or RESULTS / f"model_{report['mode']}_cpu_{slug}_{args.threads}t.json"
+    kind = "decode" if args.decode_only else report["mode"]
+    out = args.out or RESULTS / f"model_{kind}_cpu_{slug}_{args.threads}t.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text(markdown(report))
