@@ -926,7 +926,12 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         at call time), or None where the sides route themselves: one side dense, expert dropout active (its random
         draws keep their order), a router that needs its module call (hooks: recorded `router_logits` come from the
         routers' own calls; tensor parallelism's forward), `project_values` / `project_output` replaced on the
-        instance (tensor parallelism), or not the per-head formulation (`per_head_experts`)."""
+        instance (tensor parallelism), not the per-head formulation (`per_head_experts`), or more than one token.
+        One token (batch-1 decoding) is where the saved matmul counts; for more rows the stacked matmul is not
+        bitwise the two per-side ones, and a training step must not depend on how its batch is split over
+        processes (FSDP: 128 rows per process against 256 in one flipped a near-tie in a top-k, test_fsdp.py)."""
+        if hidden_states.shape[:-1].numel() != 1:
+            return None
         if not self._both_experts or "project_values" in self.__dict__ or "project_output" in self.__dict__:
             return None
         values, output = self._modules["value_selection"], self._modules["output_selection"]

@@ -291,9 +291,11 @@ def test_joint_router_and_per_head_path_equal_the_generic_path(variant):
     per_head, generic = _two_paths(variant)
     attention = per_head.model.layers[0].self_attn
     ids = torch.randint(0, per_head.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    hidden = torch.randn(2, 9, per_head.config.hidden_size)
-    assert attention.joint_gates(hidden) is not None  # the joint router runs here (no hooks, no memory)
+    hidden = torch.randn(1, 1, per_head.config.hidden_size)
+    assert attention.joint_gates(hidden) is not None  # one token: the joint router runs (no hooks, no memory)
     assert generic.model.layers[0].self_attn.joint_gates(hidden) is None
+    # more tokens: each side routes itself, so that a batch's results do not depend on how it is split
+    assert attention.joint_gates(torch.randn(2, 9, per_head.config.hidden_size)) is None
     for model in (per_head, generic):
         model.train()
         for module in model.modules():
@@ -330,7 +332,7 @@ def test_recorded_router_logits_keep_each_router_call():
         if layer < 2:  # the first layer's V and O routers read the same inputs in both models: bit for bit
             assert torch.equal(got, want)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # later layers: inputs equal up to rounding
-    hidden = torch.randn(1, 3, per_head.config.hidden_size)
+    hidden = torch.randn(1, 1, per_head.config.hidden_size)
     assert per_head.model.layers[0].self_attn.joint_gates(hidden) is None  # hooks now installed: per-side calls
 
 
