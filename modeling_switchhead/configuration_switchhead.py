@@ -94,6 +94,10 @@ class SwitchHeadConfig(PreTrainedConfig):
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
+        """The computed plan (`_computed_tp_plan`) with the entries assigned to this attribute on top."""
+        return {**self._computed_tp_plan(), **self.__dict__.get("base_model_tp_plan", {})}
+
+    def _computed_tp_plan(self) -> dict[str, str]:
         """Tensor-parallel plan (`from_pretrained(..., tp_plan="auto")`), exact for every configuration.
 
         Attention is split by heads: each process owns whole heads. q_proj / k_proj (and XL's position_key_proj,
@@ -134,15 +138,14 @@ class SwitchHeadConfig(PreTrainedConfig):
         else:
             plan.update({"layers.*.mlp.keys": "rowwise", "layers.*.mlp.values": "colwise",
                          "layers.*.mlp": "switchhead_sigma_moe"})
-        return {**plan, **self.__dict__.get("base_model_tp_plan", {})}
+        return plan
 
     @base_model_tp_plan.setter
     def base_model_tp_plan(self, plan: dict[str, str] | None) -> None:
         """Entries assigned here override or extend the computed plan (Transformers 5.17's `__post_init__` assigns
         the plan plus `embed_tokens` for tied embeddings). Kept in the instance dict under the same name, which
         `to_dict` drops, so it is never written to config.json."""
-        computed = {k: v for k, v in type(self).base_model_tp_plan.fget(self).items()
-                    if k not in self.__dict__.get("base_model_tp_plan", {})}
+        computed = self._computed_tp_plan()
         self.__dict__["base_model_tp_plan"] = {k: v for k, v in (plan or {}).items() if computed.get(k) != v}
 
     vocab_size: int = 8000

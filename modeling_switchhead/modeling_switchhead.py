@@ -308,6 +308,14 @@ def dense_head_gates(expert_index: torch.Tensor, gates: torch.Tensor, num_groups
     return dense.scatter_add_(1, expert_index, gates).view(-1, num_groups, num_experts).to(dtype)
 
 
+def _scatter_group_gates(gates: torch.Tensor, index: torch.Tensor, num_experts: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """`ExpertSelection.select`'s gates and within-group ids `[N, groups, k]` (distinct per group, from a top-k) ->
+    dense gates `[N, groups, E]` in `dtype`."""
+    dense = gates.new_zeros(*index.shape[:2], num_experts).scatter_(-1, index, gates)
+    return dense if dense.dtype == dtype else dense.to(dtype)
+
+
 def _every_expert_values(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """inputs `[N, d]`, weight `[H * E, d, dh]` -> every expert's projection `[H * E, N, dh]`."""
     if inputs.shape[0] == 1:  # decoding one token: one batched matrix-vector product (no broadcasting matmul)
@@ -327,8 +335,14 @@ def _head_values_forward(inputs: torch.Tensor, gates: torch.Tensor, weight: torc
     every = _every_expert_values(inputs, weight)  # [H * E, N, dh]
     if n == 1:  # [H, 1, E] x [H, E, dh]
         return torch.bmm(gates.view(heads, 1, experts), every.view(heads, experts, -1)).view(1, heads, -1)
-    mixed = (every.view(heads, experts, n, weight.shape[2]) * gates.permute(1, 2, 0).unsqueeze(-1)).sum(1)
-    return mixed.transpose(0, 1)
+    return _mix_values(every, gates)
+
+
+def _mix_values(every: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """every expert's values `[H * E, N, dh]` and dense gates `[N, H, E]` -> `[N, H, dh]` (sum over each head's E)."""
+    n, heads, experts = gates.shape
+    mixed = every.view(heads, experts, n, every.shape[-1]) * gates.permute(1, 2, 0).unsqueeze(-1)
+    return mixed.sum(1).transpose(0, 1)
 
 
 def _head_output_mixed(rows: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -340,11 +354,9 @@ def _head_output_mixed(rows: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
 class _HeadExpertValues(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs, gates, weight):
-        n, heads, experts = gates.shape
         every = _every_expert_values(inputs, weight)  # [H * E, N, dh]
         ctx.save_for_backward(inputs, gates, weight, every)
-        mixed = every.view(heads, experts, n, weight.shape[2]) * gates.permute(1, 2, 0).unsqueeze(-1)
-        return mixed.sum(1).transpose(0, 1)
+        return _mix_values(every, gates)
 
     @staticmethod
     def backward(ctx, grad):  # grad [N, H, dh]
@@ -941,9 +953,7 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         if not self.per_head_experts(tokens.shape[0], tokens, ("values", "output")):
             return None
         _, gates, index = values.select(F.linear(tokens, torch.cat((values.weight, output.weight))))
-        dense = gates.new_zeros(index.shape[0], index.shape[1], self.num_experts).scatter_(-1, index, gates)
-        if dense.dtype != tokens.dtype:
-            dense = dense.to(tokens.dtype)
+        dense = _scatter_group_gates(gates, index, self.num_experts, tokens.dtype)
         return dense[:, :self.num_heads], dense[:, self.num_heads:]
 
     def _dense_gates(self, selection: ExpertSelection, tokens: torch.Tensor) -> torch.Tensor:
@@ -952,8 +962,7 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             _, gates, index = selection(tokens)
             return dense_head_gates(index, gates, self.num_heads, self.num_experts, tokens.dtype)
         _, gates, index = selection.select(F.linear(tokens, selection.weight))
-        return gates.new_zeros(index.shape[0], index.shape[1], self.num_experts).scatter_(-1, index, gates) \
-            .to(tokens.dtype)
+        return _scatter_group_gates(gates, index, self.num_experts, tokens.dtype)
 
     def project_values(self, hidden_states, gates=None):
         """`gates`: dense per-head gates `[N, H, E]` from `joint_gates`, or None (route here)."""
