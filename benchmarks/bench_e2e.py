@@ -45,7 +45,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ROPE_DENSE = dict(position_encoding="rope", xl_memory_length=0)
 PAIRS = {  # name -> ((SwitchHead preset, overrides), (dense preset, overrides))
-    "47m-rope": (("wt103-45m-switchhead-rope", {}), ("wt103-47m-dense-xl", dict(ROPE_DENSE, max_position_embeddings=512))),
+    "47m-rope": (("wt103-45m-switchhead-rope", {}),
+                 ("wt103-47m-dense-xl", dict(ROPE_DENSE, max_position_embeddings=512))),
     "47m-xl": (("wt103-47m-switchhead-xl", {}), ("wt103-47m-dense-xl", {})),
     "262m-rope": (("wt103-243m-switchhead-rope", {}),
                   ("wt103-262m-dense-xl", dict(ROPE_DENSE, max_position_embeddings=1024))),
@@ -257,7 +258,8 @@ def markdown(report: dict) -> str:
         cells = []
         for p in pairs:
             value = p["ratios"].get(measure)
-            cells.append("-" if value is None else f"{value:.2f}{target_verdict(p['pair'], measure, value, report['smoke'])}")
+            verdict = target_verdict(p["pair"], measure, value, report["smoke"])
+            cells.append("-" if value is None else f"{value:.2f}{verdict}")
         lines.append(f"| {measure} | " + " | ".join(cells) + " |")
     lines += ["", "## Absolute values", "", "| pair | batch x context | parameters (SwitchHead / dense) | measure | "
               "SwitchHead | dense |", "|---|---|---|---|---|---|"]
