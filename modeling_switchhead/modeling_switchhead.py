@@ -612,15 +612,23 @@ _PAST_ENCODINGS: dict[tuple, torch.Tensor] = {}  # (dim, computation dtype, devi
 def past_sinusoidal_encoding(num_distances: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`sinusoidal_embedding` of the relative positions 0, -1, ..., -(num_distances - 1): `[num_distances, dim]`.
 
-    Input-independent, so eager calls read it from one table per (dim, dtype, device), grown by doubling and
-    sliced (row p is the same value however long the table is): a decoding step does not recompute the encoding
-    of every distance in every layer. Under torch.compile it is computed in the graph (no Python-side state).
+    Input-independent, so calls read it from one table per (dim, dtype, device), grown by doubling and sliced
+    (row p is the same value however long the table is): a decoding step does not recompute the encoding of every
+    distance in every layer. Eager calls build and grow the table. Under torch.compile an existing table that is
+    long enough is read (dynamo lifts it as a graph input and guards on it: a table grown later recompiles once);
+    otherwise the encoding is computed in the graph (no Python-side state is written while tracing). Computed in
+    the graph, inductor fuses the sines and cosines into the product that reads them, once per layer: about 7 ms of
+    a 24 ms compiled XL decoding step of the 47M models on one CPU thread, which the table removes.
     """
     dtype = torch.promote_types(dtype, torch.float32)
-    if torch.compiler.is_compiling() or device.type == "meta":
+    if device.type == "meta":
         return sinusoidal_embedding(-torch.arange(num_distances, device=device), dim, dtype)
     key = (dim, dtype, device)
     table = _PAST_ENCODINGS.get(key)
+    if torch.compiler.is_compiling():
+        if table is not None and table.shape[0] >= num_distances:
+            return table[:num_distances]
+        return sinusoidal_embedding(-torch.arange(num_distances, device=device), dim, dtype)
     if table is None or table.shape[0] < num_distances:
         rows = max(num_distances, 256, 2 * table.shape[0] if table is not None else 0)
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable later with autograd on

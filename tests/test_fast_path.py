@@ -517,6 +517,49 @@ def modeling_sinusoidal(count, dim):
     return direct
 
 
+def _graph_ops(graph_module) -> set[str]:
+    return {getattr(node.target, "__name__", str(node.target)) for node in graph_module.graph.nodes
+            if node.op in ("call_function", "call_method")}
+
+
+@pytest.mark.parametrize("variant", ["switchhead-xl", "dense-xl"])
+def test_compiled_xl_decoding_reads_the_encoding_table(variant, monkeypatch):
+    """Compiled, a decoding step reads the distances' sinusoidal encodings from the table an eager call built (a
+    graph input) instead of computing sines and cosines in every layer; with no table yet it computes them."""
+    model = _model(variant)
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2)
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    def step(keep_table: bool) -> set[str]:
+        monkeypatch.setattr(modeling, "_PAST_ENCODINGS", {})
+        cache.reset()
+        prefill = _prefill(model, cache, ids, mask)  # eager: builds the table
+        if not keep_table:
+            modeling._PAST_ENCODINGS.clear()
+        _, step_mask, token = _next_step(prefill, ids, mask)
+        step_mask = torch.cat([step_mask, torch.zeros_like(token)], 1)  # the static cache's full length
+        kwargs = dict(input_ids=token, attention_mask=step_mask, past_key_values=cache, use_cache=True,
+                      position_ids=positions_from_mask(step_mask)[:, -2:-1])
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)(**kwargs).logits
+        cache.reset()
+        _prefill(model, cache, ids, mask)
+        with torch.no_grad():
+            want = model(**kwargs).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert len(graphs) == 1
+        return _graph_ops(graphs.pop())
+
+    assert not {"sin", "cos"} & step(keep_table=True)
+    assert {"sin", "cos"} <= step(keep_table=False)  # no table yet: computed in the graph
+
+
 @pytest.mark.parametrize("variant", ["switchhead-rope", "switchall-xl", "dense-rope"])
 def test_compile_fullgraph_training_step_on_a_fresh_model(variant):
     # a fresh model in training mode: SwitchAll records its router logits (entropy loss) through Transformers'
