@@ -1110,7 +1110,35 @@ class SigmaMoeMLP(SigmaMoeExperts):
         return super().forward(tokens, top_k_index, top_k_weights)
 
 
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+class _ReluFromOutput(torch.autograd.Function):
+    """ReLU whose backward multiplies by the sign of its output (1 where it passed, 0 where it clipped): the same
+    gradient as `F.relu`'s (which masks `output <= 0`), written so that AOTAutograd's partitioner keeps only the
+    output, which the next projection's weight gradient needs anyway, and recomputes the mask in the fused backward
+    kernel. Given `F.relu`, its default partitioner makes the forward also store a boolean mask, and inductor's CPU
+    kernels for storing and reading it made the compiled 47M training steps slower than eager
+    (benchmarks/inductor_relu_mask.py, bench_compiled_train.py)."""
+
+    @staticmethod
+    def forward(ctx, inputs):
+        output = torch.relu(inputs)
+        ctx.save_for_backward(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (output,) = ctx.saved_tensors
+        return grad * output.sign()
+
+
+def relu(inputs: torch.Tensor) -> torch.Tensor:
+    """`F.relu`; while torch.compile traces a function that autograd records, `_ReluFromOutput` (same values, same
+    gradient; eager keeps ATen's own relu and its backward)."""
+    if torch.compiler.is_compiling() and torch.is_grad_enabled() and inputs.requires_grad:
+        return _ReluFromOutput.apply(inputs)
+    return F.relu(inputs)
+
+
+_ACTIVATIONS = {"relu": relu, "gelu": F.gelu, "silu": F.silu}
 MLP_CLASSES = {"dense": SwitchHeadMLP, "sigma_moe": SigmaMoeMLP}
 
 

@@ -560,6 +560,42 @@ def test_compiled_xl_decoding_reads_the_encoding_table(variant, monkeypatch):
     assert {"sin", "cos"} <= step(keep_table=False)  # no table yet: computed in the graph
 
 
+def test_compiled_relu_gradient_and_what_its_forward_saves():
+    """Under torch.compile the MLP's ReLU is `_ReluFromOutput`: the gradient of `F.relu` (zeros included), and
+    inductor's partitioner saves no boolean mask for its backward (the slow CPU kernels of issue #14)."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    x = torch.tensor([[-2.0, -0.0, 0.0, 1e-30, 3.0, -1e-30]], requires_grad=True)
+    grad = torch.randn(1, 6)
+    (want,) = torch.autograd.grad(torch.nn.functional.relu(x), x, grad)
+    (got,) = torch.autograd.grad(modeling._ReluFromOutput.apply(x), x, grad)
+    assert torch.equal(got, want)
+
+    up, down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+    saved_dtypes = []
+
+    def forward_compiler(graph_module, example_inputs):
+        outputs = next(node for node in graph_module.graph.nodes if node.op == "output").args[0]
+        saved_dtypes.append({node.meta["val"].dtype for node in outputs[1:]})  # [0]: the forward's own output
+        return graph_module.forward
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, inputs: gm.forward,
+                           partition_fn=min_cut_rematerialization_partition,  # inductor's partitioner
+                           decompositions=select_decomp_table())  # and decompositions
+    inputs = torch.randn(2, 8, 16, requires_grad=True)  # [B, T, d], as in the model
+    for activation in (modeling._ACTIVATIONS["relu"], torch.nn.functional.relu):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: down(activation(up(t))), backend=backend, fullgraph=True)
+        (got,) = torch.autograd.grad(compiled(inputs).sum(), inputs)
+        (want,) = torch.autograd.grad(down(torch.nn.functional.relu(up(inputs))).sum(), inputs)
+        torch.testing.assert_close(got, want)
+    ours, aten_relu = saved_dtypes
+    assert torch.bool not in ours
+    assert torch.bool in aten_relu  # what the test guards against: F.relu's mask saved by the forward
+
+
 @pytest.mark.parametrize("variant", ["switchhead-rope", "switchall-xl", "dense-rope"])
 def test_compile_fullgraph_training_step_on_a_fresh_model(variant):
     # a fresh model in training mode: SwitchAll records its router logits (entropy loss) through Transformers'
