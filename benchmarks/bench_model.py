@@ -2,6 +2,7 @@
 
     python benchmarks/bench_model.py            # full mode (about 15-20 minutes on 2 busy cores)
     python benchmarks/bench_model.py --quick    # smoke test: 2 layers, short contexts, one repetition, no compiling
+    python benchmarks/bench_model.py --decode-only --prompt 1024   # decoding after a long prompt (a long KV cache)
 
 Models (fp32, same attention backend for all, sdpa by default):
 - `wt103-45m-switchhead-rope` vs the dense 47M baseline with RoPE (`wt103-47m-dense-xl` geometry, RoPE positions);
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PROMPT = 128  # default prompt length (tokens) for prefill and decoding
 MMAP_THRESHOLD = 65536  # bytes: the memory children's fixed glibc mmap threshold (see `peak_memory_child`)
 PAIRS = {  # family -> (SwitchHead model, dense baseline)
     "rope": ("switchhead-rope", "dense-rope"),
@@ -372,7 +374,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--train-batch", type=int, default=2)
-    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=PROMPT,
+                        help="prompt tokens before decoding (the KV cache's length); results of another length than "
+                             f"{PROMPT} are named model_<mode>_p<prompt>_*")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--compiled-batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--no-compile", action="store_true")
@@ -389,6 +393,8 @@ def main(argv=None) -> int:
     report = run(args)
     slug = "".join(ch if ch.isalnum() else "-" for ch in report["machine"]["cpu"].lower()).strip("-")[:40]
     kind = "decode" if args.decode_only else report["mode"]
+    if args.prompt != PROMPT and not args.quick:
+        kind += f"_p{args.prompt}"  # another prompt length: its own result files
     out = args.out or RESULTS / f"model_{kind}_cpu_{slug}_{args.threads}t.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -686,6 +686,24 @@ def test_model_benchmark_quick_mode_writes_json_and_markdown(tmp_path):
     assert "Ratios" in out.with_suffix(".md").read_text()
 
 
+def test_compiled_train_benchmark_quick_run_and_its_relu_swap(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_compiled_train
+
+    out = tmp_path / "compiled_train.json"
+    assert bench_compiled_train.main(["--quick", "--models", "dense-rope", "--variants", "compiled,compiled_aten_relu",
+                                      "--context", "16", "--reps", "1", "--out", str(out)]) == 0
+    import json
+
+    report = json.loads(out.read_text())
+    assert set(report["ratios"]["dense-rope"]) == {"compiled", "compiled_aten_relu"}
+    assert all(ratio > 0 for ratio in report["ratios"]["dense-rope"].values())
+    assert "F.relu (defaults): compiled / eager" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit) as error:
+        bench_compiled_train.main(["--variants", "compiled,fastest"])
+    assert error.value.code == 2
+
+
 @pytest.mark.parametrize("project", [expert_projection_torch, cvmm_reference.expert_projection],
                          ids=["hub-file", "kernels"])
 def test_many_token_formulations_compile_in_fp32(project):
