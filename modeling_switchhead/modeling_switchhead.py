@@ -917,7 +917,9 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         choice by size is remembered per shape, and the configured implementation is read from the configuration's
         attributes directly (the property behind `config._experts_implementation` costs more than the decision)."""
         key = (tokens, sides, self.num_heads, inputs.dtype)
-        by_size = self._by_size.get(key)
+        # traced: worked out in the trace, the dict not read (dynamo would guard on its contents, and an eager call
+        # that fills it later would make the compiled graph recompile)
+        by_size = None if torch.compiler.is_compiling() else self._by_size.get(key)
         if by_size is None:  # a function of shapes and dtypes only: worked out once per key
             by_size = True
             heads, slots = self.num_heads, self.num_heads * self.top_k

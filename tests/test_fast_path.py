@@ -619,6 +619,33 @@ def test_compile_fullgraph_training_step_on_a_fresh_model(variant):
             torch.testing.assert_close(got, want)
 
 
+def test_eager_calls_between_compiled_ones_do_not_recompile():
+    """The per-head path's remembered size decisions (`_by_size`) are not read while tracing: an eager call that
+    fills them does not invalidate the compiled graph."""
+    model = _model("switchhead-rope")
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(1,))
+    attention = [layer.self_attn for layer in model.model.layers]
+    for module in attention:
+        module._by_size.clear()
+    graphs = []
+
+    def count(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=count, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        first = compiled(input_ids=ids, use_cache=False).logits
+        assert not any(module._by_size for module in attention)  # nothing remembered while tracing
+        eager = model(input_ids=ids, use_cache=False).logits
+        assert all(module._by_size for module in attention)  # the eager call remembered its decisions
+        again = compiled(input_ids=ids, use_cache=False).logits
+    assert len(graphs) == 1
+    torch.testing.assert_close(first, eager)
+    torch.testing.assert_close(again, eager)
+
+
 @pytest.mark.parametrize("variant", ["switchhead-rope", "switchall-xl"])
 def test_compiled_static_cache_generation(variant):
     model = _model(variant)
