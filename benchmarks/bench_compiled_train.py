@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     runs = {}
     for name in models:
         for variant in variants:
-            result = subprocess.run([sys.executable, __file__, "--child", name, variant, "--reps", str(args.reps),
-                                     "--batch", str(args.batch), "--context", str(args.context)] + ["--quick"] * args.quick,
-                                    capture_output=True, text=True)
+            child = [sys.executable, __file__, "--child", name, variant, "--reps", str(args.reps), "--batch",
+                     str(args.batch), "--context", str(args.context)] + ["--quick"] * args.quick
+            result = subprocess.run(child, capture_output=True, text=True)
             if result.returncode != 0:
                 print(result.stderr[-2000:], file=sys.stderr)
                 return 1

@@ -731,6 +731,31 @@ def test_compiled_train_benchmark_quick_run_and_its_relu_swap(tmp_path):
     assert error.value.code == 2
 
 
+def test_saved_memory_benchmark_attributes_the_saved_tensors(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import saved_memory
+
+    model = _model("dense-rope").train()
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids, labels=ids, use_cache=False).loss
+    parts = saved_memory.saved_bytes(model, 2, 12)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids, use_cache=False).loss, want)  # hooks removed
+    assert all(parts[part] > 0 for part in saved_memory.PARTS)
+    # the MLP's share: per layer its two inputs (LayerNorm output, ReLU output), fp32; the up projection's input is
+    # the post-attention LayerNorm's output, saved while that LayerNorm ran (its own part), so at least the ReLU's
+    per_row = model.config.num_hidden_layers * 2 * 12 * 4  # layers x tokens x fp32 bytes
+    assert per_row * model.config.intermediate_size <= parts["mlp"]
+    assert parts["mlp"] <= per_row * (model.config.intermediate_size + model.config.hidden_size)
+    out = tmp_path / "saved.json"
+    assert saved_memory.main(["--quick", "--context", "16", "--out", str(out)]) == 0
+    import json
+
+    report = json.loads(out.read_text())
+    for family in ("rope", "xl"):
+        assert report["ratios"][family]["attention"] < 1  # SwitchHead's attention keeps less than dense's
+    assert "| switchhead-xl |" in out.with_suffix(".md").read_text()
+
+
 @pytest.mark.parametrize("project", [expert_projection_torch, cvmm_reference.expert_projection],
                          ids=["hub-file", "kernels"])
 def test_many_token_formulations_compile_in_fp32(project):
