@@ -19,7 +19,6 @@ Writes JSON + Markdown to benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -40,16 +39,6 @@ from machine import describe  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-@contextlib.contextmanager
-def recomputation(aggressive: bool):
-    previous = functorch_config.aggressive_recomputation
-    functorch_config.aggressive_recomputation = aggressive
-    try:
-        yield
-    finally:
-        functorch_config.aggressive_recomputation = previous
-
-
 VARIANTS = ("compiled", "compiled_aten_relu", "compiled_aggressive")
 HEADINGS = {"compiled": "the model (defaults)", "compiled_aten_relu": "F.relu (defaults)",
             "compiled_aggressive": "F.relu, aggressive recomputation"}
@@ -67,7 +56,7 @@ def measure(name: str, variant: str, batch: int, context: int, reps: int, quick:
         for module in swapped:
             module.act_fn = torch.nn.functional.relu
     eager = bench_model.train_step(model, batch, context)
-    with recomputation(variant == "compiled_aggressive"):
+    with functorch_config.patch(aggressive_recomputation=variant == "compiled_aggressive"):
         compiled = bench_model.train_step(torch.compile(model, fullgraph=True, dynamic=False), batch, context, model)
         compile_s = bench_model.timed(compiled)
         compiled()

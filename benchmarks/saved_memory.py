@@ -97,10 +97,9 @@ def main(argv=None) -> int:
     for moe, dense in bench_model.PAIRS.values():
         for name in (moe, dense):
             saved[name] = saved_bytes(bench_model.build(name, args.quick, "sdpa"), args.batch, args.context)
-    ratios = {family: {part: saved[moe][part] / saved[dense][part] if saved[dense][part] else None
-                       for part in PARTS}
-              for family, (moe, dense) in bench_model.PAIRS.items()}
+    ratios = {}
     for family, (moe, dense) in bench_model.PAIRS.items():
+        ratios[family] = {part: saved[moe][part] / saved[dense][part] if saved[dense][part] else None for part in PARTS}
         ratios[family]["total"] = sum(saved[moe].values()) / sum(saved[dense].values())
     report = dict(machine=describe(torch.device("cpu")), batch=args.batch, context=args.context, quick=args.quick,
                   saved_bytes=saved, ratios=ratios)

@@ -8,27 +8,24 @@ SwitchHead's real cache size (`switchhead.accounting.kv_cache_bytes_per_token`).
 
 from __future__ import annotations
 
-import inspect
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from switchhead import PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.accounting import kv_cache_bytes_per_token
 from switchhead.modeling_switchhead import paged_key_distances
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_serve import cb_config  # noqa: E402  (page_size / block_size across Transformers versions)
+
 TINY = sorted(name for name in PRESETS if name.startswith("tiny"))
 LENGTHS = [5, 17, 1, 33, 9, 24]
 NEW_TOKENS = 10
 CB_CONFIG = dict(num_blocks=16, page_size=32, max_batch_tokens=128)  # small cache: several pages per request
-
-
-def cb_config(**fields) -> ContinuousBatchingConfig:
-    """`ContinuousBatchingConfig(**fields)`; `page_size` was `block_size` up to Transformers 5.17 (the GPU's)."""
-    if "page_size" not in inspect.signature(ContinuousBatchingConfig).parameters:
-        fields["block_size"] = fields.pop("page_size")
-    return ContinuousBatchingConfig(**fields)
 
 
 def tiny_model(preset: str, attn: str = "sdpa") -> SwitchHeadForCausalLM:

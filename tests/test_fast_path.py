@@ -522,6 +522,14 @@ def _graph_ops(graph_module) -> set[str]:
             if node.op in ("call_function", "call_method")}
 
 
+def _capturing_backend(graphs: list):
+    """A torch.compile backend that appends each graph dynamo hands it to `graphs` and runs it as traced."""
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+    return capture
+
+
 @pytest.mark.parametrize("variant", ["switchhead-xl", "dense-xl"])
 def test_compiled_xl_decoding_reads_the_encoding_table(variant, monkeypatch):
     """Compiled, a decoding step reads the distances' sinusoidal encodings from the table an eager call built (a
@@ -530,10 +538,7 @@ def test_compiled_xl_decoding_reads_the_encoding_table(variant, monkeypatch):
     ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2)
     graphs = []
-
-    def capture(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
+    capture = _capturing_backend(graphs)
 
     def step(keep_table: bool) -> set[str]:
         monkeypatch.setattr(modeling, "_PAST_ENCODINGS", {})
@@ -628,13 +633,8 @@ def test_eager_calls_between_compiled_ones_do_not_recompile():
     for module in attention:
         module._by_size.clear()
     graphs = []
-
-    def count(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=count, fullgraph=True, dynamic=False)
+    compiled = torch.compile(model, backend=_capturing_backend(graphs), fullgraph=True, dynamic=False)
     with torch.no_grad():
         first = compiled(input_ids=ids, use_cache=False).logits
         assert not any(module._by_size for module in attention)  # nothing remembered while tracing
@@ -741,8 +741,8 @@ def test_saved_memory_benchmark_attributes_the_saved_tensors(tmp_path):
     parts = saved_memory.saved_bytes(model, 2, 12)
     torch.testing.assert_close(model(input_ids=ids, labels=ids, use_cache=False).loss, want)  # hooks removed
     assert all(parts[part] > 0 for part in saved_memory.PARTS)
-    # the MLP's share: per layer its two inputs (LayerNorm output, ReLU output), fp32; the up projection's input is
-    # the post-attention LayerNorm's output, saved while that LayerNorm ran (its own part), so at least the ReLU's
+    # the MLP's share: per layer and token what its two projections keep, the ReLU output (intermediate_size) and
+    # the up projection's input (the LayerNorm output, hidden_size), fp32
     per_row = model.config.num_hidden_layers * 2 * 12 * 4  # layers x tokens x fp32 bytes
     assert per_row * model.config.intermediate_size <= parts["mlp"]
     assert parts["mlp"] <= per_row * (model.config.intermediate_size + model.config.hidden_size)
