@@ -54,6 +54,20 @@ CPU_CACHE_BLOCKS = 64
 CPU_MAX_BATCH_TOKENS = 1024
 
 
+def split_model_revision(model_id_and_revision: str) -> tuple[str, str | None]:
+    """`"org/model@rev"` -> `("org/model", "rev")`; a path that exists, or an id without "@", has no revision.
+
+    Transformers up to 5.23 always hands `ModelManager._load_model` an id with "@revision" appended; 5.24 hands
+    it a local folder as given (an "@" inside an existing path is part of the path).
+    """
+    if os.path.exists(model_id_and_revision):
+        return model_id_and_revision, None
+    if "@" not in model_id_and_revision:
+        return model_id_and_revision, None
+    model_id, _, revision = model_id_and_revision.rpartition("@")  # the last "@": "/tmp/ckpt@1000@main"
+    return model_id, revision or None
+
+
 def _model_manager_class():
     """Transformers' ModelManager with the model-class lookup fixed (see the module docstring)."""
     import transformers
@@ -62,7 +76,7 @@ def _model_manager_class():
 
     class SwitchHeadModelManager(ModelManager):
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
-            model_id, revision = model_id_and_revision.split("@", 1)
+            model_id, revision = split_model_revision(model_id_and_revision)
             config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
             architecture = (config.architectures or [""])[0]
             if gguf_file is not None or hasattr(transformers, architecture):  # upstream handles these
