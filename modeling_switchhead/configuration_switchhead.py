@@ -84,7 +84,7 @@ class SwitchHeadConfig(PreTrainedConfig):
     """
 
     model_type = "switchhead"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output's cache field from Transformers 5.24, and before
     default_theta = 10000.0
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),

@@ -45,6 +45,15 @@ from transformers.utils import output_capturing
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_switchhead import SwitchHeadConfig
+from .transformers_compat import (
+    accepts_past_key_values,
+    cache_kwarg,
+    is_paged,
+    is_paged_call,
+    output_cache,
+    route_paged_cache,
+    update_cache,
+)
 
 try:  # our fused kernels, when the package is installed; the Hub copy of this file runs without them
     _kernels = importlib.import_module("switchhead.kernels")
@@ -665,7 +674,7 @@ def eager_attention_forward(
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
-def paged_key_distances(kwargs: dict, query_length: int, key_length: int, device) -> torch.Tensor | None:
+def paged_key_distances(paged: bool, kwargs: dict, query_length: int, key_length: int, device) -> torch.Tensor | None:
     """Continuous batching (paged cache): relative distance query - key for the packed batch, `[Tq, Tk]`, or None.
 
     Transformers' continuous batching calls the model with every scheduled request packed into one row: queries
@@ -674,9 +683,9 @@ def paged_key_distances(kwargs: dict, query_length: int, key_length: int, device
     this step's). So key j of request r sits at position j - cu_seq_lens_k[r], and query i at position
     (i - cu_seq_lens_q[r]) + (keys of r) - (queries of r). Entries between different requests get a distance too;
     the block-diagonal mask removes them. Padding rows or columns past the last request count as the last request.
-    None when the call is not a paged one (no `cache` / `cu_seq_lens_k` in the kwargs).
+    None when the call is not a paged one (`paged` false, or no `cu_seq_lens_k` in the kwargs).
     """
-    if kwargs.get("cache") is None or kwargs.get("cu_seq_lens_k") is None or kwargs.get("cu_seq_lens_q") is None:
+    if not paged or kwargs.get("cu_seq_lens_k") is None or kwargs.get("cu_seq_lens_q") is None:
         return None
     cu_k = kwargs["cu_seq_lens_k"]
     if isinstance(cu_k, dict):  # one entry per attention type; SwitchHead layers are all full attention
@@ -815,7 +824,7 @@ class SwitchHeadAttentionBase(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         memory: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -836,16 +845,18 @@ class SwitchHeadAttentionBase(nn.Module):
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
         query_offset = key.shape[2] - length  # index of the first query among the keys: the memory length
-        if past_key_values is not None:
-            query_offset = past_key_values.get_seq_length(self.layer_idx)  # before the update: what it held
-            if isinstance(query_offset, torch.Tensor):  # a static cache's counter, which `update` bumps in place
-                query_offset = query_offset.clone()
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            if not is_paged(cache):  # a paged cache's queries get their positions from the packed layout below
+                query_offset = cache.get_seq_length(self.layer_idx)  # before the update: what it held
+                if isinstance(query_offset, torch.Tensor):  # a static cache's counter, which `update` bumps in place
+                    query_offset = query_offset.clone()
+            key, value = update_cache(cache, key, value, self.layer_idx, kwargs)
 
         extra = {}
         paged_distance = None
         if self.position_encoding == "xl" and attention_mask is not None:
-            paged_distance = paged_key_distances(kwargs, query.shape[2], attention_mask.shape[-1], query.device)
+            paged_distance = paged_key_distances(is_paged_call(cache, kwargs), kwargs, query.shape[2],
+                                                 attention_mask.shape[-1], query.device)
         if paged_distance is not None:  # continuous batching: requests packed, keys read from the paged cache
             attention_mask = self.xl_paged_attention_mask(query, attention_mask, paged_distance)
         elif self.position_encoding == "xl":
@@ -1279,12 +1290,13 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         memory: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
@@ -1292,7 +1304,7 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             memory=self.input_layernorm(memory) if memory is not None else None,
             **kwargs,
         )
@@ -1313,7 +1325,7 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["SwitchHeadDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]  # the cache's name from Transformers 5.24, and before
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_flash_attn = False  # XL needs an additive score bias; RoPE SwitchHead would work, but is untested
@@ -1519,6 +1531,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 f"{self.config.vocab_size}) (min {int(input_ids.min())}, max {int(input_ids.max())})"
             ) from None
 
+    @accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -1526,13 +1539,15 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         xl_memory: list[torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> SwitchHeadModelOutputWithPast:
         r"""
+        cache (`Cache`, *optional*):
+            The key-value cache (also accepted as `past_key_values`, its name before Transformers 5.24).
         xl_memory (`list[torch.Tensor]`, *optional*):
             Transformer-XL memory: one `[B, M, d]` tensor per layer, the `xl_memory` of the previous segment's
             output. Every query of this segment attends to all M memory positions, and relative positions continue
@@ -1547,13 +1562,15 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                              f"shaped [batch, length{'' if input_ids is not None else ', hidden_size'}]")
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-            self._check_xl_memory(xl_memory, batch, use_cache, past_key_values)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+            self._check_xl_memory(xl_memory, batch, use_cache, cache)
+        keep_memory = self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
+        cache, kwargs = route_paged_cache(cache, kwargs)
+        if use_cache and cache is None and not is_paged_call(cache, kwargs):
+            cache = DynamicCache(config=self.config)
         if inputs_embeds is None:
             inputs_embeds = self._embed(input_ids)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
 
         memory_length = xl_memory[0].shape[1] if xl_memory is not None else 0
@@ -1564,12 +1581,9 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 config=self.config,
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
                 position_ids=position_ids,
+                **cache_kwarg(cache),
             )
-        keep_memory = (
-            self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and past_key_values is None
-        )
         new_memory = [] if keep_memory else None
         hidden_states = self.embed_dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
@@ -1582,25 +1596,23 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=causal_mask,
-                past_key_values=past_key_values,
                 memory=memory,
+                **cache_kwarg(cache),  # by the release's name, which GradientCheckpointingLayer drops when training
                 use_cache=use_cache,
                 position_ids=position_ids,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return SwitchHeadModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values, xl_memory=new_memory
-        )
+        return SwitchHeadModelOutputWithPast(last_hidden_state=hidden_states, xl_memory=new_memory, **cache_kwarg(cache))
 
-    def _check_xl_memory(self, xl_memory, batch: int, use_cache, past_key_values) -> None:
+    def _check_xl_memory(self, xl_memory, batch: int, use_cache, cache) -> None:
         """Reject XL memory that does not fit this model or call, saying what to change."""
         config = self.config
         if config.position_encoding != "xl":
             raise ValueError(f"xl_memory needs position_encoding='xl', this model uses {config.position_encoding!r}")
-        if use_cache or past_key_values is not None:
+        if use_cache or cache is not None:
             raise ValueError(
-                "xl_memory cannot be combined with a KV cache: pass use_cache=False (and no past_key_values); "
+                "xl_memory cannot be combined with a KV cache: pass use_cache=False (and no cache); "
                 "generation continues a sequence through the KV cache instead"
             )
         if not isinstance(xl_memory, (list, tuple)) or len(xl_memory) != config.num_hidden_layers:
@@ -1673,13 +1685,14 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
         per_layer = self.config.routers_per_layer
         return tuple(router_logits[per_layer - 1 :: per_layer])
 
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -1689,6 +1702,8 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> SwitchHeadCausalLMOutputWithPast:
         r"""
+        cache (`Cache`, *optional*):
+            The key-value cache (also accepted as `past_key_values`, its name before Transformers 5.24).
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Token ids for the language-modelling loss (shifted inside; -100 is ignored). In training, the sigma-MoE
             entropy regulariser times `config.entropy_reg_coef` is added to the loss.
@@ -1707,7 +1722,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             xl_memory=xl_memory,
@@ -1733,7 +1748,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_kwarg(output_cache(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits if output_router_logits else None,

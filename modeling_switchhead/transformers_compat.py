@@ -1,0 +1,121 @@
+"""What differs between the Transformers releases this model supports, in one place.
+
+The model files run on every release from `OLDEST_SUPPORTED` to `NEWEST_TESTED` (the test command runs a
+compatibility subset on the oldest, on 5.19, the release vLLM's CPU build needs, and on the newest published).
+This file is shipped with them to the Hub and, like them, imports only torch and transformers.
+
+Transformers 5.24 renamed the key-value cache argument from `past_key_values` to `cache`, everywhere at once: in
+every model's `forward` (so `generate()` now passes `cache=`), in the masking functions, in the model outputs'
+field, and in `GradientCheckpointingLayer` (which drops the cache by that name when checkpointing). The same release
+moved the update of the paged (continuous batching) cache from the paged attention functions into the models'
+attention layers, as `cache.update(key, value, layer_idx, kwargs=kwargs)`. Before 5.24, continuous batching
+already passed its paged cache as `cache=`, to travel through `**kwargs` to the paged attention function.
+
+The model therefore names the argument `cache` and accepts `past_key_values` as well (`accepts_past_key_values`),
+passes the cache to Transformers under the installed release's name (`cache_kwarg`), reads it back from outputs the
+same way (`output_cache`), and lets the installed release decide who updates a paged cache (`route_paged_cache`,
+`update_cache`). Nothing else in the model looks at the Transformers version.
+"""
+
+import functools
+import inspect
+import warnings
+
+import transformers
+from packaging.version import Version
+from transformers import masking_utils
+
+try:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+except ImportError:  # continuous batching not in this build: no paged cache can reach the model
+    PagedAttentionCache = ()
+
+OLDEST_SUPPORTED = "5.17.0"
+NEWEST_TESTED = "5.24.0"  # the newest release the compatibility run has passed on
+# the pip requirement that matches the two above (setup.py declares the same range)
+SUPPORTED_RANGE = ">=5.17,<5.25"
+
+# The installed release's name for the cache, read from the masking function's signature rather than the version
+# number, so that a release candidate or a development build is read by what it does.
+CACHE_NAME = "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters else "past_key_values"
+# 5.24 made both changes in one release: with the new name, models update the paged cache themselves.
+MODEL_UPDATES_PAGED_CACHE = CACHE_NAME == "cache"
+
+
+def check_transformers_version(version: str = transformers.__version__) -> None:
+    """Raise on a release known not to work (older than `OLDEST_SUPPORTED`); warn once on one newer than tested."""
+    installed = Version(version)
+    if installed < Version(OLDEST_SUPPORTED):
+        raise ImportError(
+            f"SwitchHead models need transformers{SUPPORTED_RANGE}, but transformers {version} is installed: its "
+            f"cache and masking API differs from what this model calls. Run: pip install 'transformers{SUPPORTED_RANGE}'"
+        )
+    if installed.release[:2] > Version(NEWEST_TESTED).release[:2]:
+        warnings.warn(
+            f"SwitchHead models are tested with transformers {OLDEST_SUPPORTED} to {NEWEST_TESTED}, and transformers "
+            f"{version} is installed: check generation against use_cache=False, or run "
+            f"pip install 'transformers{SUPPORTED_RANGE}'",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+check_transformers_version()
+
+
+def accepts_past_key_values(forward):
+    """Let `forward(..., cache=...)` also be called with the cache as `past_key_values=` (its name before 5.24)."""
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        if "past_key_values" in kwargs:
+            old = kwargs.pop("past_key_values")
+            if old is not None and kwargs.get("cache") is not None and kwargs["cache"] is not old:
+                raise ValueError("pass the key-value cache once: as `cache` or as `past_key_values`, not both")
+            if kwargs.get("cache") is None:
+                kwargs["cache"] = old
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+def cache_kwarg(cache) -> dict:
+    """`{name: cache}` under the installed release's name, for Transformers' functions and output classes."""
+    return {CACHE_NAME: cache}
+
+
+def output_cache(outputs):
+    """The cache field of a Transformers model output, under the installed release's name."""
+    return getattr(outputs, CACHE_NAME)
+
+
+def is_paged(cache) -> bool:
+    return isinstance(cache, PagedAttentionCache)
+
+
+def route_paged_cache(cache, kwargs: dict):
+    """Continuous batching's paged cache, where the installed release wants it -> `(model's cache, kwargs)`.
+
+    Before 5.24 the paged attention function reads the cache from its `**kwargs` and updates it itself: the model
+    passes it on there and runs as if it had no cache. From 5.24 the model keeps it and updates it (`update_cache`).
+    """
+    if is_paged(cache) and not MODEL_UPDATES_PAGED_CACHE:
+        kwargs["cache"] = cache
+        return None, kwargs
+    return cache, kwargs
+
+
+def update_cache(cache, key, value, layer_idx: int, kwargs: dict):
+    """Append this step's keys and values to the cache -> all keys and values of the layer.
+
+    A paged cache (5.24 and newer) also writes into `kwargs` what the attention call needs for this layer (its key
+    lengths, and the block table on the flash path).
+    """
+    if is_paged(cache):
+        return cache.update(key, value, layer_idx, kwargs=kwargs)
+    return cache.update(key, value, layer_idx)
+
+
+def is_paged_call(cache, kwargs: dict) -> bool:
+    """Whether this attention call is a continuous-batching one (requests packed, keys read from a paged cache)."""
+    return is_paged(cache) or is_paged(kwargs.get("cache"))
