@@ -6,16 +6,42 @@ with `trust_remote_code=True` where this package is not installed. It also regis
 Transformers experts implementation "cvmm" (`switchhead.experts`), usable by any MoE model.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import logging as _logging
 
-from .configuration_switchhead import PAPER_TRAINING, PRESETS, SwitchHeadConfig
-from .modeling_switchhead import (
-    SwitchHeadForCausalLM,
-    SwitchHeadModel,
-    SwitchHeadPreTrainedModel,
-    expert_projection,
-    expert_projection_torch,
-)
+
+class _OptionalLibraryNoise(_logging.Filter):
+    """Drops two known import-time warnings of optional libraries that Transformers imports when it is installed:
+    torchao's 'Failed to load .../torchao/_C*.so' (its CUDA-only extensions, absent on a CPU build) and torch's
+    'is an Enum subclass and is now natively supported' (torchao registering its enums as pytree constants).
+    Every other record of those loggers passes; the filter is attached only while this package imports."""
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.name == "torchao":
+            return not (message.startswith("Failed to load ") and "torchao" in message and "_C" in message)
+        return "is an Enum subclass and is now natively supported" not in message
+
+
+_noise = _OptionalLibraryNoise()
+_noisy_loggers = [_logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+for _logger in _noisy_loggers:
+    _logger.addFilter(_noise)
+try:
+    # Transformers' modeling utilities import its quantizers, which import torchao when it is installed
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from .configuration_switchhead import PAPER_TRAINING, PRESETS, SwitchHeadConfig
+    from .modeling_switchhead import (
+        SwitchHeadForCausalLM,
+        SwitchHeadModel,
+        SwitchHeadPreTrainedModel,
+        expert_projection,
+        expert_projection_torch,
+    )
+finally:
+    for _logger in _noisy_loggers:
+        _logger.removeFilter(_noise)
+    del _logger, _noisy_loggers, _noise
 
 __version__ = "0.1.0"
 

@@ -206,7 +206,7 @@ def test_checkpoints_and_the_run_folder_carry_verified_manifests(finished):
     for folder in checkpoint_dirs(str(run)) + [str(run)]:
         assert (Path(folder) / MANIFEST).is_file() and verify_manifest(folder) == [], folder
     listed = (run / "checkpoints" / "step-0000004" / MANIFEST).read_text()
-    assert "model.safetensors" in listed and "optimizer.bin" in listed and "random_states_0.pkl" in listed
+    assert "model.safetensors" in listed and "optimizer.bin" in listed and "rng_state_0.safetensors" in listed and "random_states_0.pkl" not in listed
 
 
 def test_resume_falls_back_past_a_changed_checkpoint_and_refuses_it_by_name(finished, tmp_path, capsys):
@@ -227,14 +227,14 @@ def test_resume_falls_back_past_a_changed_checkpoint_and_refuses_it_by_name(fini
 def test_a_damaged_or_missing_rng_state_stops_resume_unless_inexact_resume(finished, tmp_path, capsys):
     run = copy_of(finished, tmp_path)
     newest = Path(checkpoint_dirs(str(run))[-1])
-    rng = newest / "random_states_0.pkl"
+    rng = newest / "rng_state_0.safetensors"
     rng.write_bytes(rng.read_bytes()[:40])  # truncated
     assert main(["train", "--output-dir", str(run), "--resume", "--max-steps", "6", "--no-progress"]) == 2
     line = error_line(capsys)
-    assert "RNG state" in line and "--inexact-resume" in line and "random_states_0.pkl" in line
+    assert "RNG state" in line and "--inexact-resume" in line and "rng_state_0.safetensors" in line
     rng.unlink()  # missing altogether: the same
     assert main(["train", "--output-dir", str(run), "--resume", "--max-steps", "6", "--no-progress"]) == 2
-    assert "missing random_states_0.pkl" in error_line(capsys)
+    assert "missing rng_state_0.safetensors" in error_line(capsys)
     assert main(["train", "--output-dir", str(run), "--resume", "--max-steps", "6", "--no-progress",
                  "--inexact-resume"]) == 0
     assert "inexact resume from" in (run / "events.log").read_text()

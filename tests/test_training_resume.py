@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from switchhead.training.trainer import read_memory, read_rng_state
+
 RUN = ["--preset", "tiny-switchhead-xl", "--set", "xl_memory_length=32", "--set", "hidden_dropout=0.1",
        "--set", "attention_expert_dropout=0.1", "--vocab-size", "512", "--block-size", "32",
        "--batch-size", "8", "--gradient-accumulation-steps", "2", "--max-steps", "30", "--log-every", "1",
@@ -48,8 +50,10 @@ def assert_complete_checkpoints(output: Path) -> list[str]:
         assert f"step-{state['step']:07d}" == name
         assert load_file(folder / "model.safetensors")
         assert torch.load(folder / "optimizer.bin", weights_only=True)["state"]
-        memory = torch.load(folder / "xl_memory_0.pt", weights_only=True)
+        memory = read_memory(str(folder), 0, "cpu")  # safetensors + JSON layout, no pickle
         assert len(memory) == 2 and all(m is None or len(m) == 2 for m in memory)
+        assert read_rng_state(str(folder), 0)["torch_cpu"].dtype == torch.uint8
+        assert not (folder / "random_states_0.pkl").exists() and not (folder / "xl_memory_0.pt").exists()
     return names
 
 

@@ -60,6 +60,10 @@ def register(subparsers) -> None:
     parser.add_argument("--inexact-resume", action="store_true",
                         help="resume even when the checkpoint's RNG state is damaged or missing (the continuation "
                              "then differs from an uninterrupted run; written to events.log)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="WARNING: with --resume, fully unpickle an older checkpoint's RNG state "
+                             "(random_states_N.pkl) that the restricted loader refuses; this can run code stored in "
+                             "the file, so use it only for checkpoints you trust (new checkpoints need no pickle)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a model configuration field, e.g. --set hidden_size=128 (repeatable)")
     for flag, (_, kind, help_text) in OPTIONS.items():
@@ -114,6 +118,10 @@ def run(args) -> int:
         explicit["overwrite"] = True
     if args.inexact_resume:
         explicit["inexact_resume"] = True
+    if args.allow_pickle:
+        if not args.resume:
+            raise UsageError("--allow-pickle only applies to --resume (it reads an older checkpoint's RNG state)")
+        explicit["allow_pickle"] = True
     if args.skip_nonfinite is not None:
         if args.skip_nonfinite < 0:
             raise UsageError(f"--skip-nonfinite must be >= 0, got {args.skip_nonfinite}")
@@ -139,12 +147,14 @@ def run(args) -> int:
         if args.overwrite:
             raise UsageError("--resume continues a run and --overwrite starts it over: give only one")
         probe = TrainingConfig(output_dir=output_dir or "runs/switchhead", resume=args.resume,
-                               inexact_resume=args.inexact_resume)
+                               inexact_resume=args.inexact_resume, allow_pickle=args.allow_pickle)
         stored = read_checkpoint_state(find_checkpoint(probe))["config"]
         if args.preset is not None:
             explicit["preset"] = args.preset
         if model_overrides:
             explicit["model"] = {**stored["model"], **model_overrides}
+        # permissions are this command's, never inherited from the stored run: False unless given now
+        explicit.update(inexact_resume=args.inexact_resume, allow_pickle=args.allow_pickle)
         config = TrainingConfig(**{**stored, **explicit, "output_dir": probe.output_dir, "resume": args.resume})
     else:
         config = TrainingConfig.from_preset(args.preset or "tiny-switchhead", output_dir=args.output_dir

@@ -75,19 +75,52 @@ def _read_file(path: str, text_field: str) -> list[str]:
 
     if os.path.getsize(path) == 0:
         raise DataError(f"data file {path!r} is empty")
+    _check_text(path)
+    # datasets' own progress bar and error log would add lines to our one-line error; its failure is reported below
+    bars_were_on = datasets.is_progress_bar_enabled()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        if path.endswith(JSON_SUFFIXES):
+            table = datasets.load_dataset("json", data_files=path, split="train")
+        else:
+            table = datasets.load_dataset("text", data_files=path, split="train", sample_by="document",
+                                          keep_linebreaks=True)
+    except Exception as error:  # noqa: BLE001 - datasets wraps the reader's error (bad JSON, bad bytes, ...)
+        cause = error.__cause__ or error.__context__ or error
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        kind = "JSON lines" if path.endswith(JSON_SUFFIXES) else "text"
+        raise DataError(f"data file {path!r} cannot be read as {kind} ({type(cause).__name__}"
+                        f"{': ' + text[:200] if text else ''})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars_were_on:
+            datasets.enable_progress_bars()
     if path.endswith(JSON_SUFFIXES):
-        table = datasets.load_dataset("json", data_files=path, split="train")
         if text_field not in table.column_names:
             raise DataError(f"{path!r} has no field {text_field!r} (fields: {', '.join(table.column_names)}); "
                             "choose one with --text-field")
         documents = [text for text in table[text_field] if text]
     else:
-        table = datasets.load_dataset("text", data_files=path, split="train", sample_by="document",
-                                      keep_linebreaks=True)
         documents = [text for text in table["text"] if text]
     if not any(text.strip() for text in documents):
         raise DataError(f"data file {path!r} holds no text")
     return documents
+
+
+def _check_text(path: str, sample: int = 1 << 16) -> None:
+    """DataError when the start of `path` is not UTF-8 text (a NUL byte or an invalid sequence): a binary file
+    given as --data is refused by name before `datasets` tries to read it."""
+    with open(path, "rb") as handle:
+        head = handle.read(sample)
+    if b"\0" in head:
+        raise DataError(f"data file {path!r} is binary (it holds NUL bytes), not UTF-8 text")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if error.start < len(head) - 4:  # not merely a multi-byte character cut by the sample's end
+            raise DataError(f"data file {path!r} is not UTF-8 text (invalid byte at offset {error.start})") from None
 
 
 def load_documents(data: str | None, text_field: str = "text", valid_data: str | None = None,
@@ -200,20 +233,25 @@ def load_tokenizer(path: str):
     if not os.path.isdir(path):
         raise DataError(f"tokenizer folder {path!r} does not exist")
     files = set(os.listdir(path))
-    if "tokenizer_config.json" in files:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    elif "tokenizer.json" in files:
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
-    elif {"vocab.json", "merges.txt"} <= files:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-        bpe = models.BPE.from_file(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
-        backend = Tokenizer(bpe)
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
-    else:
+    if not ({"tokenizer_config.json", "tokenizer.json"} & files or {"vocab.json", "merges.txt"} <= files):
         raise DataError(f"tokenizer folder {path!r} has neither tokenizer.json nor vocab.json + merges.txt")
+    try:
+        if "tokenizer_config.json" in files:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        elif "tokenizer.json" in files:
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
+        else:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+            bpe = models.BPE.from_file(os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
+            backend = Tokenizer(bpe)
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            backend.decoder = decoders.ByteLevel()
+            tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    except Exception as error:  # noqa: BLE001 - damaged JSON, a wrong class name, ...: name the folder
+        text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        raise DataError(f"tokenizer folder {path!r} does not load ({type(error).__name__}"
+                        f"{': ' + text if text else ''})") from None
     if tokenizer.eos_token is None:
         eos = END_OF_TEXT if END_OF_TEXT in tokenizer.get_vocab() else None
         if eos is None:

@@ -14,7 +14,9 @@ Output folder layout:
     OUTPUT/training_config.json     the TrainingConfig of the run
     OUTPUT/log.csv                  one row per logged step (loss, lr, grad norm, tokens/s, peak memory, validation)
     OUTPUT/tensorboard/             the same numbers for TensorBoard (when it is installed)
-    OUTPUT/checkpoints/step-NNNNNNN model, optimizer, RNG states, XL memory and the step (the data position)
+    OUTPUT/checkpoints/step-NNNNNNN model, optimizer, RNG states, XL memory and the step (the data position);
+                                    RNG states and XL memory as safetensors + JSON (rng_state_P.safetensors,
+                                    xl_memory_P.safetensors), so resuming unpickles nothing of ours
     OUTPUT/SHA256SUMS, OUTPUT/checkpoints/step-NNNNNNN/SHA256SUMS   SHA-256 manifests, written last
     OUTPUT/events.log               fallbacks to older checkpoints, inexact resumes, divergence stops
 
@@ -25,8 +27,15 @@ any file that changed afterwards (it then falls back to the newest intact checkp
 Failing loudly: `train` writes only into a new or empty folder, or into one of its own runs with `resume` or
 `overwrite`. A non-finite loss or gradient norm stops the run (`TrainingDiverged`, exit code 3 on the command
 line) before the update is applied, unless `skip_nonfinite` allows skipping that many bad updates in a row; no
-non-finite weights are ever saved. A checkpoint whose RNG state is damaged or missing is resumed only with
-`inexact_resume` (written to events.log).
+non-finite weights are ever saved. A checkpoint whose RNG state is damaged, missing or does not load is resumed
+only with `inexact_resume` (written to events.log). One writer per run folder: `train` holds an exclusive lock on
+`output_dir` (`switchhead.integrity.FolderLock`) for the whole run.
+
+Nothing a resume reads is fully unpickled unless `allow_pickle` says so: the model is safetensors, the RNG states
+and XL memory are safetensors with JSON metadata, the optimizer state (Accelerate's `optimizer.bin`) goes through
+torch's restricted loader (`weights_only=True`, which refuses any object that could run code). Checkpoints from
+before this format keep their RNG state in `random_states_P.pkl`; it is read with the restricted loader too, and
+fully unpickled only with `allow_pickle` (`--allow-pickle`) for files that loader refuses.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from typing import Any
 import torch
 
 from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
-from ..integrity import MANIFEST, read_manifest, verify_manifest, write_manifest
+from ..integrity import LOCK_NAME, MANIFEST, FolderLock, read_manifest, verify_manifest, write_manifest
 from .data import DataError, TokenBatches, load_documents, load_tokenizer, tokenize_documents, train_tokenizer, \
     unigram_perplexity
 
@@ -63,7 +72,7 @@ LOG_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second",
 # extends (or shortens) the run and so stretches the cosine schedule from the resumed step on
 CHANGEABLE_ON_RESUME = ("output_dir", "resume", "eval_every", "save_every", "log_every", "keep_checkpoints",
                         "progress", "tensorboard", "eval_batches", "max_steps", "overwrite", "skip_nonfinite",
-                        "inexact_resume")
+                        "inexact_resume", "allow_pickle")
 RUN_MARKER = "training_config.json"  # marks a folder as a `switchhead train` run (written before anything else)
 EVENTS = "events.log"
 
@@ -125,6 +134,7 @@ class TrainingConfig:
     overwrite: bool = False  # start the run in output_dir (one of our runs) over, deleting its files
     skip_nonfinite: int = 0  # bad (non-finite) updates in a row to skip before stopping; 0: stop at the first
     inexact_resume: bool = False  # resume even when the checkpoint's RNG state is damaged or missing
+    allow_pickle: bool = False  # fully unpickle an older checkpoint's RNG state that the restricted loader refuses
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> "TrainingConfig":
@@ -253,19 +263,188 @@ def checkpoint_dirs(output_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in names]
 
 
+RNG_FILE = "rng_state_{}.safetensors"  # per process: torch (CPU, CUDA), Python and NumPy generators
+LEGACY_RNG_FILE = "random_states_{}.pkl"  # Accelerate's pickle, written by checkpoints before the format above
+MEMORY_FILE = "xl_memory_{}.safetensors"  # per process: the XL memory of each micro-batch slot
+LEGACY_MEMORY_FILE = "xl_memory_{}.pt"
+RNG_FORMAT = "switchhead-rng-1"
+
+
+class RngStateError(ValueError):
+    """An RNG state file that is missing, damaged, foreign, or refused without `allow_pickle` (one-line reason)."""
+
+
 def _rng_file(name: str) -> bool:
-    return os.path.basename(name).startswith("random_states_")
+    base = os.path.basename(name)
+    return base.startswith(("random_states_", "rng_state_"))
 
 
-def inspect_checkpoint(path: str) -> tuple[list[str], list[str]]:
+def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This process's generators as (tensors, string metadata) for a safetensors file: exact, no pickle."""
+    import random
+
+    import numpy as np
+
+    version, words, gauss_next = random.getstate()
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    tensors = {"torch_cpu": torch.get_rng_state(),
+               "python_words": torch.tensor(words, dtype=torch.int64),
+               "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64))}
+    if torch.cuda.is_available():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{index}"] = state
+    metadata = {"format": RNG_FORMAT, "python_version": json.dumps(version), "python_gauss_next": json.dumps(gauss_next),
+                "numpy_kind": str(kind), "numpy_position": json.dumps(int(position)),
+                "numpy_has_gauss": json.dumps(int(has_gauss)), "numpy_cached_gaussian": json.dumps(float(cached_gaussian)),
+                "cuda_devices": json.dumps(torch.cuda.device_count() if torch.cuda.is_available() else 0)}
+    return tensors, metadata
+
+
+def write_rng_state(folder: str, process_index: int) -> str:
+    from safetensors.torch import save_file
+
+    tensors, metadata = capture_rng_state()
+    path = os.path.join(folder, RNG_FILE.format(process_index))
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, path, metadata=metadata)
+    return path
+
+
+def _legacy_rng_state(path: str, allow_pickle: bool) -> dict[str, Any]:
+    """Accelerate's pickled RNG dictionary, through torch's restricted loader (with the NumPy types Accelerate itself
+    allows); a full unpickle only when `allow_pickle`."""
+    from accelerate.utils import load as restricted_load
+
+    try:
+        return restricted_load(path, map_location="cpu")  # weights_only=True: refuses anything that could run code
+    except Exception as error:  # noqa: BLE001 - a refused or damaged pickle fails in many ways
+        if not allow_pickle:
+            raise RngStateError(f"{os.path.basename(path)} is an older pickled RNG state that the restricted loader "
+                                f"refuses ({type(error).__name__}); pass --allow-pickle to unpickle it (only for a "
+                                "checkpoint you trust: unpickling can run code stored in the file)") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)  # the user allowed it (--allow-pickle)
+    except Exception as error:  # noqa: BLE001
+        raise RngStateError(f"unreadable {os.path.basename(path)} ({type(error).__name__})") from None
+
+
+def read_rng_state(folder: str, process_index: int, allow_pickle: bool = False) -> dict[str, Any]:
+    """The RNG state of one process as {"torch_cpu", "torch_cuda" (list), "python" (tuple), "numpy" (tuple)};
+    RngStateError naming the file when it is missing, damaged or refused."""
+    import numpy as np
+
+    path = os.path.join(folder, RNG_FILE.format(process_index))
+    legacy = os.path.join(folder, LEGACY_RNG_FILE.format(process_index))
+    if not os.path.isfile(path):
+        if not os.path.isfile(legacy):
+            raise RngStateError(f"missing {RNG_FILE.format(process_index)}")
+        states = _legacy_rng_state(legacy, allow_pickle)
+        try:
+            return {"torch_cpu": states["torch_manual_seed"], "torch_cuda": list(states.get("torch_cuda_manual_seed", [])),
+                    "python": states["random_state"], "numpy": states["numpy_random_seed"]}
+        except (KeyError, TypeError) as error:
+            raise RngStateError(f"unreadable {LEGACY_RNG_FILE.format(process_index)} (no {error})") from None
+    from safetensors import safe_open
+
+    name = RNG_FILE.format(process_index)
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        if metadata.get("format") != RNG_FORMAT:
+            raise ValueError(f"format {metadata.get('format')!r}, expected {RNG_FORMAT!r}")
+        words = tuple(int(w) for w in tensors["python_words"].tolist())
+        python = (json.loads(metadata["python_version"]), words, json.loads(metadata["python_gauss_next"]))
+        numpy = (metadata["numpy_kind"], tensors["numpy_keys"].numpy().astype(np.uint32),
+                 json.loads(metadata["numpy_position"]), json.loads(metadata["numpy_has_gauss"]),
+                 json.loads(metadata["numpy_cached_gaussian"]))
+        cuda = [tensors[f"torch_cuda_{i}"] for i in range(json.loads(metadata["cuda_devices"]))]
+        cpu = tensors["torch_cpu"]
+        if cpu.dtype != torch.uint8 or cpu.dim() != 1 or len(words) != 625 or numpy[1].shape != (624,):
+            raise ValueError("tensor shapes or types are not those of RNG states")
+    except Exception as error:  # noqa: BLE001 - a damaged file fails in many ways; say which file
+        raise RngStateError(f"unreadable {name} ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''})") from None
+    return {"torch_cpu": cpu, "torch_cuda": cuda, "python": python, "numpy": numpy}
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set this process's generators; RngStateError when the state does not fit them (then nothing is exact)."""
+    import random
+
+    import numpy as np
+
+    try:
+        torch.set_rng_state(state["torch_cpu"])
+        random.setstate(tuple(state["python"]))
+        np.random.set_state(tuple(state["numpy"]))
+        if torch.cuda.is_available():
+            if len(state["torch_cuda"]) != torch.cuda.device_count():
+                raise ValueError(f"the checkpoint holds {len(state['torch_cuda'])} CUDA generator states, this "
+                                 f"machine has {torch.cuda.device_count()} GPUs")
+            torch.cuda.set_rng_state_all(state["torch_cuda"])
+    except Exception as error:  # noqa: BLE001
+        raise RngStateError(f"the RNG state does not load ({type(error).__name__}: {error})") from None
+
+
+def write_memory(folder: str, process_index: int, memory: list) -> None:
+    """XL memory of every micro-batch slot (None, or a tuple / list of per-layer tensors) as safetensors + JSON."""
+    from safetensors.torch import save_file
+
+    tensors, layout = {}, []
+    for slot, entry in enumerate(memory):
+        if entry is None:
+            layout.append(None)
+            continue
+        items = [entry] if isinstance(entry, torch.Tensor) else list(entry)
+        if not all(isinstance(item, torch.Tensor) for item in items):
+            raise TypeError(f"XL memory slot {slot} holds {type(entry).__name__}, not tensors")
+        kind = "tensor" if isinstance(entry, torch.Tensor) else type(entry).__name__
+        layout.append([kind, len(items)])
+        for index, item in enumerate(items):
+            tensors[f"{slot}.{index}"] = item.detach().to("cpu").contiguous().clone()
+    save_file(tensors, os.path.join(folder, MEMORY_FILE.format(process_index)),
+              metadata={"layout": json.dumps(layout)})
+
+
+def read_memory(folder: str, process_index: int, device) -> list:
+    """The XL memory `write_memory` wrote (or an older checkpoint's `xl_memory_P.pt`, restricted loader)."""
+    path = os.path.join(folder, MEMORY_FILE.format(process_index))
+    if not os.path.isfile(path):
+        legacy = os.path.join(folder, LEGACY_MEMORY_FILE.format(process_index))
+        return torch.load(legacy, map_location=device, weights_only=True)  # refuses anything that could run code
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        layout = json.loads((handle.metadata() or {})["layout"])
+        memory = []
+        for slot, entry in enumerate(layout):
+            if entry is None:
+                memory.append(None)
+                continue
+            kind, count = entry
+            items = [handle.get_tensor(f"{slot}.{index}").to(device) for index in range(count)]
+            memory.append(items[0] if kind == "tensor" else (list(items) if kind == "list" else tuple(items)))
+    return memory
+
+
+def inspect_checkpoint(path: str, allow_pickle: bool = False) -> tuple[list[str], list[str]]:
     """(problems, RNG problems) of a checkpoint folder: files that changed or are missing against its SHA-256
-    manifest, split into the RNG states (resumable, inexactly, with `inexact_resume`) and everything else.
-    Checkpoints written before manifests existed are checked for their state file and loadable RNG states."""
-    problems = verify_manifest(path) if os.path.isfile(os.path.join(path, MANIFEST)) else []
-    if not os.path.isfile(os.path.join(path, MANIFEST)):  # older checkpoints: no manifest to check against
-        if not os.path.isfile(os.path.join(path, CHECKPOINT_STATE)):
-            problems.append(f"no {MANIFEST} or {CHECKPOINT_STATE}")
-    rng = [p for p in problems if _rng_file(p.split(" ", 1)[-1])]
+    manifest, or that the manifest does not list (not written by the run), split into the RNG states (resumable,
+    inexactly, with `inexact_resume`) and everything else. Every process's RNG state is also read (safely: see the
+    module docstring), so one that would not load is found here, before anything is resumed."""
+    has_manifest = os.path.isfile(os.path.join(path, MANIFEST))
+    problems = verify_manifest(path) if has_manifest else []
+    if has_manifest and not problems:
+        listed = set(read_manifest(path))
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(files):
+                relative = os.path.relpath(os.path.join(root, name), path).replace(os.sep, "/")
+                if relative != MANIFEST and relative not in listed:
+                    problems.append(f"unlisted {relative}")
+    if not has_manifest and not os.path.isfile(os.path.join(path, CHECKPOINT_STATE)):
+        problems.append(f"no {MANIFEST} or {CHECKPOINT_STATE}")
+    # a changed or missing RNG state leaves the rest resumable (inexactly); a file the run did not write does not
+    rng = [p for p in problems if not p.startswith("unlisted ") and _rng_file(p.split(" ", 1)[-1])]
     other = [p for p in problems if p not in rng]
     try:
         with open(os.path.join(path, CHECKPOINT_STATE)) as handle:
@@ -274,18 +453,12 @@ def inspect_checkpoint(path: str) -> tuple[list[str], list[str]]:
         if not other:
             other.append(f"unreadable {CHECKPOINT_STATE}")
         processes = 1
-    listed = read_manifest(path) if os.path.isfile(os.path.join(path, MANIFEST)) and not other else {}
-    for index in range(processes):
-        name = f"random_states_{index}.pkl"
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            if f"missing {name}" not in rng:
-                rng.append(f"missing {name}")
-        elif not listed and not rng:  # no manifest vouches for it: it must at least unpickle (our own file)
+    if not other and not rng:
+        for index in range(processes):
             try:
-                torch.load(file, map_location="cpu", weights_only=False)
-            except Exception as error:  # noqa: BLE001 - a damaged pickle fails in many ways
-                rng.append(f"unreadable {name} ({type(error).__name__})")
+                read_rng_state(path, index, allow_pickle)
+            except RngStateError as error:
+                rng.append(str(error))
     return other, rng
 
 
@@ -298,32 +471,62 @@ def log_event(output_dir: str, message: str) -> None:
 def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingConfig, memory: list,
                     skipped_updates: int = 0) -> str:
     """Write model, optimizer, RNG states, XL memory and the step, then the SHA-256 manifest; atomically
-    (temporary folder, then rename)."""
+    (temporary folder, then rename). A failed write (a full disk, a quota) raises TrainingError naming the folder
+    and leaves every earlier checkpoint as it was."""
     root = os.path.join(output_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:07d}")
     temporary = os.path.join(root, f".tmp-step-{step:07d}")
-    if accelerator.is_main_process:
-        shutil.rmtree(temporary, ignore_errors=True)  # leftovers of a save that was killed
-        os.makedirs(temporary)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(temporary)  # model, optimizer, RNG states of every process
-    torch.save(memory, os.path.join(temporary, f"xl_memory_{accelerator.process_index}.pt"))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        state = dict(step=step, num_processes=accelerator.num_processes, config=config.to_dict(),
-                     skipped_updates=skipped_updates)
-        with open(os.path.join(temporary, CHECKPOINT_STATE), "w") as handle:
-            json.dump(state, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        write_manifest(temporary)  # last: its presence marks the checkpoint complete
-        if os.path.exists(final):  # the same step saved again (a resumed run): replace the whole folder
-            shutil.rmtree(final)
-        os.replace(temporary, final)
-        for old in checkpoint_dirs(output_dir)[: -config.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)  # leftovers of a save that was killed
+            os.makedirs(temporary)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(temporary)  # model, optimizer, and Accelerate's pickled RNG states ...
+        index = accelerator.process_index
+        legacy = os.path.join(temporary, LEGACY_RNG_FILE.format(index))
+        if os.path.exists(legacy):
+            os.remove(legacy)  # ... which are replaced by a format that loads without unpickling
+        write_rng_state(temporary, index)
+        write_memory(temporary, index, memory)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            state = dict(step=step, num_processes=accelerator.num_processes, config=config.to_dict(),
+                         skipped_updates=skipped_updates)
+            with open(os.path.join(temporary, CHECKPOINT_STATE), "w") as handle:
+                json.dump(state, handle, indent=1)
+                handle.flush()
+                os.fsync(handle.fileno())
+            write_manifest(temporary)  # last: its presence marks the checkpoint complete
+            if os.path.exists(final):  # the same step saved again (a resumed run): replace the whole folder
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            for old in checkpoint_dirs(output_dir)[: -config.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+    except Exception as error:  # noqa: BLE001 - only write failures are turned into a message, see _write_failure
+        reason = _write_failure(error)
+        if reason is None:
+            raise
+        shutil.rmtree(temporary, ignore_errors=True)  # give the space back; earlier checkpoints are untouched
+        found = checkpoint_dirs(output_dir)
+        raise TrainingError(f"cannot write the checkpoint of step {step} into {root!r} ({reason}); earlier "
+                            f"checkpoints are intact ({'newest: ' + found[-1] if found else 'none yet'}); free some "
+                            "space and resume with --resume") from None
     accelerator.wait_for_everyone()
     return final
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """A short reason when `error` is a failed write (disk full, quota, file too large, I/O error), else None.
+    torch.save reports a full disk as RuntimeError ('basic_ios::clear', 'PytorchStreamWriter failed writing')."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, OSError):
+        return f"{error.strerror or text}" + (f": {error.filename}" if error.filename else "")
+    markers = ("basic_ios", "PytorchStreamWriter failed", "No space left", "Disk quota", "File too large",
+               "failed writing", "I/O error", "Input/output error")
+    if isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError":
+        if any(marker in text for marker in markers):
+            return f"write failed, is the disk full? {text[:160]}"
+    return None
 
 
 def _problems(items: list[str]) -> str:
@@ -345,7 +548,7 @@ def choose_checkpoint(config: TrainingConfig) -> tuple[str, list[str], bool]:
         candidates = [path]
     notes = []
     for path in candidates:
-        other, rng = inspect_checkpoint(path)
+        other, rng = inspect_checkpoint(path, config.allow_pickle)
         if other:
             notes.append(f"checkpoint {path} is damaged or incomplete ({_problems(other)})")
             continue
@@ -436,17 +639,22 @@ class RunLog:
 
 
 # ================================================================================================ the loop
-def prepare_tokenizer(config: TrainingConfig, train_documents: list[str], accelerator):
-    """The run's tokenizer: the one saved in `output_dir` (resume), the given folder, or a BPE trained on the
-    training split by the main process and saved to `output_dir` for the others (all processes must agree)."""
+def prepare_tokenizer(config: TrainingConfig, train_documents: list[str], accelerator, given=None):
+    """The run's tokenizer: the one saved in `output_dir` (resume), the given folder (`given`: already loaded from
+    it), or a BPE trained on the training split by the main process and saved to `output_dir` for the others (all
+    processes must agree)."""
     if config.resume:
         if not os.path.exists(os.path.join(config.output_dir, "tokenizer_config.json")):
             raise TrainingError(f"--resume: {config.output_dir!r} has no saved tokenizer; resume into the run's own "
                                 "--output-dir")
         return load_tokenizer(config.output_dir)
     if accelerator.is_main_process:
-        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(train_documents,
-                                                                                               config.vocab_size)
+        if given is not None:
+            tokenizer = given
+        elif config.tokenizer:
+            tokenizer = load_tokenizer(config.tokenizer)
+        else:
+            tokenizer = train_tokenizer(train_documents, config.vocab_size)
         os.makedirs(config.output_dir, exist_ok=True)
         _save_into(config.output_dir, tokenizer.save_pretrained)
     accelerator.wait_for_everyone()
@@ -476,12 +684,12 @@ def evaluate(model, batches: TokenBatches, accelerator, memory_supported: bool, 
 
 
 def train(config: TrainingConfig) -> TrainResult:
-    """Run (or resume) the pretraining job `config` describes; returns the final numbers."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
+    """Run (or resume) the pretraining job `config` describes; returns the final numbers.
 
-    started = time.time()
+    The main process holds the run folder's lock (`FolderLock`) from before anything is checked or written until
+    the run ends, however it ends; a second writer gets TrainingError naming the holder."""
+    from accelerate import Accelerator
+
     accelerator = Accelerator(mixed_precision=config.mixed_precision)
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if launched > accelerator.num_processes:  # e.g. an FSDP / multi-GPU Accelerate config on a CPU-only machine
@@ -489,6 +697,36 @@ def train(config: TrainingConfig) -> TrainResult:
             f"{launched} processes were launched but Accelerate joined none of them (it found no GPU and "
             f"ACCELERATE_USE_CPU is not set), so each would train alone into the same folder: use `switchhead train "
             f"--accelerate-config FILE`, or set ACCELERATE_USE_CPU=true to train on CPU processes (gloo)")
+    lock, lock_error = None, None
+    if accelerator.is_main_process:
+        if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
+            lock_error = f"--output-dir {config.output_dir!r} is a file, not a folder; choose a new folder"
+        else:
+            try:
+                lock = FolderLock(config.output_dir, "train").acquire()
+            except (ValueError, OSError) as error:  # FolderLocked, or the folder cannot be created
+                lock_error = f"--output-dir: {error}"
+    if accelerator.num_processes > 1:  # every process stops when the main one could not lock the folder
+        flag = torch.tensor([0.0 if lock_error is None else 1.0], device=accelerator.device)
+        if float(accelerator.reduce(flag, reduction="sum")) > 0:
+            if lock is not None:
+                lock.release()
+            raise TrainingError(lock_error or f"--output-dir {config.output_dir!r} could not be locked (see the "
+                                              "main process)")
+    elif lock_error is not None:
+        raise TrainingError(lock_error)
+    try:
+        return _train(config, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config: TrainingConfig, accelerator) -> TrainResult:
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    started = time.time()
     is_main = accelerator.is_main_process
 
     # ---------------------------------------------------------------- the output folder and the resume rule
@@ -507,14 +745,17 @@ def train(config: TrainingConfig) -> TrainResult:
     # ---------------------------------------------------------------- data and tokenizer
     train_documents, valid_documents = load_documents(config.data, config.text_field, config.valid_data,
                                                       config.valid_fraction)
-    if not config.resume:  # bad settings fail before anything is written or the tokenizer is trained
+    given_tokenizer = None
+    if not config.resume:  # bad settings (and a tokenizer that does not load) fail before anything is written
         model_config = build_model_config(config, None)
         check_config(config, model_config, accelerator.num_processes)
+        if config.tokenizer:
+            given_tokenizer = load_tokenizer(config.tokenizer)
     if is_main and checkpoint is None:  # the run marker goes first: from now on the folder is this run's
         os.makedirs(config.output_dir, exist_ok=True)
         _write_json(os.path.join(config.output_dir, RUN_MARKER), config.to_dict())
     accelerator.wait_for_everyone()
-    tokenizer = prepare_tokenizer(config, train_documents, accelerator)
+    tokenizer = prepare_tokenizer(config, train_documents, accelerator, given_tokenizer)
     model_config = build_model_config(config, tokenizer)
     check_config(config, model_config, accelerator.num_processes)
     train_ids = tokenize_documents(tokenizer, train_documents)
@@ -545,13 +786,25 @@ def train(config: TrainingConfig) -> TrainResult:
     skipped_updates = 0  # non-finite updates skipped (--skip-nonfinite), over the whole run
     if checkpoint is not None:
         try:
+            # model (safetensors) and optimizer (torch's restricted loader); Accelerate also tries its pickled RNG
+            # file, with the same restricted loader, and says nothing when there is none: ours is restored below
             accelerator.load_state(checkpoint)
-            memory_file = os.path.join(checkpoint, f"xl_memory_{accelerator.process_index}.pt")
-            memory = torch.load(memory_file, map_location=accelerator.device, weights_only=True)
+            memory = read_memory(checkpoint, accelerator.process_index, accelerator.device)
         except Exception as error:  # noqa: BLE001 - truncated or foreign files fail in many ways
             raise TrainingError(f"--resume: checkpoint {checkpoint!r} is corrupt or incomplete "
                                 f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
                                 ) from None
+        if exact:
+            try:
+                restore_rng_state(read_rng_state(checkpoint, accelerator.process_index, config.allow_pickle))
+            except RngStateError as error:
+                if not config.inexact_resume:
+                    raise TrainingError(f"--resume: the RNG state of checkpoint {checkpoint!r} does not load "
+                                        f"({error}), so the continuation would not be exact; pass --inexact-resume "
+                                        "to continue anyway") from None
+                resume_notes.append(f"inexact resume from {checkpoint}: RNG state does not load ({error}); dropout, "
+                                    "expert dropout and data-independent randomness will differ from an "
+                                    "uninterrupted run")
         step = state["step"]
         skipped_updates = int(state.get("skipped_updates", 0))
         if is_main:
@@ -665,7 +918,16 @@ def train(config: TrainingConfig) -> TrainResult:
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # gathers the full weights under FSDP; every process calls it
     if is_main:
-        _save_model(accelerator.unwrap_model(model), state_dict, tokenizer, config.output_dir)
+        try:
+            _save_model(accelerator.unwrap_model(model), state_dict, tokenizer, config.output_dir)
+        except Exception as error:  # noqa: BLE001 - only write failures are turned into a message
+            reason = _write_failure(error)
+            if reason is None:
+                raise
+            found = checkpoint_dirs(config.output_dir)
+            raise TrainingError(f"cannot write the final model into {config.output_dir!r} ({reason}); the "
+                                f"checkpoints are intact ({'newest: ' + found[-1] if found else 'none'}); free some "
+                                "space and resume with --resume to finish the save") from None
     accelerator.wait_for_everyone()
     if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
         valid_loss = evaluate(model, valid_batches, accelerator, memory_supported, config.eval_batches)
@@ -683,7 +945,7 @@ def check_output_dir(config: TrainingConfig) -> None:
     if config.resume and config.overwrite:
         raise TrainingError("--resume continues a run and --overwrite starts it over: give only one")
     # (a marker whose atomic write was interrupted does not make the folder anyone else's)
-    if not os.path.isdir(folder) or not [e for e in os.listdir(folder) if e != RUN_MARKER + ".tmp"]:
+    if not os.path.isdir(folder) or not [e for e in os.listdir(folder) if e not in (RUN_MARKER + ".tmp", LOCK_NAME)]:
         return
     if not os.path.isfile(os.path.join(folder, RUN_MARKER)):
         raise TrainingError(f"--output-dir {folder!r} is not empty and is not a switchhead training run; choose a "
@@ -767,4 +1029,5 @@ def _save_into(output_dir: str, write) -> None:
 
 
 __all__ = ["TINY_TRAINING", "TrainResult", "TrainingConfig", "TrainingDiverged", "TrainingError", "checkpoint_dirs",
-           "choose_checkpoint", "inspect_checkpoint", "learning_rate_at", "train"]
+           "choose_checkpoint", "inspect_checkpoint", "learning_rate_at", "read_rng_state", "restore_rng_state",
+           "train", "write_rng_state"]
