@@ -44,7 +44,7 @@ setup(
     package_data={"": ["*.yaml", "*.jinja", "*.md", "*.txt", "*.json"]},
     install_requires=[
         "torch>=2.6",
-        "transformers>=5.0,<6",
+        "transformers>=5.17,<5.25",  # the tested range (switchhead/transformers_compat.py)
         "safetensors",
         "accelerate",
         "datasets",

@@ -84,7 +84,8 @@ class SwitchHeadConfig(PreTrainedConfig):
     """
 
     model_type = "switchhead"
-    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output's cache field from Transformers 5.24, and before
+    # the outputs' cache field, named `cache` from Transformers 5.24 and `past_key_values` before
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
     default_theta = 10000.0
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),

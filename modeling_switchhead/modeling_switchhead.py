@@ -13,7 +13,8 @@ projections into sigma-gated mixtures of experts:
 so a layer with few heads (and few attention matrices) matches a dense model with many. SwitchAll also replaces
 the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper's multi-head baseline.
 
-The file is Hub-ready: it imports only torch, transformers and its sibling configuration file. When the
+The file is Hub-ready: it imports only torch, transformers and its sibling files (the configuration, and
+`transformers_compat.py`, which holds what differs between the supported Transformers releases). When the
 `switchhead` package is installed, the expert projections run through its kernels (`switchhead.kernels`), else
 through the pure-PyTorch implementation below, which gives the same results.
 """
@@ -29,31 +30,36 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils import output_capturing
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_switchhead import SwitchHeadConfig
-from .transformers_compat import (
+from .transformers_compat import (  # first: it checks the installed Transformers release
     accepts_past_key_values,
     cache_kwarg,
+    incompatible_release,
     is_paged,
     is_paged_call,
     output_cache,
     route_paged_cache,
     update_cache,
 )
+
+try:
+    from transformers import initialization as init
+    from transformers.cache_utils import Cache, DynamicCache
+    from transformers.generation import GenerationMixin
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, create_causal_mask
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+    from transformers.processing_utils import Unpack
+    from transformers.utils import TransformersKwargs, can_return_tuple, output_capturing
+    from transformers.utils.generic import merge_with_config_defaults
+    from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+except ImportError as error:  # a release too old (or too new) for this file: say which to install
+    raise incompatible_release(error) from error
+
+from .configuration_switchhead import SwitchHeadConfig
 
 try:  # our fused kernels, when the package is installed; the Hub copy of this file runs without them
     _kernels = importlib.import_module("switchhead.kernels")
@@ -1325,7 +1331,7 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["SwitchHeadDecoderLayer"]
-    _skip_keys_device_placement = ["cache", "past_key_values"]  # the cache's name from Transformers 5.24, and before
+    _skip_keys_device_placement = ["cache", "past_key_values"]  # the cache's name from Transformers 5.24; before
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_flash_attn = False  # XL needs an additive score bias; RoPE SwitchHead would work, but is untested
@@ -1597,13 +1603,15 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 position_embeddings=position_embeddings,
                 attention_mask=causal_mask,
                 memory=memory,
-                **cache_kwarg(cache),  # by the release's name, which GradientCheckpointingLayer drops when training
+                **cache_kwarg(cache),  # by the release's name: GradientCheckpointingLayer drops it when training
                 use_cache=use_cache,
                 position_ids=position_ids,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return SwitchHeadModelOutputWithPast(last_hidden_state=hidden_states, xl_memory=new_memory, **cache_kwarg(cache))
+        return SwitchHeadModelOutputWithPast(
+            last_hidden_state=hidden_states, xl_memory=new_memory, **cache_kwarg(cache)
+        )
 
     def _check_xl_memory(self, xl_memory, batch: int, use_cache, cache) -> None:
         """Reject XL memory that does not fit this model or call, saying what to change."""

@@ -2,7 +2,9 @@
 
 The model files run on every release from `OLDEST_SUPPORTED` to `NEWEST_TESTED` (the test command runs a
 compatibility subset on the oldest, on 5.19, the release vLLM's CPU build needs, and on the newest published).
-This file is shipped with them to the Hub and, like them, imports only torch and transformers.
+Outside that range importing the model warns once; a release that lacks what the model imports raises an
+ImportError that names the releases to install (`incompatible_release`). This file is shipped with the model files
+to the Hub and, like them, imports only torch, transformers and packaging (a dependency of transformers).
 
 Transformers 5.24 renamed the key-value cache argument from `past_key_values` to `cache`, everywhere at once: in
 every model's `forward` (so `generate()` now passes `cache=`), in the masking functions, in the model outputs'
@@ -37,20 +39,16 @@ SUPPORTED_RANGE = ">=5.17,<5.25"
 
 # The installed release's name for the cache, read from the masking function's signature rather than the version
 # number, so that a release candidate or a development build is read by what it does.
-CACHE_NAME = "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters else "past_key_values"
+_MASK_ARGUMENTS = inspect.signature(masking_utils.create_causal_mask).parameters
+CACHE_NAME = "cache" if "cache" in _MASK_ARGUMENTS else "past_key_values"
 # 5.24 made both changes in one release: with the new name, models update the paged cache themselves.
 MODEL_UPDATES_PAGED_CACHE = CACHE_NAME == "cache"
 
 
 def check_transformers_version(version: str = transformers.__version__) -> None:
-    """Raise on a release known not to work (older than `OLDEST_SUPPORTED`); warn once on one newer than tested."""
-    installed = Version(version)
-    if installed < Version(OLDEST_SUPPORTED):
-        raise ImportError(
-            f"SwitchHead models need transformers{SUPPORTED_RANGE}, but transformers {version} is installed: its "
-            f"cache and masking API differs from what this model calls. Run: pip install 'transformers{SUPPORTED_RANGE}'"
-        )
-    if installed.release[:2] > Version(NEWEST_TESTED).release[:2]:
+    """Warn once where the installed release is outside the tested range (it may work: nothing checked it)."""
+    installed, oldest, newest = Version(version), Version(OLDEST_SUPPORTED), Version(NEWEST_TESTED)
+    if installed < oldest or installed.release[:2] > newest.release[:2]:
         warnings.warn(
             f"SwitchHead models are tested with transformers {OLDEST_SUPPORTED} to {NEWEST_TESTED}, and transformers "
             f"{version} is installed: check generation against use_cache=False, or run "
@@ -58,6 +56,14 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+def incompatible_release(error: ImportError) -> ImportError:
+    """The error for a release that lacks what the model imports from Transformers: it says what to install."""
+    return ImportError(
+        f"transformers {transformers.__version__} lacks what SwitchHead models use ({error}). "
+        f"Run: pip install 'transformers{SUPPORTED_RANGE}'"
+    )
 
 
 check_transformers_version()

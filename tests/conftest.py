@@ -28,6 +28,54 @@ def shared_data() -> Path:
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "compat: the compatibility subset run under every Transformers release "
+                                       "(COMPAT_SUBSET; scripts/test.sh)")
     config.addinivalue_line("markers", "slow: long variants (e.g. 20 SIGKILLs); run with `-m slow`, left out by default")
     if not config.option.markexpr:  # the default suite leaves the slow variants out (deselected, not skipped)
         config.option.markexpr = "not slow"
+
+
+# What a Transformers release change breaks: the tests `scripts/test.sh` runs again under every release of its
+# compatibility matrix, as `pytest -m compat`. An entry is a file, or a file and a test (all its parameters).
+COMPAT_SUBSET = (
+    "test_compat.py",  # the compatibility layer; each decoding step sees the whole cache, every variant
+    "test_modeling.py::test_cached_decoding_equals_uncached_and_full_forward",  # every variant, left padding
+    "test_modeling.py::test_save_and_reload_gives_identical_logits",
+    "test_modeling.py::test_saved_folder_loads_with_trust_remote_code_without_the_package",
+    "test_clean_env.py",  # trust_remote_code in a fresh environment with only torch, transformers, safetensors
+    "test_fast_path.py::test_static_cache_generation_equals_dynamic_cache",
+    "test_fast_path.py::test_static_cache_logits_equal_the_full_forward_with_left_padding",
+    "test_continuous_batching.py::test_generate_batch_equals_generate",
+    "test_continuous_batching.py::test_requests_arriving_while_others_decode",
+    "test_continuous_batching.py::test_xl_eager_paged",
+    "test_rope_scaling.py::test_cos_sin_match_transformers_rotary_for_every_type",
+    "test_rope_scaling.py::test_yarn_factor_4_at_three_times_the_context_greedy_cache_matches_full_forward",
+    "test_trainer.py::test_trainer_with_gradient_accumulation_lowers_loss_and_reloads",
+    "test_peft.py::test_lora_everywhere_trains_saves_adapter_only_reloads_and_merges",
+    "test_serving.py::test_completions_and_chat_equal_generate",  # `switchhead serve` in a subprocess
+    "test_transformers_conformance.py",  # Transformers' own common tests of the release, and their summary
+)
+
+
+def _compat_entry(nodeid: str) -> str | None:
+    """The COMPAT_SUBSET entry a collected test belongs to, or None."""
+    relative = nodeid.split("tests/", 1)[-1]
+    for entry in COMPAT_SUBSET:
+        if relative == entry or relative.startswith((entry + "::", entry + "[")):
+            return entry
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    matched = set()
+    for item in items:
+        entry = _compat_entry(item.nodeid)
+        if entry is not None:
+            item.add_marker(pytest.mark.compat)
+            matched.add(entry)
+    # a renamed or removed test must not silently leave the matrix: when the whole suite is collected, every
+    # entry has to match something
+    whole_suite = {Path(str(arg)).name for arg in config.args} == {"tests"}
+    missing = [entry for entry in COMPAT_SUBSET if entry not in matched]
+    if whole_suite and missing:
+        raise pytest.UsageError(f"COMPAT_SUBSET entries match no test (renamed?): {', '.join(missing)}")

