@@ -79,6 +79,15 @@ def cb_config(args=None, **fields):
     return ContinuousBatchingConfig(**fields)
 
 
+def resolved_cb_config(config, cb):
+    """Transformers' `resolve_continuous_batching_config` on the CPU (its `device` argument arrived after 5.17)."""
+    from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
+
+    if "device" in inspect.signature(resolve_continuous_batching_config).parameters:
+        return resolve_continuous_batching_config(config, cb, None, False, torch.device("cpu"))
+    return resolve_continuous_batching_config(config, cb, None, False)
+
+
 def bench_generate_batch(model, concurrency: int, args) -> dict:
     from transformers import GenerationConfig
 
@@ -171,11 +180,9 @@ def bench_server(server: Server, vocab: int, concurrency: int, args) -> dict:
 def cache_capacity(config: SwitchHeadConfig, context: int, budget_bytes: int) -> dict:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.generation.continuous_batching.distributed import DistributedHelper
-    from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
 
     page = 64
-    cb = resolve_continuous_batching_config(config, cb_config(num_blocks=1, page_size=page, max_batch_tokens=page),
-                                            None, False, torch.device("cpu"))
+    cb = resolved_cb_config(config, cb_config(num_blocks=1, page_size=page, max_batch_tokens=page))
     cache = PagedAttentionCache(config, cb, "cpu", DistributedHelper(None, None), dtype=torch.float32)
     allocator = next(iter(cache.cache_allocators.values()))
     bytes_per_block = allocator.bytes_per_block  # one page of `page` tokens for every layer

@@ -1,3 +1,4 @@
+# Copyright 2026 The switchhead authors.
 """Configuration of SwitchHead / SwitchAll language models.
 
 SwitchHead (Csordás et al., NeurIPS 2024) replaces the value and output projections of attention with

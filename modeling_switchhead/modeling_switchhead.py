@@ -525,7 +525,7 @@ class SwitchHeadRotaryEmbedding(nn.Module):
     to half precision never rounds them).
     """
 
-    def __init__(self, config: SwitchHeadConfig):
+    def __init__(self, config: SwitchHeadConfig, device: torch.device | str | None = None):
         super().__init__()
         self.config = config
         params = config.rope_parameters
@@ -543,7 +543,7 @@ class SwitchHeadRotaryEmbedding(nn.Module):
             self.original_max_seq_len = int(params.get("original_max_position_embeddings",
                                                        config.max_position_embeddings))
         self.attention_scaling = 1.0
-        self.reset_frequencies()
+        self.reset_frequencies(device)
 
     def _default_frequencies(self, device, dtype) -> torch.Tensor:
         return self.base ** (-torch.arange(0, self.rotary, 2, device=device, dtype=dtype) / self.rotary)
@@ -680,7 +680,8 @@ def eager_attention_forward(
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
 
-def paged_key_distances(paged: bool, kwargs: dict, query_length: int, key_length: int, device) -> torch.Tensor | None:
+def paged_key_distances(kwargs: dict, query_length: int, key_length: int, device,
+                        paged: bool | None = None) -> torch.Tensor | None:
     """Continuous batching (paged cache): relative distance query - key for the packed batch, `[Tq, Tk]`, or None.
 
     Transformers' continuous batching calls the model with every scheduled request packed into one row: queries
@@ -689,8 +690,11 @@ def paged_key_distances(paged: bool, kwargs: dict, query_length: int, key_length
     this step's). So key j of request r sits at position j - cu_seq_lens_k[r], and query i at position
     (i - cu_seq_lens_q[r]) + (keys of r) - (queries of r). Entries between different requests get a distance too;
     the block-diagonal mask removes them. Padding rows or columns past the last request count as the last request.
-    None when the call is not a paged one (`paged` false, or no `cu_seq_lens_k` in the kwargs).
+    None when the call is not a paged one: `paged` false (by default: no `cache` in the kwargs, where Transformers
+    before 5.24 passes the paged cache), or no `cu_seq_lens_k` in the kwargs.
     """
+    if paged is None:
+        paged = kwargs.get("cache") is not None
     if not paged or kwargs.get("cu_seq_lens_k") is None or kwargs.get("cu_seq_lens_q") is None:
         return None
     cu_k = kwargs["cu_seq_lens_k"]
@@ -838,6 +842,7 @@ class SwitchHeadAttentionBase(nn.Module):
 
         Memory tokens are extra sources: they give keys and (expert-mixed) values, never queries.
         """
+        cache, kwargs = route_paged_cache(cache, kwargs)  # before 5.24 the paged attention function updates it
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, -1, self.head_dim)  # -1: this process's heads under tensor parallelism
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
@@ -861,8 +866,8 @@ class SwitchHeadAttentionBase(nn.Module):
         extra = {}
         paged_distance = None
         if self.position_encoding == "xl" and attention_mask is not None:
-            paged_distance = paged_key_distances(is_paged_call(cache, kwargs), kwargs, query.shape[2],
-                                                 attention_mask.shape[-1], query.device)
+            paged_distance = paged_key_distances(kwargs, query.shape[2], attention_mask.shape[-1], query.device,
+                                                 paged=is_paged_call(cache, kwargs))
         if paged_distance is not None:  # continuous batching: requests packed, keys read from the paged cache
             attention_mask = self.xl_paged_attention_mask(query, attention_mask, paged_distance)
         elif self.position_encoding == "xl":

@@ -20,7 +20,7 @@ from switchhead.accounting import kv_cache_bytes_per_token
 from switchhead.modeling_switchhead import paged_key_distances
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_serve import cb_config  # noqa: E402  (page_size / block_size across Transformers versions)
+from bench_serve import cb_config, resolved_cb_config  # noqa: E402  (across Transformers versions)
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny"))
 LENGTHS = [5, 17, 1, 33, 9, 24]
@@ -177,9 +177,7 @@ def test_paged_cache_bytes_are_switchheads(preset):
 
     config = SwitchHeadConfig.from_preset(preset)
     cb = cb_config(num_blocks=4, page_size=16, max_batch_tokens=32)
-    from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
-
-    cb = resolve_continuous_batching_config(config, cb, None, False, torch.device("cpu"))
+    cb = resolved_cb_config(config, cb)
     cache = PagedAttentionCache(config, cb, "cpu", DistributedHelper(None, None), dtype=torch.float32)
     allocator = next(iter(cache.cache_allocators.values()))
     per_token = allocator.bytes_per_block // allocator.tokens_per_page  # a block: one page per layer
