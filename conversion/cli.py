@@ -99,8 +99,9 @@ def run_upcycle(args) -> int:
     from .upcycle import upcycle
 
     try:
-        result, difference = upcycle(args.dense, args.output, args.heads, args.experts, args.k, args.expert_init,
-                                     args.router_noise, args.seed)
+        with _output_lock(args.output, "upcycle"):
+            result, difference = upcycle(args.dense, args.output, args.heads, args.experts, args.k,
+                                         args.expert_init, args.router_noise, args.seed)
     except ConversionError as error:
         raise UsageError(str(error)) from None
     for note in result.notes:
@@ -110,6 +111,18 @@ def run_upcycle(args) -> int:
               f"{' ...' if len(result.dropped) > 6 else ''}")
     print(f"wrote {args.output}: first-forward max |logit difference| to the dense model {difference:.3g}")
     return 0
+
+
+def _output_lock(output: str, command: str):
+    """One writer per output path: the lock file sits beside OUTPUT (which appears only when the finished
+    temporary folder or file is renamed into place), so a second convert / upcycle to the same path is refused
+    naming the first instead of racing it to the rename."""
+    from switchhead.integrity import FolderLock
+
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise UsageError(f"the folder of the output, {parent}, does not exist")
+    return FolderLock(output, command, inside=False)
 
 
 def _config(args):
@@ -128,12 +141,17 @@ def _config(args):
 
 
 def run(args) -> int:
+    if os.path.isfile(args.output) or (os.path.isdir(args.output) and os.listdir(args.output)):
+        raise UsageError(f"output {args.output} already exists; choose a new path or delete it first")
+    with _output_lock(args.output, f"convert {args.direction}"):
+        return _run_locked(args)
+
+
+def _run_locked(args) -> int:
     from . import convert
     from .authors_format import parse_renames
     from .checkpoint_io import ConversionError, parse_dtype
 
-    if os.path.isfile(args.output) or (os.path.isdir(args.output) and os.listdir(args.output)):
-        raise UsageError(f"output {args.output} already exists; choose a new path or delete it first")
     try:
         dtype = parse_dtype(args.dtype)
         if args.direction == "authors-to-hf":

@@ -83,10 +83,23 @@ def register(subparsers) -> None:
 
 
 def _limit(value: str) -> int | float:
-    number = float(value)
-    if number <= 0:
-        raise ValueError
-    return number if number < 1 else int(number)
+    """--limit: a whole number of examples per task, or a fraction in (0, 1) of each task; anything else is refused
+    (1.5 used to run as 1)."""
+    import argparse
+    import math
+
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--limit must be a number, got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise argparse.ArgumentTypeError(f"--limit must be > 0 (a whole number of examples, or a fraction < 1), "
+                                         f"got {value!r}")
+    if number < 1:
+        return number
+    if number != int(number):
+        raise argparse.ArgumentTypeError(f"--limit {value} is neither a whole number of examples nor a fraction < 1")
+    return int(number)
 
 
 def _usage_error(message: str):
@@ -137,6 +150,22 @@ def run_eval(args) -> int:
     for path in args.perplexity:
         if not Path(path).is_file():
             raise _usage_error(f"--perplexity file {path!r} does not exist")
+    for flag in ("context", "stride"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:  # 0 used to fall back silently to the default
+            raise _usage_error(f"--{flag} must be >= 1, got {value}")
+    if args.perplexity and args.context is not None:
+        from transformers import AutoConfig
+
+        import switchhead  # noqa: F401 - registers the config class
+
+        limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+        if limit is not None and args.context > limit:
+            raise _usage_error(f"--context {args.context} is longer than the model reads ({limit}, "
+                               "max_position_embeddings); give at most that")
+        if args.stride is not None and args.stride > args.context:
+            raise _usage_error(f"--stride {args.stride} is longer than --context {args.context}: the windows would "
+                               "skip tokens")
 
     report: dict = {"model": str(Path(args.model).resolve()), "protocol": args.protocol, "limit": args.limit,
                     "results": {}, "perplexity": []}

@@ -19,13 +19,13 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .cli import UsageError
 
     import math
 
-    from .integrity import check_model_folder
+    from .integrity import check_model_folder, weight_shape_problem
 
     if not os.path.exists(args.model):
         raise UsageError(f"model folder {args.model!r} does not exist")
@@ -41,12 +41,23 @@ def run(args) -> int:
         raise UsageError("--prompt is empty; give some text to continue")
     if not args.no_verify:
         check_model_folder(args.model)
+    # --no-verify skips the manifest, not this: weights that do not fit config.json are refused in one line
+    problem = weight_shape_problem(args.model)
+    if problem is not None:
+        raise UsageError(f"model folder {args.model!r}: {problem}")
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     inputs = tokenizer(args.prompt, return_tensors="pt")
-    if inputs["input_ids"].shape[-1] == 0:
+    prompt_tokens = inputs["input_ids"].shape[-1]
+    if prompt_tokens == 0:
         raise UsageError(f"--prompt {args.prompt!r} gives no tokens with this tokenizer; give some text")
+    context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    if context is not None and prompt_tokens + args.max_new_tokens > context:
+        room = context - prompt_tokens
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: the prompt has {prompt_tokens} tokens and the model "
+                         f"reads at most {context} (max_position_embeddings), "
+                         + (f"so at most {room} new ones" if room > 0 else "so shorten the prompt"))
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
     output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id
                             or tokenizer.eos_token_id or 0, **sampling)

@@ -107,6 +107,39 @@ def check_model_folder(folder: str) -> None:
                          f"its final save, or pass --no-verify to load it anyway")
 
 
+def weight_shape_problem(folder: str) -> str | None:
+    """Before loading a save_pretrained folder: the first tensor whose shape in the safetensors files differs from
+    the shape its config.json gives it (one sentence naming the file, the tensor and both shapes), or None.
+
+    Reads only the safetensors headers and builds the model on the meta device, so it costs no memory; Transformers
+    itself would print a multi-line load report and raise. Folders without safetensors weights are not checked."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            files = sorted(set(json.load(handle).get("weight_map", {}).values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        return None
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        expected = {name: tuple(tensor.shape) for name, tensor in
+                    AutoModelForCausalLM.from_config(config).state_dict().items()}
+    for name in files:
+        with safe_open(os.path.join(folder, name), framework="pt") as handle:
+            for key in handle.keys():
+                shape = tuple(handle.get_slice(key).get_shape())
+                want = expected.get(key)
+                if want is not None and want != shape:
+                    return (f"{name}: {key} has shape {list(shape)}, but config.json makes it {list(want)}; the weights "
+                            "do not belong to this config.json")
+    return None
+
+
 # ================================================================================================ one writer
 LOCK_NAME = ".switchhead.lock"
 
@@ -228,4 +261,4 @@ class FolderLock:
         self.release()
 
 
-__all__ = ["FolderLock", "FolderLocked", "LOCK_NAME", "MANIFEST", "check_model_folder", "file_sha256", "read_manifest", "verify_manifest", "write_manifest"]
+__all__ = ["FolderLock", "FolderLocked", "LOCK_NAME", "MANIFEST", "check_model_folder", "weight_shape_problem", "file_sha256", "read_manifest", "verify_manifest", "write_manifest"]

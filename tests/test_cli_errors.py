@@ -11,7 +11,7 @@ from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.cli import build_parser, main
 from switchhead.integrity import write_manifest
 
-COVERED = ("train", "eval", "flops", "card", "publish", "convert", "generate")
+COVERED = ("train", "eval", "flops", "card", "publish", "convert", "generate", "finetune", "serve")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,19 @@ def paths(tmp_path_factory) -> dict[str, str]:
     (root / "truncated.safetensors").write_bytes(good.read_bytes()[:200])
     torch.save({"model": {"x": torch.zeros(1000)}}, root / "good.pth")
     (root / "truncated.pth").write_bytes((root / "good.pth").read_bytes()[:300])
-    return {"ROOT": str(root), "MODEL": str(model), "DAMAGED": str(damaged), "USER": str(user),
+    wrong = root / "wrong-shapes"  # weights of one config under another config.json
+    SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-switchhead", vocab_size=len(tokenizer))
+                          ).save_pretrained(wrong)
+    tokenizer.save_pretrained(wrong)
+    config = (wrong / "config.json").read_text().replace('"num_attention_experts": 4', '"num_attention_experts": 2')
+    assert '"num_attention_experts": 2' in config
+    (wrong / "config.json").write_text(config)
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 64)
+    bad_tokenizer = root / "bad-tokenizer"
+    bad_tokenizer.mkdir()
+    (bad_tokenizer / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "')  # cut off
+    return {"WRONG": str(wrong), "BINARY": str(root / "binary.txt"), "BADTOK": str(bad_tokenizer),
+            "ROOT": str(root), "MODEL": str(model), "DAMAGED": str(damaged), "USER": str(user),
             "EMPTY": str(root / "empty"), "FILE": str(root / "existing.txt"), "TEXT": str(root / "text.txt"),
             "BADJSON": str(root / "bad.json"), "TRUNC_ST": str(root / "truncated.safetensors"),
             "TRUNC_PTH": str(root / "truncated.pth"), "MISSING": str(root / "missing"), "NEW": str(root / "new-out")}
@@ -69,6 +81,9 @@ CASES = [
     ("train", ["--resume", "--output-dir", "EMPTY"], "no complete checkpoint"),
     ("train", ["--resume", "--overwrite", "--output-dir", "USER"], "give only one"),
     ("train", ["--resume", "MISSING"], "does not exist"),
+    ("train", ["--data", "BINARY", "--output-dir", "NEW"], "is binary (it holds NUL bytes)"),
+    ("train", ["--data", "TEXT", "--tokenizer", "BADTOK", "--output-dir", "NEW"], "does not load"),  # no marker left
+    ("train", ["--data", "TEXT", "--allow-pickle", "--output-dir", "NEW"], "--allow-pickle only applies to --resume"),
     # eval
     ("eval", ["MISSING"], "has no config.json"),
     ("eval", ["FILE"], "has no config.json"),
@@ -76,7 +91,12 @@ CASES = [
     ("eval", ["MODEL", "--tasks", "none", "--output", "FILE"], "already exists; pass --overwrite"),
     ("eval", ["MODEL", "--tasks", "none", "--output", "EMPTY"], "is a folder"),
     ("eval", ["MODEL", "--batch-size", "0"], "--batch-size must be >= 1"),
-    ("eval", ["MODEL", "--limit", "-1"], "invalid _limit value"),
+    ("eval", ["MODEL", "--limit", "-1"], "--limit must be > 0"),
+    ("eval", ["MODEL", "--limit", "1.5"], "neither a whole number of examples nor a fraction < 1"),
+    ("eval", ["MODEL", "--tasks", "none", "--perplexity", "TEXT", "--context", "0"], "--context must be >= 1"),
+    ("eval", ["MODEL", "--tasks", "none", "--perplexity", "TEXT", "--stride", "0"], "--stride must be >= 1"),
+    ("eval", ["MODEL", "--tasks", "none", "--perplexity", "TEXT", "--context", "100000"],
+     "longer than the model reads (128"),
     ("eval", ["MODEL", "--tasks", "none", "--perplexity", "MISSING"], "does not exist"),
     # flops
     ("flops", ["gpt-7"], "neither a preset"),
@@ -117,6 +137,17 @@ CASES = [
     ("generate", ["MODEL", "--temperature", "nan"], "--temperature must be >= 0"),
     ("generate", ["MODEL", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ("generate", ["DAMAGED"], "damaged or incomplete"),
+    ("generate", ["MODEL", "--max-new-tokens", "100000"], "reads at most 128 (max_position_embeddings)"),
+    ("generate", ["WRONG", "--no-verify"], "but config.json makes it"),
+    # finetune
+    ("finetune", ["MODEL", "--data", "TEXT", "--output-dir", "NEW", "--rank", "1000"],
+     "exceeds the model width (hidden_size 64)"),
+    ("finetune", ["MODEL", "--data", "TEXT", "--output-dir", "NEW", "--alpha", "0"], "LoRA alpha must be"),
+    ("finetune", ["MISSING", "--data", "TEXT", "--output-dir", "NEW"], "no config.json"),
+    # serve (refused before anything listens)
+    ("serve", ["MISSING"], "neither an existing folder"),
+    ("serve", ["WRONG"], "but config.json makes it"),
+    ("serve", ["MODEL", "--port", "0"], "--port must be in 1..65535"),
 ]
 
 

@@ -148,6 +148,13 @@ def run(args) -> int:
             raise UsageError("--resume continues a run and --overwrite starts it over: give only one")
         probe = TrainingConfig(output_dir=output_dir or "runs/switchhead", resume=args.resume,
                                inexact_resume=args.inexact_resume, allow_pickle=args.allow_pickle)
+        if os.path.isdir(probe.output_dir):  # a run another process is writing: say so before reading its state
+            from ..integrity import FolderLock
+
+            try:
+                FolderLock(probe.output_dir, "train").acquire().release()
+            except ValueError as error:
+                raise UsageError(f"--output-dir: {error}") from None
         stored = read_checkpoint_state(find_checkpoint(probe))["config"]
         if args.preset is not None:
             explicit["preset"] = args.preset

@@ -175,8 +175,15 @@ def lora_config(config: SwitchHeadConfig, r: int = 8, lora_alpha: float | None =
                                 f"model; choose from {', '.join(default_parameters) or '(none)'}")
     if not modules and not parameters:
         raise FinetuneError("LoRA needs at least one target module or parameter")
-    if r < 1:
-        raise FinetuneError(f"LoRA rank must be >= 1, got {r}")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise FinetuneError(f"LoRA rank must be an integer >= 1, got {r!r}")
+    if r > config.hidden_size:  # a rank above the width adds factors that can only be redundant
+        raise FinetuneError(f"LoRA rank {r} exceeds the model width (hidden_size {config.hidden_size}); choose a "
+                            f"rank <= {config.hidden_size}")
+    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))
+                                   or not math.isfinite(lora_alpha) or lora_alpha <= 0):
+        raise FinetuneError(f"LoRA alpha must be a finite number > 0 (the update is scaled by alpha / rank; 0 trains "
+                            f"nothing), got {lora_alpha!r}")
     if parameters and kwargs.get("lora_dropout", 0.0):
         raise FinetuneError("lora_dropout must be 0 when expert tensors are targeted (target_parameters)")
     result = peft.LoraConfig(r=r, lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
@@ -310,17 +317,31 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     Writes the adapter only to `output_dir` (plus `finetune.json` with the losses); with `merge`, also the merged
     plain model to `output_dir/merged`. `data` is what `switchhead train --data` takes (file or folder).
     `quantize` (one of `QUANTIZATIONS`) loads the base quantised and trains LoRA on top (QLoRA with `bnb-nf4`).
+    `output_dir` is locked for the run (`switchhead.integrity.FolderLock`): a second writer is refused.
     """
+    from ..integrity import LOCK_NAME, FolderLock
+
+    _require_peft()
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FinetuneError(f"{model_dir} is not a saved model folder (no config.json)")
+    if os.path.isfile(output_dir):
+        raise FinetuneError(f"output {output_dir} is a file; choose a new folder")
+    with FolderLock(output_dir, "finetune"):
+        if [name for name in os.listdir(output_dir) if name != LOCK_NAME]:
+            raise FinetuneError(f"output folder {output_dir} already exists and is not empty; choose another")
+        return _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters, max_steps,
+                         batch_size, block_size, learning_rate, warmup_steps, valid_blocks, seed, merge,
+                         logging_steps, quantize)
+
+
+def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters, max_steps, batch_size,
+              block_size, learning_rate, warmup_steps, valid_blocks, seed, merge, logging_steps,
+              quantize) -> FinetuneResult:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
 
     from .data import load_documents, load_tokenizer, tokenize_documents
 
-    _require_peft()
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FinetuneError(f"{model_dir} is not a saved model folder (no config.json)")
-    if os.path.exists(output_dir) and os.listdir(output_dir):
-        raise FinetuneError(f"output folder {output_dir} already exists and is not empty; choose another")
     if max_steps < 1 or batch_size < 1:
         raise FinetuneError("--max-steps and --batch-size must be >= 1")
     lora_config(SwitchHeadConfig.from_pretrained(model_dir), r, lora_alpha, target_modules, target_parameters)

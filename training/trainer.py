@@ -426,6 +426,28 @@ def read_memory(folder: str, process_index: int, device) -> list:
     return memory
 
 
+def _unloadable_file(folder: str, process_index: int) -> str | None:
+    """After a failed load: the first file of the checkpoint that does not load on its own, as 'NAME does not load
+    (reason)', read the same safe way the resume reads it (None when each loads alone)."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        try:
+            if name.endswith(".safetensors") and not _rng_file(name) and not name.startswith("xl_memory_"):
+                with safe_open(path, framework="pt") as handle:
+                    for key in handle.keys():
+                        handle.get_slice(key)
+            elif name.endswith(".bin"):
+                torch.load(path, map_location="cpu", weights_only=True)  # refuses anything that could run code
+            elif name in (MEMORY_FILE.format(process_index), LEGACY_MEMORY_FILE.format(process_index)):
+                read_memory(folder, process_index, "cpu")
+        except Exception as error:  # noqa: BLE001 - this is the diagnosis
+            text = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+            return f"{name} does not load: {type(error).__name__}{': ' + text if text else ''}"
+    return None
+
+
 def inspect_checkpoint(path: str, allow_pickle: bool = False) -> tuple[list[str], list[str]]:
     """(problems, RNG problems) of a checkpoint folder: files that changed or are missing against its SHA-256
     manifest, or that the manifest does not list (not written by the run), split into the RNG states (resumable,
@@ -791,9 +813,9 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
             accelerator.load_state(checkpoint)
             memory = read_memory(checkpoint, accelerator.process_index, accelerator.device)
         except Exception as error:  # noqa: BLE001 - truncated or foreign files fail in many ways
-            raise TrainingError(f"--resume: checkpoint {checkpoint!r} is corrupt or incomplete "
-                                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
-                                ) from None
+            culprit = _unloadable_file(checkpoint, accelerator.process_index) or \
+                f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+            raise TrainingError(f"--resume: checkpoint {checkpoint!r} is corrupt or incomplete ({culprit})") from None
         if exact:
             try:
                 restore_rng_state(read_rng_state(checkpoint, accelerator.process_index, config.allow_pickle))
