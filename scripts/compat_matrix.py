@@ -1,6 +1,6 @@
 """The Transformers compatibility matrix: the compatibility subset (`pytest -m compat`) under more releases.
 
-    python scripts/compat_matrix.py [--main-junit FILE] [--releases 5.17.0,5.19.0,newest] [pytest args...]
+    python scripts/compat_matrix.py [--main-log FILE] [--releases 5.17.0,5.19.0,newest] [pytest args...]
 
 Each release gets a virtual environment that sees this machine's packages (`--system-site-packages`: torch,
 the editable switchhead, the test extras) and installs only what differs, so the environments share every wheel.
@@ -9,8 +9,8 @@ that vLLM's CPU build accepts) and the newest on the package registry at the tim
 number, so that a new release is tested the day it appears. In the newest environment peft, accelerate and lm-eval
 are upgraded to their newest releases too, where they install next to our torch.
 
-It prints one line per release with its pass / fail / skip counts (and the pinned release's whole-suite line, from
-`--main-junit`), and exits 1 if any run failed or an environment could not be built.
+It prints one line per release with pytest's pass / fail / skip counts (and the pinned release's whole-suite line,
+from its output in `--main-log`), and exits 1 if any run failed or an environment could not be built.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,22 +95,24 @@ def versions(python: Path) -> dict[str, str]:
     return json.loads(result.stdout) if result.returncode == 0 else {}
 
 
-def junit_counts(path: Path) -> dict[str, int]:
+SUMMARY = re.compile(r"^=* ?(?:\d+ (?:passed|failed|skipped|errors?|deselected|warnings?|xfailed|xpassed|"
+                     r"subtests? \w+)(?:, )?)+ in [\d.]+s")
+
+
+def summary_counts(output: str) -> dict[str, int] | None:
+    """pytest's own counts from its final summary line (`9 failed, 486 passed, 238 skipped, ... in 402.71s`)."""
+    found = [line for line in output.splitlines() if SUMMARY.match(line.strip("= "))]
+    if not found:
+        return None
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    if not path.is_file():
-        return counts
-    root = ElementTree.parse(path).getroot()
-    for suite in root.iter("testsuite"):
-        tests, failures = int(suite.get("tests", 0)), int(suite.get("failures", 0))
-        errors, skipped = int(suite.get("errors", 0)), int(suite.get("skipped", 0))
-        counts["failed"] += failures
-        counts["errors"] += errors
-        counts["skipped"] += skipped
-        counts["passed"] += tests - failures - errors - skipped
+    for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", found[-1]):
+        counts["errors" if word.startswith("error") else word] += int(number)
     return counts
 
 
-def line(label: str, counts: dict[str, int], seconds: float | None, note: str = "") -> str:
+def line(label: str, counts: dict[str, int] | None, seconds: float | None, note: str = "") -> str:
+    if counts is None:
+        return f"{label}: no pytest summary (the run did not finish)"
     took = f" in {seconds / 60:.1f} min" if seconds is not None else ""
     return (f"{label}: {counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
             f"{counts['skipped']} skipped{took}{note}")
@@ -119,7 +120,7 @@ def line(label: str, counts: dict[str, int], seconds: float | None, note: str = 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--main-junit", type=Path, help="the pinned release's whole-suite junit XML, for its line")
+    parser.add_argument("--main-log", type=Path, help="the pinned release's whole-suite pytest output, for its line")
     parser.add_argument("--main-seconds", type=float, default=None)
     parser.add_argument("--releases", default=None,
                         help="comma-separated releases; 'newest' is resolved on the registry (default: oldest "
@@ -141,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"its whole-suite run covers it")
 
     lines, failed = [], False
-    if args.main_junit is not None:
-        counts = junit_counts(args.main_junit)
-        failed |= not args.main_junit.is_file() or counts["failed"] + counts["errors"] > 0
+    if args.main_log is not None:
+        counts = summary_counts(args.main_log.read_text(errors="replace")) if args.main_log.is_file() else None
+        failed |= counts is None or counts["failed"] + counts["errors"] > 0
         lines.append(line(f"transformers {pinned} (pinned): whole suite", counts, args.main_seconds))
     for release, newest in releases:
         label = f"transformers {release}" + (" (newest on the registry)" if newest else "")
@@ -157,14 +158,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         installed = versions(python)
         print("installed: " + ", ".join(f"{k} {v}" for k, v in installed.items()), flush=True)
-        junit = cache_root() / f"compat-{release}.xml"
-        junit.unlink(missing_ok=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         started = time.monotonic()
-        result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "compat",
-                                 f"--junitxml={junit}", *pytest_args, "tests"], cwd=ROOT, env=env)
-        counts = junit_counts(junit)
-        bad = result.returncode != 0 or counts["failed"] + counts["errors"] > 0 or counts["passed"] == 0
+        process = subprocess.Popen([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "compat",
+                                    *pytest_args, "tests"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, errors="replace")
+        output = []
+        for text in process.stdout:  # shown as it comes, and kept for the summary line
+            sys.stdout.write(text)
+            output.append(text)
+        returncode = process.wait()
+        counts = summary_counts("".join(output))
+        bad = returncode != 0 or counts is None or counts["failed"] + counts["errors"] > 0 or counts["passed"] == 0
         failed |= bad
         note = ""
         if newest:

@@ -13,14 +13,14 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 results="$(mktemp -d)"
 started=$SECONDS
 status=0
-python -m pytest -q -p no:cacheprovider --junitxml="$results/main.xml" tests "$@" || status=$?
+python -m pytest -q -p no:cacheprovider tests "$@" 2>&1 | tee "$results/main.log" || status=$?
 main_seconds=$((SECONDS - started))
 
 if [[ "${SWITCHHEAD_COMPAT_RELEASES:-}" == "none" ]]; then
     exit $status
 fi
 # the matrix builds its environments from the registry; its pytest runs are offline like this one
-python scripts/compat_matrix.py --main-junit "$results/main.xml" \
+python scripts/compat_matrix.py --main-log "$results/main.log" \
     --main-seconds "$main_seconds" ${SWITCHHEAD_COMPAT_RELEASES:+--releases "$SWITCHHEAD_COMPAT_RELEASES"} "$@" \
     || status=1
 exit $status

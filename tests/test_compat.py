@@ -171,3 +171,36 @@ def test_save_pretrained_copies_the_compat_file(tmp_path):
 
 def _is_stdlib(name: str) -> bool:
     return name in sys.stdlib_module_names
+
+
+# ------------------------------------------------------------------------------------------ the matrix script
+def _matrix():
+    sys.path.insert(0, str(PACKAGE.parent / "scripts"))
+    try:
+        return importlib.import_module("compat_matrix")
+    finally:
+        sys.path.pop(0)
+
+
+def test_matrix_reads_pytest_summaries_and_the_supported_range():
+    matrix = _matrix()
+    assert matrix.compat_constant("OLDEST_SUPPORTED") == compat.OLDEST_SUPPORTED
+    assert matrix.summary_counts("....\n9 failed, 486 passed, 238 skipped, 670 deselected, 23 warnings, 2804 "
+                                 "subtests passed in 402.71s (0:06:42)\n") == {
+        "passed": 486, "failed": 9, "errors": 0, "skipped": 238}
+    assert matrix.summary_counts("===== 2 passed, 1 error in 3.10s =====") == {
+        "passed": 2, "failed": 0, "errors": 1, "skipped": 0}
+    assert matrix.summary_counts("collected 3 items\nKeyboardInterrupt\n") is None  # an unfinished run
+
+
+@pytest.mark.parametrize("log, code", [("24 passed, 1 skipped in 3.0s\n", 0), ("1 failed, 23 passed in 3.0s\n", 1),
+                                       ("interrupted\n", 1)])
+def test_matrix_prints_one_line_per_release_and_fails_with_the_main_run(log, code, tmp_path, capsys):
+    matrix = _matrix()
+    main_log = tmp_path / "main.log"
+    main_log.write_text(log)
+    # only the pinned release asked for: nothing to build, the main run's line and status remain
+    assert matrix.main(["--main-log", str(main_log), "--releases", transformers.__version__]) == code
+    out = capsys.readouterr().out
+    assert f"transformers {transformers.__version__} (pinned): whole suite: " in out
+    assert ("24 passed, 0 failed, 0 errors, 1 skipped" in out) if code == 0 else True
