@@ -26,6 +26,7 @@ import warnings
 import transformers
 from packaging.version import Version
 from transformers import masking_utils
+from transformers.utils.deprecation import deprecate_kwarg
 
 try:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -70,16 +71,21 @@ check_transformers_version()
 
 
 def accepts_past_key_values(forward):
-    """Let `forward(..., cache=...)` also be called with the cache as `past_key_values=` (its name before 5.24)."""
+    """Let `forward(..., cache=...)` also be called with the cache as `past_key_values=` (its name before 5.24).
+
+    From 5.24 the old name is deprecated as on Transformers' own models (its `deprecate_kwarg`: a FutureWarning,
+    and Transformers' common tests check for it); before, it is the name `generate()` uses, so it passes silently.
+    """
+    if CACHE_NAME == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache", raise_if_both_names=True)(forward)
 
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
-        if "past_key_values" in kwargs:
-            old = kwargs.pop("past_key_values")
-            if old is not None and kwargs.get("cache") is not None and kwargs["cache"] is not old:
+        old = kwargs.pop("past_key_values", None)
+        if old is not None:  # None under the one name leaves the other as given (a paged cache rides as `cache`)
+            if kwargs.get("cache") is not None and kwargs["cache"] is not old:
                 raise ValueError("pass the key-value cache once: as `cache` or as `past_key_values`, not both")
-            if kwargs.get("cache") is None:
-                kwargs["cache"] = old
+            kwargs["cache"] = old
         return forward(*args, **kwargs)
 
     return wrapper

@@ -104,8 +104,19 @@ def test_the_cache_is_taken_under_either_name_and_continues_exactly(preset):
 def test_two_different_caches_under_both_names_are_refused():
     model = _model("tiny-switchhead")
     ids = torch.randint(1, model.config.vocab_size, (1, 3))
-    with pytest.raises(ValueError, match="as `cache` or as `past_key_values`, not both"):
+    with pytest.raises(ValueError) as error:
         model(ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+    assert "`cache`" in str(error.value) and "`past_key_values`" in str(error.value)
+
+
+def test_the_old_name_is_deprecated_only_where_the_release_renamed_it():
+    model = _model("tiny-switchhead")
+    ids = torch.randint(1, model.config.vocab_size, (1, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    deprecated = [w for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+    assert bool(deprecated) == (compat.CACHE_NAME == "cache")
 
 
 def test_outputs_carry_the_cache_under_the_release_name():
