@@ -200,9 +200,12 @@ def run_eval(args) -> int:
                                      protocol=args.ppl_protocol, batch_size=args.batch_size)
         report["perplexity"].append({"data": Path(path).name, **result.as_dict()})
     if args.plots:
+        from switchhead.integrity import FolderLock
+
         from .analysis import analyse
 
-        written = analyse(model, tokenizer, args.text, args.plots)
+        with FolderLock(args.plots, "eval --plots"):  # one writer of the plots folder at a time
+            written = analyse(model, tokenizer, args.text, args.plots)
         report["plots"] = [str(path) for path in written]
 
     for task, metrics in sorted(report["results"].items()):

@@ -323,15 +323,15 @@ class RequestChecker:
         limit, what = state.token_limit()
         if limit is not None:
             if len(ids) >= limit:
-                raise RequestRefused(f"the prompt has {len(ids)} tokens, but {state.checkpoint} reads at most {limit} "
+                raise RequestRefused(f"the prompt has {len(ids)} tokens, but a sequence holds at most {limit} here "
                                      f"({what}) including the generated ones; shorten the prompt")
             if asked is None:
                 body["max_tokens"] = limit - len(ids)  # OpenAI's default: up to the end of the context
             elif len(ids) + asked > limit:
                 field = ("max_completion_tokens" if chat and body.get("max_completion_tokens") is not None
                          else "max_tokens" if max_new is not None else "generation_config.max_new_tokens")
-                raise RequestRefused(f"{field} {asked} and the prompt's {len(ids)} tokens exceed the {limit} tokens "
-                                     f"{state.checkpoint} reads ({what}); ask for at most {limit - len(ids)}")
+                raise RequestRefused(f"{field} {asked} and the prompt's {len(ids)} tokens exceed the {limit} tokens a "
+                                     f"sequence holds here ({what}); ask for at most {limit - len(ids)}")
         return json.dumps(body).encode(), RequestInfo(sampling, bool(stream))
 
     def _check_logit_bias(self, bias) -> None:
@@ -477,6 +477,8 @@ class RequestChecks:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method = scope.get("path", ""), scope.get("method", "GET")
+        if method == "OPTIONS":  # CORS preflight (--enable-cors) is the app's to answer
+            return await self.app(scope, receive, send)
         if path == "/health" and method in ("GET", "HEAD"):
             status, payload = self.state.health()
             return await _respond(send, status, "", extra=payload)
@@ -873,6 +875,14 @@ def _serving_classes():
             except CBWorkerDeadError:
                 raise  # upstream's 503
             except RuntimeError as error:
+                status = getattr(self._cb, "background_thread_status", None)
+                state = getattr(self.owner, "switchhead_state", None)
+                # a dying worker stops itself, then fails every request, then records its error: upstream may look
+                # before the record and call it this request's failure; the stop request already tells
+                if status is not None and not (state is not None and state.stopping) and \
+                        (status.fatal_error is not None or status.local_status >= status.HARD_STOP):
+                    raise CBWorkerDeadError(f"the generation worker stopped during this request ({error}); it is "
+                                            "being restarted, retry in a moment") from None
                 raise failed(error, self.owner) from None
 
     class SafeGenerationState(GenerationState):
@@ -984,7 +994,8 @@ def _shutdown(instance, state: ServerState, stop: threading.Event) -> None:
     manager = state.batching_manager()
     if manager is not None:  # fail what is queued or decoding now; the thread ends after its current step
         try:
-            manager.background_thread_status.request_stop(2, manager.distributed_helper.global_rank)  # HARD_STOP
+            status = manager.background_thread_status
+            status.request_stop(status.HARD_STOP, manager.distributed_helper.global_rank)
             manager._wake_up_loop.set()
         except Exception as error:  # noqa: BLE001 - an older release's internals: the stop below still runs
             logger.info("could not hard-stop the batching worker early: %s", error)

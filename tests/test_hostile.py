@@ -342,6 +342,8 @@ def test_a_one_megabyte_prompt_is_refused_without_stalling_the_event_loop(served
         prober.join()
     # the two 1 MB prompts are tokenized in a worker thread: /health keeps answering meanwhile (upstream
     # tokenized on the event loop and stalled it for about a second per prompt)
+    print(f"two 1 MB prompts refused in {tokenizing:.1f} s; /health answered {len(stalls)} times meanwhile, "
+          f"slowest {max(stalls) * 1000:.0f} ms")
     assert len(stalls) >= 5 and max(stalls) < max(0.5, tokenizing / 2), (max(stalls), tokenizing, len(stalls))
     assert server.complete() == reference
 
@@ -406,7 +408,9 @@ def test_sigterm_stops_the_batching_server_within_seconds_with_requests_in_fligh
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=15) == 0
-    assert time.monotonic() - started < 8, time.monotonic() - started
+    elapsed = time.monotonic() - started
+    print(f"continuous batching: SIGTERM with 2 requests in flight, stopped after {elapsed:.1f} s")
+    assert elapsed < 8, elapsed
     for connection in connections:  # each client got an answer (an error), not a hang
         connection.settimeout(5)
         assert connection.recv(65536)
@@ -459,7 +463,9 @@ def test_without_continuous_batching(tmp_path):
         started = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=15) == 0
-        assert time.monotonic() - started < 8, time.monotonic() - started
+        elapsed = time.monotonic() - started
+        print(f"one generate() per request: SIGTERM with a stream in flight, stopped after {elapsed:.1f} s")
+        assert elapsed < 8, elapsed
         connection.settimeout(5)
         received = b""
         while chunk := connection.recv(65536):
@@ -489,8 +495,10 @@ def corpus(tmp_path_factory) -> tuple[str, str]:
 
 def train_args(corpus, output: Path, steps: int, *extra: str) -> list[str]:
     data, tokenizer = corpus
-    return ["train", "--preset", "tiny-switchhead-xl", "--set", "xl_memory_length=16", "--data", data,
-            "--tokenizer", tokenizer, "--output-dir", str(output), "--max-steps", str(steps), *SETTINGS, *extra]
+    # dropout on: the RNG state decides the continuation, so a resume is exact only if it is restored
+    return ["train", "--preset", "tiny-switchhead-xl", "--set", "xl_memory_length=16", "--set", "hidden_dropout=0.1",
+            "--data", data, "--tokenizer", tokenizer, "--output-dir", str(output), "--max-steps", str(steps),
+            *SETTINGS, *extra]
 
 
 def one_error_line(capsys, command: str = "train") -> str:
@@ -579,8 +587,12 @@ def test_an_older_checkpoints_pickled_rng_state_needs_allow_pickle_only_when_uns
     torch.save({"step": 0, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
                 "torch_manual_seed": state["torch_cpu"]}, newest / "random_states_0.pkl")  # as Accelerate wrote it
     assert main(train_args(corpus, run, 6, "--resume")) == 0
-    assert "inexact" not in (run / "events.log").read_text() if (run / "events.log").exists() else True
+    assert not (run / "events.log").exists() or "inexact" not in (run / "events.log").read_text()
+    reference = tmp_path / "reference"  # the same resume from the new format
+    shutil.copytree(finished, reference)
+    assert main(train_args(corpus, reference, 6, "--resume")) == 0
     capsys.readouterr()
+    assert (run / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()  # exact
 
     run = tmp_path / "run-planted"
     shutil.copytree(finished, run)
@@ -680,3 +692,47 @@ def test_commands_print_nothing_but_their_own_line_on_stderr(tmp_path):
     assert result.stderr.startswith("--\n"), result.stderr  # nothing before the successful command's end
     assert result.stderr[3:].startswith("switchhead generate: error: model folder") \
         and result.stderr[3:].count("\n") == 1, result.stderr
+
+
+def test_commands_that_write_a_folder_refuse_one_another_writer(tmp_path, capsys):
+    """finetune, convert and upcycle take the same lock as train: a held one is refused naming its holder."""
+    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+    from switchhead.integrity import FolderLock
+
+    model = tmp_path / "model"
+    SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-switchhead")).save_pretrained(model)
+    text = tmp_path / "text.txt"
+    text.write_text("lobsters walk along the sandy floor.\n" * 200)
+    out = tmp_path / "out"
+    holder = f"process {os.getpid()}"
+    capsys.readouterr()  # save_pretrained's progress bar
+    with FolderLock(str(out), "train"):  # inside the folder, as train and finetune lock theirs
+        assert main(["finetune", str(model), "--data", str(text), "--output-dir", str(out)]) == 2
+        assert holder in one_error_line(capsys, "finetune")
+    assert not out.exists()  # released, and the folder it had created is gone
+    with FolderLock(str(out), "convert", inside=False):  # beside the path, as convert and upcycle lock theirs
+        assert main(["convert", "authors-to-hf", str(text), str(out)]) == 2
+        assert holder in one_error_line(capsys, "convert")
+        assert main(["upcycle", str(model), str(out), "--heads", "1", "--experts", "2", "--k", "1"]) == 2
+        assert holder in one_error_line(capsys, "upcycle")
+    assert not out.exists() and not list(tmp_path.glob(f".out{LOCK_NAME}"))
+
+
+def test_the_paged_cache_bounds_a_request_as_the_context_does(served):
+    """A paged cache smaller than the context (here 32 tokens, as `--cb-num-blocks 2 --cb-block-size 16` gives):
+    prompt + max_tokens must fit it, and a missing max_tokens is filled with the room left in it. The same
+    checker the server runs, in this process, with the served model's tokenizer."""
+    from switchhead.serving import RequestChecker, RequestRefused, ServerState
+
+    _, _, model, tokenizer = served
+    state = ServerState.__new__(ServerState)  # the facts the checker reads, without a server
+    state.checkpoint, state.tokenizer, state.vocab_size, state.context = "m", tokenizer, model.config.vocab_size, 128
+    state.cache_tokens, state.continuous_batching, state.chat_template_kwargs = 32, False, {}
+    checker = RequestChecker(state)
+    prompt = len(tokenizer(NORMAL_PROMPT)["input_ids"])
+    with pytest.raises(RequestRefused, match=r"exceed the 32 tokens a sequence holds here \(the paged cache"):
+        checker.check("/v1/completions", json.dumps({"prompt": NORMAL_PROMPT, "max_tokens": 40}).encode())
+    body, info = checker.check("/v1/completions", json.dumps({"prompt": NORMAL_PROMPT}).encode())
+    assert json.loads(body)["max_tokens"] == 32 - prompt and info.sampling is None
+    body, info = checker.check("/v1/completions", json.dumps({"prompt": NORMAL_PROMPT, "temperature": 0.5}).encode())
+    assert info.sampling is True  # without continuous batching, sampling is honoured per request
