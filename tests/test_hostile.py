@@ -27,21 +27,18 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_serving import expected_text, free_port, make_checkpoint
+from test_fault_injection import corpus  # noqa: F401 - the same module-scoped fixture: data, tokenizer
+from test_serving import Server, expected_text, make_checkpoint
 
 from switchhead.cli import main
 from switchhead.integrity import LOCK_NAME, MANIFEST
-from switchhead.training import checkpoint_dirs, train_tokenizer
-from switchhead.training.data import load_documents
+from switchhead.training import checkpoint_dirs
 
-STARTUP_TIMEOUT = 120
 NORMAL_PROMPT = "The quick brown fox jumps over"
 NORMAL_TOKENS = 8
 
@@ -93,29 +90,22 @@ sys.exit(main())
 """
 
 
-class HostileServer:
+class HostileServer(Server):
     """`switchhead serve CHECKPOINT` through the fault-injecting launcher; `stop()` always ends it."""
 
+    LAUNCHER = LAUNCHER
+
     def __init__(self, checkpoint: Path, faults: Path, *flags: str):
-        self.checkpoint, self.faults, self.port = str(checkpoint), faults, free_port()
         faults.mkdir(exist_ok=True)
-        self.log = open(faults / "server.log", "w+")
+        self.faults = faults
         home = faults / "empty-hf-home"  # no Hugging Face cache folder at all: /v1/models must still work
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "SWITCHHEAD_TEST_FAULTS": str(faults), "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub")}
-        self.process = subprocess.Popen([sys.executable, "-c", LAUNCHER, "serve", self.checkpoint, "--port",
-                                         str(self.port), *flags], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise AssertionError(f"server not ready after {STARTUP_TIMEOUT} s")
+        super().__init__(str(checkpoint), *flags, log_dir=str(faults), env={
+            "SWITCHHEAD_TEST_FAULTS": str(faults), "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub")})
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
     def fault(self, name: str, content: str = "") -> None:
         (self.faults / name).write_text(content)
@@ -148,17 +138,6 @@ class HostileServer:
         assert status == 200, answer
         return answer["choices"][0]["text"]
 
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-4000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
-
 
 def open_stream(server: HostileServer, body: dict) -> socket.socket:
     """Send a request on a raw socket and return it unread: the test decides when the client goes away."""
@@ -167,6 +146,16 @@ def open_stream(server: HostileServer, body: dict) -> socket.socket:
     connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return connection
+
+
+def sigterm(server: HostileServer, what: str, bound: float = 8.0) -> None:
+    """SIGTERM the server: it must exit 0 within `bound` seconds (the measured time is printed, see README)."""
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=15) == 0
+    elapsed = time.monotonic() - started
+    print(f"{what}, stopped after {elapsed:.1f} s")
+    assert elapsed < bound, elapsed
 
 
 def wait_for(predicate, timeout: float, what: str, every: float = 0.05):
@@ -405,12 +394,7 @@ def test_sigterm_stops_the_batching_server_within_seconds_with_requests_in_fligh
     connections = [open_stream(server, {"prompt": NORMAL_PROMPT, "max_tokens": 100, "temperature": 0,
                                         "stream": stream}) for stream in (False, True)]
     wait_for(lambda: server.get("/health")[1].get("generations_in_flight") == 2, 10, "both requests run")
-    started = time.monotonic()
-    server.process.send_signal(signal.SIGTERM)
-    assert server.process.wait(timeout=15) == 0
-    elapsed = time.monotonic() - started
-    print(f"continuous batching: SIGTERM with 2 requests in flight, stopped after {elapsed:.1f} s")
-    assert elapsed < 8, elapsed
+    sigterm(server, "continuous batching: SIGTERM with 2 requests in flight")
     for connection in connections:  # each client got an answer (an error), not a hang
         connection.settimeout(5)
         assert connection.recv(65536)
@@ -460,12 +444,7 @@ def test_without_continuous_batching(tmp_path):
         connection = open_stream(server, {"prompt": NORMAL_PROMPT, "max_tokens": 100, "temperature": 0,
                                           "stream": True})
         wait_for(lambda: server.get("/health")[1]["requests_in_flight"] == 1, 10, "the request runs")
-        started = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(timeout=15) == 0
-        elapsed = time.monotonic() - started
-        print(f"one generate() per request: SIGTERM with a stream in flight, stopped after {elapsed:.1f} s")
-        assert elapsed < 8, elapsed
+        sigterm(server, "one generate() per request: SIGTERM with a stream in flight")
         connection.settimeout(5)
         received = b""
         while chunk := connection.recv(65536):
@@ -480,17 +459,6 @@ def test_without_continuous_batching(tmp_path):
 SETTINGS = ["--block-size", "32", "--batch-size", "8", "--warmup-steps", "0", "--log-every", "1", "--eval-every",
             "100", "--eval-batches", "2", "--save-every", "2", "--keep-checkpoints", "3", "--no-progress",
             "--no-tensorboard"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> tuple[str, str]:
-    from conftest import SHARED_DATA
-
-    data = SHARED_DATA / "wikitext-2" / "wiki.valid.tokens"
-    assert data.is_file(), f"shared data missing: {data}"
-    folder = tmp_path_factory.mktemp("tokenizer")
-    train_tokenizer(load_documents(str(data))[0], 512).save_pretrained(folder)
-    return str(data), str(folder)
 
 
 def train_args(corpus, output: Path, steps: int, *extra: str) -> list[str]:

@@ -47,12 +47,14 @@ def free_port() -> int:
 class Server:
     """`switchhead serve CHECKPOINT --port P` in a subprocess; `stop()` always ends it."""
 
-    def __init__(self, checkpoint: str, *flags: str):
+    LAUNCHER = "import sys; from switchhead.cli import main; sys.exit(main())"
+
+    def __init__(self, checkpoint: str, *flags: str, log_dir: str | None = None, env: dict | None = None):
         self.checkpoint, self.port = checkpoint, free_port()
-        self.log = open(os.path.join(checkpoint, "server.log"), "w+")
-        command = [sys.executable, "-c", "import sys; from switchhead.cli import main; sys.exit(main())",
-                   "serve", checkpoint, "--port", str(self.port), *flags]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.log = open(os.path.join(log_dir or checkpoint, "server.log"), "w+")
+        command = [sys.executable, "-c", self.LAUNCHER, "serve", checkpoint, "--port", str(self.port), *flags]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               **(env or {})}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -176,7 +176,7 @@ def lora_config(config: SwitchHeadConfig, r: int = 8, lora_alpha: float | None =
     if not modules and not parameters:
         raise FinetuneError("LoRA needs at least one target module or parameter")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise FinetuneError(f"LoRA rank must be an integer >= 1, got {r!r}")
+        raise FinetuneError(f"LoRA rank must be >= 1 (an integer), got {r!r}")
     if r > config.hidden_size:  # a rank above the width adds factors that can only be redundant
         raise FinetuneError(f"LoRA rank {r} exceeds the model width (hidden_size {config.hidden_size}); choose a "
                             f"rank <= {config.hidden_size}")
