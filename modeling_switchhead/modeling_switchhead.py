@@ -1567,10 +1567,14 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         given = input_ids if input_ids is not None else inputs_embeds
-        if given.dim() < 2 or given.shape[0] == 0 or given.shape[1] == 0:  # shape checks only: no host sync
-            name = "input_ids" if input_ids is not None else "inputs_embeds"
+        name, layout, dims = ("input_ids", "[batch, length]", 2) if input_ids is not None else (
+            "inputs_embeds", "[batch, length, hidden_size]", 3)
+        if given.dim() != dims:  # shape checks only: no host sync
+            hint = f" (one sequence: add a batch dimension, {name}[None])" if given.dim() == dims - 1 else ""
+            raise ValueError(f"{name} must be shaped {layout}, got shape {tuple(given.shape)}{hint}")
+        if given.shape[0] == 0 or given.shape[1] == 0:
             raise ValueError(f"{name} is empty (shape {tuple(given.shape)}): give at least one token per sequence, "
-                             f"shaped [batch, length{'' if input_ids is not None else ', hidden_size'}]")
+                             f"shaped {layout}")
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             self._check_xl_memory(xl_memory, batch, use_cache, cache)

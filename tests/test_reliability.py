@@ -294,6 +294,15 @@ def test_empty_input_is_a_value_error_that_says_so(tiny_model, call):
             tiny_model(torch.zeros(0, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("shape, hint", [((5,), "input_ids[None]"), ((1, 2, 5), ""), ((), "")])
+def test_input_ids_of_the_wrong_rank_name_the_expected_layout(tiny_model, shape, hint):
+    with pytest.raises(ValueError, match=r"input_ids must be shaped \[batch, length\], got shape") as error:
+        tiny_model(torch.ones(shape, dtype=torch.long))
+    assert hint in str(error.value)
+    with pytest.raises(ValueError, match=r"inputs_embeds must be shaped \[batch, length, hidden_size\].*\[None\]"):
+        tiny_model(inputs_embeds=torch.zeros(4, 64))
+
+
 @pytest.mark.parametrize("bad", [512, 10_000, -1])
 def test_out_of_vocabulary_ids_name_the_vocabulary_size_in_forward_and_generate(tiny_model, bad):
     ids = torch.tensor([[1, 2, bad]])
