@@ -19,10 +19,21 @@ Two kernels cover the forward and the backward:
 Row indices are computed from the slot id (`m // A_DIV`), so nothing of size `[M, d]` is gathered on the host.
 Any strides are accepted (they are passed to the kernels); fp32 uses IEEE dots unless
 `torch.set_float32_matmul_precision("high")` (or "medium") allows TF32, as for `torch.mm`.
+
+Register budget (`benchmarks/gpu_audit.py` compiles every launch and config for sm_80, sm_90 and sm_100 and finds no
+spill): each kernel is one flat loop (over (expert, k step) pairs in the row kernel), because a loop nested in a
+data-dependent one made the compiler keep a second copy of every load address live. `ALIGN`, a power of two that
+divides the sizes and row strides, tells the compiler that rows start on vector boundaries and that the masks are
+constant over ALIGN columns, so the loads are vector copies into shared memory (`cp.async`) rather than one
+register per element. A reduction step holds the same bytes in every dtype (half as many fp32 elements). Launches
+whose rows cannot be loaded as 8-byte vectors (`VECTOR_LOADS` false: odd sizes, transposed inputs) and IEEE fp32
+launches (FMA dots, whose operands sit in registers) take 16-deep steps and only the narrow configs
+(`_narrow_tiles`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -41,20 +52,42 @@ def _configs(sizes: list[tuple[int, int, int, int, int]], names: tuple[str, str,
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): row tiles over slots, column tiles over d_out (d_in in backward)
 _ROW_CONFIGS = _configs(
-    [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (64, 64, 64, 4, 4),
-     (128, 256, 64, 8, 3), (64, 32, 64, 2, 4), (128, 32, 64, 4, 4)],
+    [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 8, 3), (64, 64, 64, 4, 3),
+     (64, 32, 64, 4, 4), (128, 32, 64, 4, 4)],
     ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
 )
 # (BLOCK_K, BLOCK_N, BLOCK_M, warps, stages): d_in tile, d_out tile, slots reduced per step
 _WEIGHT_CONFIGS = _configs(
-    [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 32, 4, 4),
+    [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 3), (128, 128, 32, 4, 4),
      (64, 32, 128, 4, 4), (128, 32, 64, 4, 4)],
     ("BLOCK_K", "BLOCK_N", "BLOCK_M"),
 )
 
 
-@triton.autotune(configs=_ROW_CONFIGS, key=["K", "NOUT", "HAS_GATES", "ATOMIC", "COMPUTE_DGATE"],
-                 reset_to_zero=["out_ptr", "dgate_ptr"])
+def _narrow_tiles(**largest: int):
+    """An autotuner `early_config_prune` that leaves only the configs whose blocks are at most `largest` (e.g.
+    BLOCK_N=32) to IEEE fp32 launches, whose dots run on the FMA units with each thread's rows and columns of both
+    operands in registers, and to launches without vector loads, which hold an address per element: the larger
+    tiles spill there (benchmarks/gpu_audit.py). Vector-load tensor-core launches keep every config."""
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        if kwargs.get("PRECISION") != "ieee" and kwargs.get("VECTOR_LOADS", True):
+            return configs
+        return [c for c in configs if all(c.kwargs[name] <= most for name, most in largest.items())] or configs
+
+    return prune
+
+
+@triton.jit
+def _below(offs, bound, ALIGN: tl.constexpr):
+    """`offs < bound` for a bound that is a multiple of ALIGN, in a form whose value the compiler sees is constant
+    over runs of ALIGN offsets, so that a masked load of such a run is one vector load."""
+    return offs // ALIGN < bound // ALIGN
+
+
+@triton.autotune(configs=_ROW_CONFIGS,
+                 key=["K", "NOUT", "HAS_GATES", "ATOMIC", "COMPUTE_DGATE", "PRECISION", "ALIGN", "VECTOR_LOADS"],
+                 reset_to_zero=["out_ptr", "dgate_ptr"],
+                 prune_configs_by=dict(early_config_prune=_narrow_tiles(BLOCK_N=32)))
 @triton.jit
 def _gathered_expert_matmul(
     a_ptr, stride_am, stride_ak,  # A [rows, K]; slot m reads row m // A_DIV
@@ -66,8 +99,15 @@ def _gathered_expert_matmul(
     dgate_ptr,  # (COMPUTE_DGATE) fp32 [cdiv(NOUT, min BLOCK_N), M]: one partial sum per column tile
     M, K, NOUT, A_DIV, OUT_DIV, X_DIV,
     HAS_GATES: tl.constexpr, ATOMIC: tl.constexpr, COMPUTE_DGATE: tl.constexpr, PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides K, NOUT and the row strides of A, W, out and x (see `_alignment`)
+    VECTOR_LOADS: tl.constexpr,  # ALIGN elements of A are >= 8 bytes: full BLOCK_K steps
+    W_N_CONTIGUOUS: tl.constexpr,  # stride_wn == 1 (forward); else the row stride of W is stride_wn
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # reduction step: BLOCK_K 16-bit elements' worth (half as many fp32, at least the 16 a dot needs), or 16 where
+    # loads are scalar or dots run on FMA units
+    K_STEP: tl.constexpr = (max(16, BLOCK_K * 16 // a_ptr.dtype.element_ty.primitive_bitwidth)
+                            if VECTOR_LOADS and PRECISION != "ieee" else 16)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(NOUT, BLOCK_N)
     pid_m = pid // tiles_n  # neighbouring programs share the same rows of A
@@ -77,42 +117,51 @@ def _gathered_expert_matmul(
     experts = tl.load(sorted_expert_ptr + offs_m, mask=row_ok, other=-1)
     slot = tl.load(order_ptr + offs_m, mask=row_ok, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < NOUT
-    offs_k = tl.arange(0, BLOCK_K)
-    a_rows = (slot // A_DIV).to(tl.int64)
+    col_ok = _below(offs_n, NOUT, ALIGN)
+    offs_k = tl.arange(0, K_STEP)
+    # offsets of the first k step; each step adds a scalar (k0 and the expert's matrix) to them
+    a_tile = tl.multiple_of((slot // A_DIV).to(tl.int64) * stride_am, ALIGN)[:, None] + offs_k[None, :] * stride_ak
+    w_k = offs_k * stride_wk
+    w_n = offs_n * stride_wn
+    if W_N_CONTIGUOUS:
+        w_k = tl.multiple_of(w_k, ALIGN)
+    else:
+        w_n = tl.multiple_of(w_n, ALIGN)
+    w_tile = w_k[:, None] + w_n[None, :]
 
-    # experts are sorted: this block holds experts first..last (usually first == last)
+    # experts are sorted: this block holds experts first..last (usually first == last); one flat loop over
+    # (expert, k step), the rows of the other experts masked to zero, all into one accumulator
     first = tl.load(sorted_expert_ptr + pid_m * BLOCK_M)
-    last = tl.load(sorted_expert_ptr + tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1)  # int64: e * stride_we is 64-bit
+    last = tl.load(sorted_expert_ptr + tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1)
+    k_steps = tl.cdiv(K, K_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for e in range(first, last + 1):
+    for step in range(0, (last - first + 1) * k_steps):
+        e = first + step // k_steps
+        k0 = (step % k_steps) * K_STEP
+        k_ok = _below(offs_k, K - k0, ALIGN)
         rows_e = row_ok & (experts == e)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        w_ptrs = w_ptr + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=rows_e[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += tl.dot(a, w, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * stride_wk
+        a = tl.load(a_ptr + k0 * stride_ak + a_tile, mask=rows_e[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + tl.multiple_of(e * stride_we + k0 * stride_wk, ALIGN) + w_tile,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=PRECISION)
 
     tile_ok = row_ok[:, None] & col_ok[None, :]
     if COMPUTE_DGATE:  # d gate_m = <x_m, grad_row W_e^T>, summed over this column tile
-        x_rows = (slot // X_DIV).to(tl.int64)
-        x = tl.load(x_ptr + x_rows[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=tile_ok, other=0.0)
+        x_rows = tl.multiple_of((slot // X_DIV).to(tl.int64) * stride_xm, ALIGN)
+        x = tl.load(x_ptr + x_rows[:, None] + offs_n[None, :] * stride_xn, mask=tile_ok, other=0.0)
         tl.store(dgate_ptr + pid_n * M + slot, tl.sum(acc * x.to(tl.float32), axis=1), mask=row_ok)
     if HAS_GATES:
         acc = acc * tl.load(gate_ptr + slot, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    out_rows = (slot // OUT_DIV).to(tl.int64)
-    out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_rows = tl.multiple_of((slot // OUT_DIV).to(tl.int64) * stride_om, ALIGN)
+    out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on
     if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=tile_ok)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
-@triton.autotune(configs=_WEIGHT_CONFIGS, key=["K", "NOUT", "HAS_GATES"])
+@triton.autotune(configs=_WEIGHT_CONFIGS, key=["K", "NOUT", "HAS_GATES", "PRECISION", "ALIGN", "VECTOR_LOADS"],
+                 prune_configs_by=dict(early_config_prune=_narrow_tiles(BLOCK_K=64, BLOCK_N=32)))
 @triton.jit
 def _expert_weight_grad(
     x_ptr, stride_xm, stride_xk,  # forward inputs [rows, K]; slot m reads row m // X_DIV
@@ -121,8 +170,14 @@ def _expert_weight_grad(
     dw_ptr, stride_ds, stride_de, stride_dk, stride_dn,  # d weight [SPLIT, G, K, NOUT] (partial sums if SPLIT > 1)
     K, NOUT, X_DIV, G_DIV, SPLIT,
     HAS_GATES: tl.constexpr, PRECISION: tl.constexpr,
+    ALIGN: tl.constexpr,  # divides K, NOUT and the row strides of x, the gradient and d weight
+    VECTOR_LOADS: tl.constexpr,  # ALIGN elements of x are >= 8 bytes: full BLOCK_M steps
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    # slots per step: BLOCK_M for 16-bit operands (half for fp32, at least 16), or 16 where loads are scalar or
+    # dots run on FMA units
+    M_STEP: tl.constexpr = (max(16, BLOCK_M * 16 // x_ptr.dtype.element_ty.primitive_bitwidth)
+                            if VECTOR_LOADS and PRECISION != "ieee" else 16)
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles_n = tl.cdiv(NOUT, BLOCK_N)
@@ -132,30 +187,30 @@ def _expert_weight_grad(
     pid_n = pid % tiles_n
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = offs_k < K
-    n_ok = offs_n < NOUT
+    k_ok = _below(offs_k, K, ALIGN)
+    n_ok = _below(offs_n, NOUT, ALIGN)
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
-    share = tl.cdiv(tl.cdiv(end - start, SPLIT), BLOCK_M) * BLOCK_M
+    share = tl.cdiv(tl.cdiv(end - start, SPLIT), M_STEP) * M_STEP
     lo = start + part * share
     hi = tl.minimum(lo + share, end)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for p0 in range(lo, hi, BLOCK_M):  # an empty expert (or share) runs no step and stores zeros
-        offs_p = p0 + tl.arange(0, BLOCK_M)
+    for p0 in range(lo, hi, M_STEP):  # an empty expert (or share) runs no step and stores zeros
+        offs_p = p0 + tl.arange(0, M_STEP)
         p_ok = offs_p < hi
         slot = tl.load(order_ptr + offs_p, mask=p_ok, other=0)
-        x_rows = (slot // X_DIV).to(tl.int64)
-        g_rows = (slot // G_DIV).to(tl.int64)
-        x_t = tl.load(x_ptr + x_rows[None, :] * stride_xm + offs_k[:, None] * stride_xk,
-                      mask=k_ok[:, None] & p_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
-        dy = tl.load(g_ptr + g_rows[:, None] * stride_gm + offs_n[None, :] * stride_gn,
-                     mask=p_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-        if HAS_GATES:
+        x_rows = tl.multiple_of((slot // X_DIV).to(tl.int64) * stride_xm, ALIGN)
+        g_rows = tl.multiple_of((slot // G_DIV).to(tl.int64) * stride_gm, ALIGN)
+        x_t = tl.load(x_ptr + x_rows[None, :] + offs_k[:, None] * stride_xk,
+                      mask=k_ok[:, None] & p_ok[None, :], other=0.0)  # [BLOCK_K, M_STEP]
+        dy = tl.load(g_ptr + g_rows[:, None] + offs_n[None, :] * stride_gn,
+                     mask=p_ok[:, None] & n_ok[None, :], other=0.0)  # [M_STEP, BLOCK_N]
+        if HAS_GATES:  # on the x side: a register operand of the dot, where dy's tile goes from memory to the dot
             gate = tl.load(gate_ptr + slot, mask=p_ok, other=0.0).to(tl.float32)
-            dy = (dy.to(tl.float32) * gate[:, None]).to(x_t.dtype)
+            x_t = (x_t.to(tl.float32) * gate[None, :]).to(dy.dtype)
         acc += tl.dot(x_t, dy, input_precision=PRECISION)
-    dw_ptrs = dw_ptr + part.to(tl.int64) * stride_ds + e.to(tl.int64) * stride_de + offs_k[:, None] * stride_dk \
-        + offs_n[None, :] * stride_dn
+    dw_matrix = tl.multiple_of(part.to(tl.int64) * stride_ds + e.to(tl.int64) * stride_de, ALIGN)
+    dw_ptrs = dw_ptr + dw_matrix + tl.multiple_of(offs_k * stride_dk, ALIGN)[:, None] + offs_n[None, :] * stride_dn
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
 
@@ -163,6 +218,13 @@ def _precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "ieee"
     return "tf32"  # ignored for fp16 / bf16 operands
+
+
+def _alignment(*sizes_and_strides: int) -> int:
+    """The largest power of two, at most 8, that divides every size and row stride given (a stride 0 counts as
+    divisible): the kernels' `ALIGN`."""
+    common = math.gcd(*sizes_and_strides)
+    return 8 if common == 0 else min(8, common & -common)
 
 
 def _min_block(configs: list[triton.Config], name: str) -> int:
@@ -194,6 +256,10 @@ def _rows_matmul(a, w, sorted_expert, order, gates, out_rows, out_div, a_div, ou
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n_out, meta["BLOCK_N"]),)
 
+    w_n_contiguous = w.stride(2) == 1
+    align = _alignment(k, n_out, a.stride(0), w.stride(0), w.stride(1) if w_n_contiguous else w.stride(2),
+                       out.stride(0), x_arg.stride(0))
+
     _gathered_expert_matmul[grid](
         a, a.stride(0), a.stride(1),
         w, w.stride(0), w.stride(1), w.stride(2),
@@ -202,7 +268,8 @@ def _rows_matmul(a, w, sorted_expert, order, gates, out_rows, out_div, a_div, ou
         x_arg, x_arg.stride(0), x_arg.stride(1), dgate,
         m, k, n_out, a_div, 1 if (shared and not atomic) else out_div, x_div,
         HAS_GATES=gates is not None, ATOMIC=atomic, COMPUTE_DGATE=compute_dgate,
-        PRECISION=_precision(a.dtype),
+        PRECISION=_precision(a.dtype), ALIGN=align, VECTOR_LOADS=align * a.element_size() >= 8,
+        W_N_CONTIGUOUS=w_n_contiguous,
     )
     if shared and not atomic:
         out = out.view(out_rows, out_div, n_out).sum(1)
@@ -250,6 +317,8 @@ def cvmm_backward_triton(grad, inputs, weight, gates, sorted_expert, order, out_
         else:
             d_weight = torch.empty(1, g_count, d_in, d_out, device=weight.device, dtype=weight.dtype)
 
+        align = _alignment(d_in, d_out, x.stride(0), grad_rows.stride(0), *d_weight.stride()[:3])
+
         def grid(meta):
             return (g_count * split * triton.cdiv(d_in, meta["BLOCK_K"]) * triton.cdiv(d_out, meta["BLOCK_N"]),)
 
@@ -259,7 +328,8 @@ def cvmm_backward_triton(grad, inputs, weight, gates, sorted_expert, order, out_
             flat_gates if gates is not None else order, order, offsets,
             d_weight, d_weight.stride(0), d_weight.stride(1), d_weight.stride(2), d_weight.stride(3),
             d_in, d_out, slots // r, slots // groups, split,
-            HAS_GATES=gates is not None, PRECISION=_precision(inputs.dtype),
+            HAS_GATES=gates is not None, PRECISION=_precision(inputs.dtype), ALIGN=align,
+            VECTOR_LOADS=align * x.element_size() >= 8,
         )
         d_weight = d_weight.sum(0).to(weight.dtype) if split > 1 else d_weight[0]
     return d_inputs, d_weight, d_gates
@@ -270,6 +340,10 @@ def _weight_grad_split(device: torch.device, experts: int, d_in: int, d_out: int
 
     (A 47M layer has 10 experts of 412 x 76: only ~40 output tiles, against 132 SMs on an H100.)
     """
-    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     tiles = experts * triton.cdiv(d_in, 128) * triton.cdiv(d_out, 128)
-    return max(1, min(8, triton.cdiv(2 * multiprocessors, tiles)))
+    return max(1, min(8, triton.cdiv(2 * _multiprocessors(device), tiles)))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessor count (4 for the interpreter's CPU tensors)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
