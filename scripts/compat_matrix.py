@@ -46,6 +46,12 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, **kwargs)
 
 
+def check(result: subprocess.CompletedProcess) -> None:
+    if result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(map(str, result.args))}` failed:\n{result.stdout[-1500:]}\n"
+                           f"{result.stderr[-1500:]}")
+
+
 def newest_release(package: str) -> str:
     """The newest non-pre-release version of `package` on the registry (pip resolves it, downloading nothing)."""
     result = run([sys.executable, "-m", "pip", "index", "versions", package])
@@ -68,18 +74,13 @@ def build_env(release: str, newest: bool) -> Path:
     if (root / ".complete").is_file():
         return python
     shutil.rmtree(root, ignore_errors=True)  # an interrupted build: start again
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    steps = [[sys.executable, "-m", "venv", "--system-site-packages", str(root)],
-             [*pip, f"transformers=={release}", TORCH_PIN]]
+    check(run([sys.executable, "-m", "venv", "--system-site-packages", str(root)]))
+    pins = root / "pins.txt"  # keeps the upgrades of the newest environment from moving transformers or torch
+    pins.write_text(f"transformers=={release}\n{TORCH_PIN}\n")
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(pins)]
+    check(run([*pip, f"transformers=={release}", TORCH_PIN]))
     if newest:  # the newest peft / accelerate / lm-eval that install beside this transformers and our torch
-        steps.append([*pip, "--upgrade", "--upgrade-strategy", "only-if-needed", "-c", str(root / "pins.txt"),
-                      *UPGRADED_IN_NEWEST])
-    for step in steps:
-        if root.is_dir():
-            (root / "pins.txt").write_text(f"transformers=={release}\n{TORCH_PIN}\n")
-        result = run(step)
-        if result.returncode != 0:
-            raise RuntimeError(f"`{' '.join(step)}` failed:\n{result.stdout[-1500:]}\n{result.stderr[-1500:]}")
+        check(run([*pip, "--upgrade", "--upgrade-strategy", "only-if-needed", *UPGRADED_IN_NEWEST]))
     (root / ".complete").write_text(release + "\n")
     return python
 
