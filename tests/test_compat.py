@@ -6,7 +6,6 @@ These tests run on the pinned release with the whole suite, and again, with the 
 
 from __future__ import annotations
 
-import ast
 import importlib
 import re
 import sys
@@ -147,41 +146,6 @@ def test_generate_decodes_each_step_against_the_whole_cache(preset, monkeypatch)
     model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     width = ids.shape[1]
     assert seen == [(width, width)] + [(1, width + step) for step in range(1, 4)]
-
-
-def test_shipped_model_files_import_only_torch_transformers_packaging_and_siblings():
-    """What `trust_remote_code=True` needs where this package is not installed: every file the model imports
-    (relative imports, followed) is saved beside it, and none imports a third-party module besides torch,
-    transformers and packaging (which transformers requires)."""
-    allowed = {"torch", "transformers", "packaging"}
-    todo, seen = ["modeling_switchhead.py"], set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        tree = ast.parse((PACKAGE / name).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                assert node.module, f"{name}: `from . import x` is not followed by Transformers' remote-code loader"
-                todo.append(node.module + ".py")
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                root = node.module.split(".")[0]
-                assert root in allowed or _is_stdlib(root), f"{name} imports {node.module}"
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    root = alias.name.split(".")[0]
-                    assert root in allowed or _is_stdlib(root), f"{name} imports {alias.name}"
-    assert "transformers_compat.py" in seen
-
-
-def test_save_pretrained_copies_the_compat_file(tmp_path):
-    _model("tiny-switchhead").save_pretrained(tmp_path)
-    assert (tmp_path / "transformers_compat.py").read_text() == (PACKAGE / "transformers_compat.py").read_text()
-
-
-def _is_stdlib(name: str) -> bool:
-    return name in sys.stdlib_module_names
 
 
 # ------------------------------------------------------------------------------------------ the matrix script

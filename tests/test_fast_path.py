@@ -670,9 +670,11 @@ def test_inductor_compiles_xl_forward_and_hub_copy_without_kernels(tmp_path, mon
     package = tmp_path / "hub_copy_fast_path"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    source = Path(__file__).resolve().parents[1] / "modeling_switchhead"
-    for name in ("modeling_switchhead.py", "configuration_switchhead.py"):
-        shutil.copy(source / name, package / name)
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    model_file = Path(__file__).resolve().parents[1] / "modeling_switchhead" / "modeling_switchhead.py"
+    for name in [model_file, *get_relative_import_files(model_file)]:  # the files a Hub folder carries
+        shutil.copy(name, package / Path(name).name)
     monkeypatch.syspath_prepend(str(tmp_path))
     hub = importlib.import_module("hub_copy_fast_path.modeling_switchhead")
     monkeypatch.setattr(hub, "_kernels", None)  # as where the switchhead package is not installed

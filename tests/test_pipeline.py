@@ -86,7 +86,9 @@ def test_folder_is_push_to_hub_ready(hub_folder):
 
     # the copied code is this package's code, and imports nothing a bare torch + transformers install lacks
     package = Path(switchhead.__file__).parent
-    for name in ("modeling_switchhead.py", "configuration_switchhead.py"):
+    copied = sorted(path.name for path in folder.glob("*.py"))  # the model, its configuration and their siblings
+    assert {"modeling_switchhead.py", "configuration_switchhead.py", "transformers_compat.py"} <= set(copied)
+    for name in copied:
         assert (folder / name).read_text() == (package / name).read_text()
         for node in ast.walk(ast.parse((folder / name).read_text())):
             if isinstance(node, ast.Import):
@@ -95,7 +97,8 @@ def test_folder_is_push_to_hub_ready(hub_folder):
                 roots = {"." if node.level else node.module.split(".")[0]}
             else:
                 continue
-            allowed = {"torch", "transformers", ".", "__future__"} | set(sys.stdlib_module_names)
+            # packaging: a dependency of transformers, which the compatibility file reads versions with
+            allowed = {"torch", "transformers", "packaging", ".", "__future__"} | set(sys.stdlib_module_names)
             assert roots <= allowed, f"{name} imports {roots - allowed}"
 
 
