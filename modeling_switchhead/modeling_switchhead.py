@@ -1578,10 +1578,12 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             self._check_xl_memory(xl_memory, batch, use_cache, cache)
-        keep_memory = self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
         cache, kwargs = route_paged_cache(cache, kwargs)
         if use_cache and cache is None and not is_paged_call(cache, kwargs):
             cache = DynamicCache(config=self.config)
+        # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding keeps its own state
+        keep_memory = (self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
+                       and not is_paged_call(cache, kwargs))
         if inputs_embeds is None:
             inputs_embeds = self._embed(input_ids)
         if position_ids is None:
