@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from transformers import PreTrainedConfig
 
 ATTENTION_TYPES = ("switchhead", "dense")
 POSITION_ENCODINGS = ("rope", "xl")
 MLP_TYPES = ("dense", "sigma_moe")
+HIDDEN_ACTS = ("relu", "gelu", "silu")
 # which of SwitchHead's value / output projections are mixtures of experts (the paper's Table 6 ablation)
 EXPERT_PROJECTIONS = ("value_output", "value", "output")
 # RoPE types: the paper's, and every scaled type of Transformers' ROPE_INIT_FUNCTIONS, applied to the rotated channels
@@ -204,187 +206,8 @@ class SwitchHeadConfig(PreTrainedConfig):
             self.rope_parameters = dict(legacy_scaling)
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta", self.default_theta)}
-        self._check_fields()
+        _check_config(self)
         super().__post_init__(**kwargs)
-
-    # ------------------------------------------------------------------------------------------------ validation
-    def _check_fields(self) -> None:
-        """Raise ValueError naming the field and the rule for every invalid setting."""
-
-        def integer(name: str, minimum: int) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-            if value < minimum:
-                raise ValueError(f"{name} ({value}) must be >= {minimum}")
-
-        def probability(name: str) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} ({value}) must be in [0, 1)")
-
-        def choice(name: str, allowed: tuple[str, ...]) -> None:
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                     "max_position_embeddings", "intermediate_size", "num_attention_experts",
-                     "num_attention_experts_per_tok", "num_mlp_experts", "mlp_expert_size",
-                     "num_mlp_experts_per_tok"):
-            integer(name, 1)
-        integer("xl_memory_length", 0)
-        for name in ("attention_expert_dropout", "mlp_expert_dropout", "attention_dropout", "hidden_dropout"):
-            probability(name)
-        choice("attention_type", ATTENTION_TYPES)
-        choice("attention_expert_projections", EXPERT_PROJECTIONS)
-        if self.attention_expert_projections != "value_output" and self.attention_type != "switchhead":
-            raise ValueError(
-                f"attention_expert_projections={self.attention_expert_projections!r} needs "
-                f"attention_type='switchhead', got {self.attention_type!r}"
-            )
-        if not isinstance(self.attention_output_gate, bool):
-            raise ValueError(f"attention_output_gate must be True or False, got {self.attention_output_gate!r}")
-        if self.attention_output_gate and self.attention_type != "dense":
-            raise ValueError(
-                f"attention_output_gate=True needs attention_type='dense' (it is SwitchHead with one expert per "
-                f"head), got {self.attention_type!r}; SwitchHead attention already gates its output experts"
-            )
-        choice("position_encoding", POSITION_ENCODINGS)
-        choice("mlp_type", MLP_TYPES)
-        if self.hidden_act not in ("relu", "gelu", "silu"):
-            raise ValueError(f"hidden_act must be one of 'relu', 'gelu', 'silu', got {self.hidden_act!r}")
-
-        if self.num_attention_experts_per_tok > self.num_attention_experts:
-            raise ValueError(
-                f"num_attention_experts_per_tok ({self.num_attention_experts_per_tok}) must be <= "
-                f"num_attention_experts ({self.num_attention_experts})"
-            )
-        if self.num_mlp_experts_per_tok > self.num_mlp_experts:
-            raise ValueError(
-                f"num_mlp_experts_per_tok ({self.num_mlp_experts_per_tok}) must be <= "
-                f"num_mlp_experts ({self.num_mlp_experts})"
-            )
-        if self.xl_memory_length > 0 and self.position_encoding != "xl":
-            raise ValueError(
-                f"xl_memory_length ({self.xl_memory_length}) needs position_encoding='xl', "
-                f"got {self.position_encoding!r}"
-            )
-        if isinstance(self.partial_rotary_factor, bool) or not isinstance(self.partial_rotary_factor, (int, float)):
-            raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {self.partial_rotary_factor!r}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(f"partial_rotary_factor ({self.partial_rotary_factor}) must be in (0, 1]")
-        if self.position_encoding == "rope":
-            if self.num_rotary_channels < 2:
-                raise ValueError(
-                    f"partial_rotary_factor ({self.partial_rotary_factor}) times head_dim ({self.head_dim}) gives "
-                    f"{self.num_rotary_channels} rotary channels; RoPE needs at least 2"
-                )
-        if not isinstance(self.rope_parameters, dict):
-            raise ValueError(f"rope_parameters must be a dict, got {self.rope_parameters!r}")
-        theta = self.rope_parameters.get("rope_theta", self.default_theta)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-            raise ValueError(f"rope_parameters['rope_theta'] must be a finite positive number, got {theta!r}")
-        self._check_rope_scaling()
-        for name in ("layer_norm_eps", "init_scale", "initializer_range"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-        if isinstance(self.entropy_reg_coef, bool) or not isinstance(self.entropy_reg_coef, (int, float)) \
-                or not math.isfinite(self.entropy_reg_coef) or self.entropy_reg_coef < 0:
-            raise ValueError(f"entropy_reg_coef must be a finite number >= 0, got {self.entropy_reg_coef!r}")
-        for name in ("mlp_bias", "lm_head_bias", "tie_word_embeddings", "use_cache", "output_router_logits"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
-            for token in ids:
-                if token is None and value is None:
-                    continue
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                    raise ValueError(f"{name} must be None or a token id in [0, vocab_size={self.vocab_size}), "
-                                     f"got {value!r}")
-
-    def _check_rope_scaling(self) -> None:
-        """Validate `rope_parameters` beyond rope_theta: the rope_type and the fields that type needs.
-
-        Scaled RoPE (every type of Transformers' `ROPE_INIT_FUNCTIONS` but "proportional") acts on the rotated
-        channels only, so lengths and factors are checked against `num_rotary_channels`, not head_dim.
-        """
-        params = self.rope_parameters
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"rope_parameters['rope_type'] must be one of {', '.join(map(repr, ROPE_TYPES))}, got {rope_type!r}"
-                + (" ('proportional' is a partial-RoPE scheme of its own; use partial_rotary_factor instead)"
-                   if rope_type == "proportional" else "")
-            )
-        if rope_type == "default":
-            return
-        if self.position_encoding != "rope":
-            raise ValueError(
-                f"rope_parameters['rope_type']={rope_type!r} needs position_encoding='rope'; this config uses "
-                f"position_encoding={self.position_encoding!r} (Transformer-XL relative positions, no RoPE to "
-                f"scale): drop the RoPE scaling from rope_parameters or use position_encoding='rope'"
-            )
-        prf = params.get("partial_rotary_factor", self.partial_rotary_factor)
-        if prf != self.partial_rotary_factor:
-            raise ValueError(
-                f"rope_parameters['partial_rotary_factor'] ({prf!r}) differs from partial_rotary_factor "
-                f"({self.partial_rotary_factor!r}); set only the partial_rotary_factor field"
-            )
-
-        def number(key: str, minimum: float, *, required: bool, strict: bool = False) -> None:
-            value = params.get(key)
-            if value is None:
-                if required:
-                    raise ValueError(f"rope_parameters for rope_type={rope_type!r} needs {key!r} (a number "
-                                     f"{'>' if strict else '>='} {minimum:g}), got {params!r}")
-                return
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < minimum or (strict and value == minimum):
-                raise ValueError(f"rope_parameters[{key!r}] for rope_type={rope_type!r} must be a finite number "
-                                 f"{'>' if strict else '>='} {minimum:g}, got {value!r}")
-
-        original = params.get("original_max_position_embeddings")
-        if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
-            raise ValueError(f"rope_parameters['original_max_position_embeddings'] must be a positive integer (the "
-                             f"context the model was trained with), got {original!r}")
-        if rope_type in ("linear", "dynamic", "yarn", "llama3"):
-            number("factor", 1.0, required=True)
-        if rope_type == "dynamic" and self.num_rotary_channels < 4:
-            raise ValueError(f"rope_type='dynamic' needs at least 4 rotary channels (its base grows with exponent "
-                             f"d / (d - 2)); partial_rotary_factor * head_dim gives {self.num_rotary_channels}")
-        if rope_type == "yarn":
-            for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-                number(key, 0.0, required=False)
-            number("attention_factor", 0.0, required=False, strict=True)
-            if (params.get("beta_fast") or 32) < (params.get("beta_slow") or 1):
-                raise ValueError(f"rope_parameters['beta_fast'] must be >= beta_slow, got {params!r}")
-            if not isinstance(params.get("truncate", True), bool):
-                raise ValueError(f"rope_parameters['truncate'] must be True or False, got {params['truncate']!r}")
-        if rope_type == "llama3":
-            number("low_freq_factor", 0.0, required=True, strict=True)
-            number("high_freq_factor", 0.0, required=True, strict=True)
-            if params["high_freq_factor"] <= params["low_freq_factor"]:
-                raise ValueError(f"rope_parameters['high_freq_factor'] ({params['high_freq_factor']}) must be greater "
-                                 f"than low_freq_factor ({params['low_freq_factor']})")
-        if rope_type == "longrope":
-            number("factor", 1.0, required=False)
-            number("attention_factor", 0.0, required=False, strict=True)
-            pairs = self.num_rotary_channels // 2
-            for key in ("short_factor", "long_factor"):
-                value = params.get(key)
-                if not isinstance(value, (list, tuple)) or len(value) != pairs or not all(
-                        not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0 for v in value):
-                    raise ValueError(
-                        f"rope_parameters[{key!r}] for rope_type='longrope' must be a list of {pairs} positive numbers "
-                        f"(one per rotated channel pair: num_rotary_channels={self.num_rotary_channels}), got {value!r}"
-                    )
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -419,6 +242,218 @@ class SwitchHeadConfig(PreTrainedConfig):
         fields = copy.deepcopy(PRESETS[name])
         fields.update(overrides)
         return cls(**fields)
+
+
+# ----------------------------------------------------------------------------------------------- validation
+# One table of per-field rules, the rules that relate fields as named checks, and `_check_config` to run them,
+# every field first. Not huggingface_hub's `@strict` field validators (which Transformers 5.x configs use): they run
+# at each assignment, before `__post_init__` derives head_dim and init_scale, and they raise
+# StrictDataclassFieldValidationError, not a ValueError, around the message.
+def _has_type(value: Any, types: tuple[type, ...]) -> bool:
+    """isinstance, where a bool counts only if `types` names bool (True is no integer or number here)."""
+    return isinstance(value, types) and (bool in types or not isinstance(value, bool))
+
+
+class _Rule(NamedTuple):
+    """A field accepts a value of one of `types` for which `accepts` holds. The messages, for a wrong type and for a
+    value out of range, are formatted with the field's `name` and `value`."""
+
+    types: tuple[type, ...]
+    accepts: Callable[[Any], bool]
+    wrong_type: str
+    out_of_range: str
+
+
+def _integer(minimum: int) -> _Rule:
+    return _Rule((int,), lambda value: value >= minimum, "{name} must be an integer, got {value!r}",
+                 f"{{name}} ({{value}}) must be >= {minimum}")
+
+
+def _finite_number(accepts: Callable[[float], bool], description: str) -> _Rule:
+    message = f"{{name}} must be a finite {description}, got {{value!r}}"
+    return _Rule((int, float), lambda value: math.isfinite(value) and accepts(value), message, message)
+
+
+def _choice(options: tuple[str, ...]) -> _Rule:
+    message = f"{{name}} must be one of {', '.join(map(repr, options))}, got {{value!r}}"
+    return _Rule((str,), lambda value: value in options, message, message)
+
+
+_PROBABILITY = _Rule((int, float), lambda value: 0.0 <= value < 1.0,
+                     "{name} must be a number in [0, 1), got {value!r}", "{name} ({value}) must be in [0, 1)")
+_FLAG = _Rule((bool,), lambda value: True, "{name} must be True or False, got {value!r}", "")
+
+# field -> rule, checked in this order; pad/bos/eos_token_id depend on vocab_size, so they are a named check
+_FIELD_RULES: dict[str, _Rule] = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                     "max_position_embeddings", "intermediate_size", "num_attention_experts",
+                     "num_attention_experts_per_tok", "num_mlp_experts", "mlp_expert_size",
+                     "num_mlp_experts_per_tok"), _integer(1)),
+    "xl_memory_length": _integer(0),
+    **dict.fromkeys(("attention_expert_dropout", "mlp_expert_dropout", "attention_dropout", "hidden_dropout"),
+                    _PROBABILITY),
+    "attention_type": _choice(ATTENTION_TYPES),
+    "attention_expert_projections": _choice(EXPERT_PROJECTIONS),
+    "attention_output_gate": _FLAG,
+    "position_encoding": _choice(POSITION_ENCODINGS),
+    "mlp_type": _choice(MLP_TYPES),
+    "hidden_act": _choice(HIDDEN_ACTS),
+    "partial_rotary_factor": _Rule((int, float), lambda value: 0.0 < value <= 1.0,
+                                   "{name} must be a number in (0, 1], got {value!r}",
+                                   "{name} ({value}) must be in (0, 1]"),
+    "rope_parameters": _Rule((dict,), lambda value: True, "{name} must be a dict, got {value!r}", ""),
+    **dict.fromkeys(("layer_norm_eps", "init_scale", "initializer_range"),
+                    _finite_number(lambda value: value > 0, "positive number")),
+    "entropy_reg_coef": _finite_number(lambda value: value >= 0, "number >= 0"),
+    **dict.fromkeys(("mlp_bias", "lm_head_bias", "tie_word_embeddings", "use_cache", "output_router_logits"), _FLAG),
+}
+
+
+class _RopeNumber(NamedTuple):
+    """A numeric key of `rope_parameters`: its lower bound, whether the bound is excluded, whether it is required."""
+
+    minimum: float
+    exclusive: bool = False
+    required: bool = False
+
+
+# the numeric keys each scaled rope_type reads (as Transformers' ROPE_INIT_FUNCTIONS do), checked in this order;
+# an optional key that is absent or None takes Transformers' default
+_ROPE_NUMBERS: dict[str, dict[str, _RopeNumber]] = {
+    "linear": {"factor": _RopeNumber(1.0, required=True)},
+    "dynamic": {"factor": _RopeNumber(1.0, required=True)},
+    "yarn": {"factor": _RopeNumber(1.0, required=True), "beta_fast": _RopeNumber(0.0), "beta_slow": _RopeNumber(0.0),
+             "mscale": _RopeNumber(0.0), "mscale_all_dim": _RopeNumber(0.0),
+             "attention_factor": _RopeNumber(0.0, exclusive=True)},
+    "llama3": {"factor": _RopeNumber(1.0, required=True),
+               "low_freq_factor": _RopeNumber(0.0, exclusive=True, required=True),
+               "high_freq_factor": _RopeNumber(0.0, exclusive=True, required=True)},
+    "longrope": {"factor": _RopeNumber(1.0), "attention_factor": _RopeNumber(0.0, exclusive=True)},
+}
+
+
+def _expert_projections_need_switchhead(config: SwitchHeadConfig) -> None:
+    if config.attention_expert_projections != "value_output" and config.attention_type != "switchhead":
+        raise ValueError(f"attention_expert_projections={config.attention_expert_projections!r} needs "
+                         f"attention_type='switchhead', got {config.attention_type!r}")
+
+
+def _output_gate_needs_dense_attention(config: SwitchHeadConfig) -> None:
+    if config.attention_output_gate and config.attention_type != "dense":
+        raise ValueError(
+            f"attention_output_gate=True needs attention_type='dense' (it is SwitchHead with one expert per "
+            f"head), got {config.attention_type!r}; SwitchHead attention already gates its output experts"
+        )
+
+
+def _experts_per_token_within_experts(config: SwitchHeadConfig) -> None:
+    for per_token, experts in (("num_attention_experts_per_tok", "num_attention_experts"),
+                               ("num_mlp_experts_per_tok", "num_mlp_experts")):
+        if getattr(config, per_token) > getattr(config, experts):
+            raise ValueError(f"{per_token} ({getattr(config, per_token)}) must be <= {experts} "
+                             f"({getattr(config, experts)})")
+
+
+def _xl_memory_needs_xl_positions(config: SwitchHeadConfig) -> None:
+    if config.xl_memory_length > 0 and config.position_encoding != "xl":
+        raise ValueError(f"xl_memory_length ({config.xl_memory_length}) needs position_encoding='xl', "
+                         f"got {config.position_encoding!r}")
+
+
+def _rope_rotates_a_channel_pair(config: SwitchHeadConfig) -> None:
+    if config.position_encoding == "rope" and config.num_rotary_channels < 2:
+        raise ValueError(f"partial_rotary_factor ({config.partial_rotary_factor}) times head_dim ({config.head_dim}) "
+                         f"gives {config.num_rotary_channels} rotary channels; RoPE needs at least 2")
+
+
+def _rope_parameters_fit(config: SwitchHeadConfig) -> None:
+    """rope_theta, the rope_type and the keys that type needs.
+
+    Scaled RoPE (every type of Transformers' `ROPE_INIT_FUNCTIONS` but "proportional") acts on the rotated
+    channels only, so lengths and factors are checked against `num_rotary_channels`, not head_dim.
+    """
+    params = config.rope_parameters
+    theta = params.get("rope_theta", config.default_theta)
+    if not _has_type(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"rope_parameters['rope_theta'] must be a finite positive number, got {theta!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_parameters['rope_type'] must be one of {', '.join(map(repr, ROPE_TYPES))}, got {rope_type!r}"
+            + (" ('proportional' is a partial-RoPE scheme of its own; use partial_rotary_factor instead)"
+               if rope_type == "proportional" else "")
+        )
+    if rope_type == "default":
+        return
+    if config.position_encoding != "rope":
+        raise ValueError(
+            f"rope_parameters['rope_type']={rope_type!r} needs position_encoding='rope'; this config uses "
+            f"position_encoding={config.position_encoding!r} (Transformer-XL relative positions, no RoPE to "
+            f"scale): drop the RoPE scaling from rope_parameters or use position_encoding='rope'"
+        )
+    prf = params.get("partial_rotary_factor", config.partial_rotary_factor)
+    if prf != config.partial_rotary_factor:
+        raise ValueError(f"rope_parameters['partial_rotary_factor'] ({prf!r}) differs from partial_rotary_factor "
+                         f"({config.partial_rotary_factor!r}); set only the partial_rotary_factor field")
+    original = params.get("original_max_position_embeddings")
+    if original is not None and (not _has_type(original, (int,)) or original < 1):
+        raise ValueError(f"rope_parameters['original_max_position_embeddings'] must be a positive integer (the "
+                         f"context the model was trained with), got {original!r}")
+    for key, rule in _ROPE_NUMBERS[rope_type].items():
+        value, bound = params.get(key), f"{'>' if rule.exclusive else '>='} {rule.minimum:g}"
+        if value is None and rule.required:
+            raise ValueError(f"rope_parameters for rope_type={rope_type!r} needs {key!r} (a number {bound}), "
+                             f"got {params!r}")
+        if value is not None and (not _has_type(value, (int, float)) or not math.isfinite(value)
+                                  or value < rule.minimum or (rule.exclusive and value == rule.minimum)):
+            raise ValueError(f"rope_parameters[{key!r}] for rope_type={rope_type!r} must be a finite number "
+                             f"{bound}, got {value!r}")
+    if rope_type == "dynamic" and config.num_rotary_channels < 4:
+        raise ValueError(f"rope_type='dynamic' needs at least 4 rotary channels (its base grows with exponent "
+                         f"d / (d - 2)); partial_rotary_factor * head_dim gives {config.num_rotary_channels}")
+    # 32 and 1: Transformers' defaults of beta_fast and beta_slow
+    if rope_type == "yarn" and (params.get("beta_fast") or 32) < (params.get("beta_slow") or 1):
+        raise ValueError(f"rope_parameters['beta_fast'] must be >= beta_slow, got {params!r}")
+    if rope_type == "yarn" and not isinstance(params.get("truncate", True), bool):
+        raise ValueError(f"rope_parameters['truncate'] must be True or False, got {params['truncate']!r}")
+    if rope_type == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise ValueError(f"rope_parameters['high_freq_factor'] ({params['high_freq_factor']}) must be greater "
+                         f"than low_freq_factor ({params['low_freq_factor']})")
+    for key in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+        value, pairs = params.get(key), config.num_rotary_channels // 2
+        if not isinstance(value, (list, tuple)) or len(value) != pairs \
+                or not all(_has_type(v, (int, float)) and v > 0 for v in value):
+            raise ValueError(
+                f"rope_parameters[{key!r}] for rope_type='longrope' must be a list of {pairs} positive numbers "
+                f"(one per rotated channel pair: num_rotary_channels={config.num_rotary_channels}), got {value!r}"
+            )
+
+
+def _token_ids_in_vocabulary(config: SwitchHeadConfig) -> None:
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name)
+        ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]  # eos may list ids
+        if value is not None and not all(_has_type(i, (int,)) and 0 <= i < config.vocab_size for i in ids):
+            raise ValueError(f"{name} must be None or a token id in [0, vocab_size={config.vocab_size}), "
+                             f"got {value!r}")
+
+
+# the rules that relate fields, checked in this order once every field has passed its own rule
+_CROSS_FIELD_CHECKS = (_expert_projections_need_switchhead, _output_gate_needs_dense_attention,
+                       _experts_per_token_within_experts, _xl_memory_needs_xl_positions, _rope_rotates_a_channel_pair,
+                       _rope_parameters_fit, _token_ids_in_vocabulary)
+
+
+def _check_config(config: SwitchHeadConfig) -> None:
+    """Raise ValueError naming the field and the rule for the first invalid setting."""
+    for name, rule in _FIELD_RULES.items():
+        value = getattr(config, name)
+        if not _has_type(value, rule.types):
+            raise ValueError(rule.wrong_type.format(name=name, value=value))
+        if not rule.accepts(value):
+            raise ValueError(rule.out_of_range.format(name=name, value=value))
+    for check in _CROSS_FIELD_CHECKS:
+        check(config)
 
 
 # -------------------------------------------------------------------------------------------------- presets
