@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from switchhead import PAPER_TRAINING, SwitchHeadConfig
 from switchhead import kernels
-from switchhead.modeling_switchhead import expert_projection_torch
+from switchhead.expert_ops import expert_projection_torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWITCHHEAD_PRESETS = ("wt103-47m-switchhead-xl", "c4-47m-switchhead-xl", "wt103-262m-switchhead-xl",

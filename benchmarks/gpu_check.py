@@ -177,7 +177,7 @@ def reference_op(inputs, index, weight, gates, out_groups):
     twin in tests/test_fast_path.py). On a GPU it runs its "all_experts" formulation, whose memory stays near
     G x N x d (the kernels' own PyTorch twin would materialise [G, N * R, d_out]: 34 GB in float64 for SwitchAll
     259M's sigma-MoE values at the paper's 32k tokens)."""
-    from switchhead.modeling_switchhead import expert_projection_torch
+    from switchhead.expert_ops import expert_projection_torch
 
     return expert_projection_torch(inputs, index, weight, gates, out_groups)
 

@@ -1,4 +1,4 @@
-"""switchhead.kernels: the CVMM expert-projection op (Triton kernels, their PyTorch twin, one dispatch point).
+"""switchhead.kernels: the CVMM expert-projection op (Triton kernels, their naive PyTorch twin, the dispatch).
 
 `cvmm(inputs, expert_index, weight, gates=None, out_groups=1)` is what `switchhead`'s model calls for every
 expert projection; see `cvmm.py` for the contract and the switches (`set_backend` / `SWITCHHEAD_CVMM_BACKEND`,
@@ -18,11 +18,9 @@ from .cvmm import (
     set_deterministic,
     use_backend,
 )
-from .cvmm_reference import IMPLEMENTATIONS, cvmm_backward_reference, cvmm_forward_reference, expert_projection
+from .cvmm_reference import cvmm_backward_reference, cvmm_forward_reference, cvmm_naive
 
 __all__ = [
-    "IMPLEMENTATIONS",
-    "expert_projection",
     "BACKENDS",
     "BACKEND_ENV",
     "CHECK_INDEX_ENV",
@@ -30,6 +28,7 @@ __all__ = [
     "cvmm",
     "cvmm_backward_reference",
     "cvmm_forward_reference",
+    "cvmm_naive",
     "get_backend",
     "is_deterministic",
     "resolve_backend",

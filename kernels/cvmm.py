@@ -15,11 +15,10 @@ This module is the one dispatch point. The op and its backward are registered wi
 
 - `cvmm_triton` (Triton kernels) for CUDA tensors, and for CPU tensors when `TRITON_INTERPRET=1` was set before
   the first use (the Triton interpreter, for tests);
-- PyTorch otherwise (CPU, float64, or Triton not installed): `cvmm` then calls
-  `cvmm_reference.expert_projection`, plain sync-free tensor ops (autograd gives the backward, inductor sees
-  ordinary ops and can fuse them), not the custom op; `implementation=` picks its formulation ("auto" by default:
-  all-experts for a handful of tokens, a grouped matmul over expert-sorted slots for many). The custom ops keep a
-  PyTorch body too (`cvmm_forward_reference` / `cvmm_backward_reference`) for callers of the op itself.
+- PyTorch otherwise (CPU, float64, or Triton not installed): the naive twin `cvmm_reference.cvmm_naive`, a loop
+  over experts that autograd differentiates. The model does not come here for CPU tensors: its `expert_ops.py`
+  holds the fast PyTorch formulations and calls `cvmm` only where Triton runs. The custom ops keep a PyTorch body
+  too (`cvmm_forward_reference` / `cvmm_backward_reference`, the naive twin) for callers of the op itself.
 
 No path syncs with the host: expert ids outside `[0, G)` are caught by a bounds-checked `index_select` (an
 IndexError on the CPU, which `cvmm` reports as a ValueError naming the range when not compiling), not by reading
@@ -43,7 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .cvmm_reference import IMPLEMENTATIONS, cvmm_backward_reference, cvmm_forward_reference, expert_projection
+from .cvmm_reference import cvmm_backward_reference, cvmm_forward_reference, cvmm_naive
 
 BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV = "SWITCHHEAD_CVMM_BACKEND"
@@ -257,8 +256,8 @@ def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | N
         weight: `[G, d_in, d_out]`.
         gates: `[N, S]` or None.
         out_groups: output rows per token when `gates` is given.
-        implementation: the PyTorch formulation (`cvmm_reference.IMPLEMENTATIONS`) when the PyTorch backend runs;
-            ignored by the Triton kernels.
+        implementation: the model's formulation name (`expert_ops.EXPERT_IMPLEMENTATIONS`), which the model's
+            dispatch passes along; each backend here has one implementation, so it is not used.
 
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them, in the inputs' dtype (the autocast dtype
@@ -278,12 +277,10 @@ def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | N
     if checking and expert_index.numel() and (expert_index.min() < 0 or expert_index.max() >= num_experts):
         raise _range_error(expert_index, num_experts)  # explicit debug mode: reads the ids back (a sync)
     if resolve_backend(inputs.device, inputs.dtype) == "torch":
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}; got {implementation!r}")
         if torch.compiler.is_compiling():
-            return expert_projection(inputs, expert_index, weight, gates, out_groups, implementation)
+            return cvmm_naive(inputs, expert_index, weight, gates, out_groups)
         try:
-            return expert_projection(inputs, expert_index, weight, gates, out_groups, implementation)
+            return cvmm_naive(inputs, expert_index, weight, gates, out_groups)
         except IndexError as error:  # the bounds-checked gather of an out-of-range expert id
             if expert_index.numel() and (expert_index.min() < 0 or expert_index.max() >= num_experts):
                 raise _range_error(expert_index, num_experts) from error

@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from switchhead import PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.accounting import kv_cache_bytes_per_token
-from switchhead.modeling_switchhead import paged_key_distances
+from switchhead.xl_positions import paged_key_distances, xl_paged_attention_mask, xl_position_bias
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_serve import cb_config, resolved_cb_config  # noqa: E402  (across Transformers versions)
@@ -148,15 +148,15 @@ def test_xl_paged_mask_equals_per_request_bias_without_host_sync(preset):
 
     def packed(query, mask, cu_q, cu_k):
         kwargs = {"cache": True, "cu_seq_lens_q": cu_q, "cu_seq_lens_k": {"full_attention": cu_k}}
-        return attention.xl_paged_attention_mask(query, mask, paged_key_distances(kwargs, 6, 9, query.device))
+        return xl_paged_attention_mask(attention, query, mask, paged_key_distances(kwargs, 6, 9, query.device))
 
     with torch.no_grad():
         bias = packed(query, mask, cu_q, cu_k)
         graphs = []
         compiled = torch.compile(packed, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward)(
             query, mask, cu_q, cu_k)
-        alone = [attention.xl_position_bias(query[:, :, 0:2], 5, query_offset=3),
-                 attention.xl_position_bias(query[:, :, 2:6], 4, query_offset=0)]
+        alone = [xl_position_bias(attention, query[:, :, 0:2], 5, query_offset=3),
+                 xl_position_bias(attention, query[:, :, 2:6], 4, query_offset=0)]
     torch.testing.assert_close(compiled, bias)
     syncs = [node.format_node() for graph in graphs for node in graph.graph.nodes
              if str(node.target) in ("item", "tolist", "aten._local_scalar_dense.default")]

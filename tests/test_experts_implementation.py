@@ -24,6 +24,7 @@ from transformers import (
 )
 from transformers.integrations import moe
 
+import switchhead.expert_ops as expert_ops
 import switchhead.modeling_switchhead as modeling
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.experts import cvmm_experts_forward
@@ -78,7 +79,7 @@ def test_the_chosen_implementation_is_what_runs():
     mocks = {name: unittest.mock.Mock(wraps=moe.ALL_EXPERTS_FUNCTIONS[name]) for name in ("batched_mm", "grouped_mm",
                                                                                           "cvmm")}
     formulations = []
-    torch_projection = modeling.expert_projection_torch
+    torch_projection = expert_ops.expert_projection_torch
 
     def spy(*args, implementation="auto", **kwargs):
         formulations.append(implementation)
@@ -91,9 +92,9 @@ def test_the_chosen_implementation_is_what_runs():
         return run
 
     with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, mocks), \
-            unittest.mock.patch.object(modeling, "expert_projection_torch", spy), \
-            unittest.mock.patch.object(modeling, "head_expert_values", per_head(modeling.head_expert_values)), \
-            unittest.mock.patch.object(modeling, "head_expert_output", per_head(modeling.head_expert_output)):
+            unittest.mock.patch.object(expert_ops, "expert_projection_torch", spy), \
+            unittest.mock.patch.object(expert_ops, "head_expert_values", per_head(expert_ops.head_expert_values)), \
+            unittest.mock.patch.object(expert_ops, "head_expert_output", per_head(expert_ops.head_expert_output)):
         for implementation, formulation in (("eager", "auto"), ("batched_mm", "batched"), ("grouped_mm", "grouped")):
             model.set_experts_implementation(implementation)
             formulations.clear()
@@ -108,7 +109,8 @@ def test_the_chosen_implementation_is_what_runs():
                 mock.reset_mock()
         model.set_experts_implementation("cvmm")
         formulations.clear()
-        with unittest.mock.patch.object(modeling, "expert_projection", wraps=modeling.expert_projection) as kernel:
+        # the Triton route of the dispatcher (CPU tensors never take it)
+        with unittest.mock.patch.object(expert_ops._kernels, "cvmm", wraps=expert_ops._kernels.cvmm) as kernel:
             with torch.no_grad():
                 model(ids)
         assert mocks["cvmm"].call_count == model.config.num_hidden_layers

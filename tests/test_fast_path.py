@@ -17,8 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from switchhead import kernels
 from switchhead.kernels import cvmm_reference
+from switchhead import expert_ops, xl_positions
 from switchhead import modeling_switchhead as modeling
-from switchhead.modeling_switchhead import EXPERT_IMPLEMENTATIONS, expert_projection_torch
+from switchhead.expert_ops import EXPERT_IMPLEMENTATIONS, expert_projection_torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cvmm_cases import USES, random_case  # noqa: E402
@@ -71,20 +72,20 @@ def test_every_formulation_matches_the_twin(use, k, dtype):
         want = _twin(case)
         want_grads = _grads(want, case.leaves())
         for implementation in EXPERT_IMPLEMENTATIONS:
-            for name, fn in (("modeling", expert_projection_torch), ("kernels", cvmm_reference.expert_projection),
-                             ("cvmm", kernels.cvmm)):
+            for name, fn in (("modeling", expert_projection_torch), ("cvmm", kernels.cvmm)):
                 got = fn(*case.args(), implementation=implementation)
                 _assert_same(got, want, _grads(got, case.leaves()), want_grads, dtype)
 
 
 def test_grouped_formulation_really_uses_grouped_mm_where_it_can():
     x32, w32 = torch.zeros(3, 1, 8), torch.zeros(4, 8, 12)
-    assert cvmm_reference.choose_implementation(x32, w32, "grouped") == "grouped"
-    assert cvmm_reference.choose_implementation(x32.double(), w32.double(), "grouped") == "all_experts"
-    assert cvmm_reference.choose_implementation(torch.zeros(3, 1, 7), torch.zeros(4, 7, 12), "grouped") \
+    choose = expert_ops.choose_expert_implementation  # (tokens, slots, rows, out groups, experts, inputs, weight)
+    assert choose(3, 1, 1, None, 4, x32, w32, "grouped") == "grouped"
+    assert choose(3, 1, 1, None, 4, x32.double(), w32.double(), "grouped") == "all_experts"
+    assert choose(3, 1, 1, None, 4, torch.zeros(3, 1, 7), torch.zeros(4, 7, 12), "grouped") \
         == "all_experts"  # rows not 16-byte aligned
-    assert cvmm_reference.choose_implementation(torch.zeros(1, 1, 8), w32) == "all_experts"  # decoding
-    assert cvmm_reference.choose_implementation(torch.zeros(4096, 1, 8), w32) == "grouped"  # training
+    assert choose(1, 1, 1, None, 4, torch.zeros(1, 1, 8), w32) == "batched"  # decoding
+    assert choose(4096, 1, 1, None, 4, torch.zeros(4096, 1, 8), w32) == "grouped"  # training
     with pytest.raises(ValueError, match="implementation must be one of"):
         expert_projection_torch(x32, torch.zeros(3, 1, dtype=torch.long), w32, implementation="fast")
 
@@ -109,7 +110,7 @@ def test_every_formulation_with_repeated_and_cross_group_expert_ids(use):
 
 
 def test_auto_picks_by_problem_size():
-    choose = modeling.choose_expert_implementation
+    choose = expert_ops.choose_expert_implementation
     x, w = torch.zeros(1, 1, 8), torch.zeros(10, 8, 12)
     # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding one sequence gathers its 4 matrices
     assert choose(1, 4, 1, 2, 10, x, w) == "batched"
@@ -151,7 +152,7 @@ def test_grouped_formulation_saves_no_per_slot_tensor():
 def test_grouped_formulation_in_bfloat16_with_float32_gates():
     case = random_case(torch.Generator().manual_seed(5), "value", tokens=64, heads=2, experts=5, k=2, d_in=16,
                        d_out=8, dtype=torch.float64).as_dtype(torch.bfloat16)
-    assert modeling.choose_expert_implementation(64, 4, 1, 2, 10, case.inputs, case.weight, "grouped") == "grouped"
+    assert expert_ops.choose_expert_implementation(64, 4, 1, 2, 10, case.inputs, case.weight, "grouped") == "grouped"
     got = expert_projection_torch(*case.args(), implementation="grouped")
     want = expert_projection_torch(*case.args(), implementation="reference")
     assert got.dtype == torch.bfloat16
@@ -199,10 +200,10 @@ def _per_head_case(generator, use, tokens, heads, experts, k, d_in, d_out, dtype
 
 def _per_head(case, use, heads, experts):
     """SwitchHead's per-head formulation on a CVMM case: dense gates, then head_expert_values / _output."""
-    dense = modeling.dense_head_gates(case.expert_index, case.gates, heads, experts, case.inputs.dtype)
+    dense = expert_ops.dense_head_gates(case.expert_index, case.gates, heads, experts, case.inputs.dtype)
     if use == "value":
-        return modeling.head_expert_values(case.inputs[:, 0], dense, case.weight)  # [N, H, d_out]
-    return modeling.head_expert_output(case.inputs, dense, case.weight).unsqueeze(1)  # [N, 1, d_out]
+        return expert_ops.head_expert_values(case.inputs[:, 0], dense, case.weight)  # [N, H, d_out]
+    return expert_ops.head_expert_output(case.inputs, dense, case.weight).unsqueeze(1)  # [N, 1, d_out]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -332,8 +333,15 @@ def test_recorded_router_logits_keep_each_router_call():
         if layer < 2:  # the first layer's V and O routers read the same inputs in both models: bit for bit
             assert torch.equal(got, want)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # later layers: inputs equal up to rounding
-    hidden = torch.randn(1, 1, per_head.config.hidden_size)
-    assert per_head.model.layers[0].self_attn.joint_gates(hidden) is None  # hooks now installed: per-side calls
+    # one token takes the joint router matmul, and still calls each router once, so its hooks record it
+    attention = per_head.model.layers[0].self_attn
+    calls = []
+    handles = [router.register_forward_hook(lambda module, args, out: calls.append(module))
+               for router in (attention.value_selection, attention.output_selection)]
+    routed = attention.joint_gates(torch.randn(1, 1, per_head.config.hidden_size))
+    for handle in handles:
+        handle.remove()
+    assert routed is not None and calls == [attention.value_selection, attention.output_selection]
 
 
 def host_syncs(fn) -> list[str]:
@@ -501,14 +509,14 @@ def test_xl_decoding_does_not_project_every_distance():
     attention = model.model.layers[0].self_attn
     query = torch.randn(1, attention.num_heads, 1, attention.head_dim)
     with torch.no_grad():
-        few = attention.xl_distance_scores(query, 40)
+        few = xl_positions.xl_distance_scores(attention, query, 40)
         many = torch.einsum("bhqd,khd->bhqk", query, attention.position_key_proj(
             modeling_sinusoidal(40, model.config.hidden_size)).view(40, attention.num_heads, -1)) * attention.scaling
     torch.testing.assert_close(few, many, rtol=1e-5, atol=1e-6)
 
 
 def modeling_sinusoidal(count, dim):
-    from switchhead.modeling_switchhead import past_sinusoidal_encoding, sinusoidal_embedding
+    from switchhead.xl_positions import past_sinusoidal_encoding, sinusoidal_embedding
 
     direct = sinusoidal_embedding(-torch.arange(count), dim)
     cached = past_sinusoidal_encoding(count, dim, torch.float32, torch.device("cpu"))
@@ -541,11 +549,11 @@ def test_compiled_xl_decoding_reads_the_encoding_table(variant, monkeypatch):
     capture = _capturing_backend(graphs)
 
     def step(keep_table: bool) -> set[str]:
-        monkeypatch.setattr(modeling, "_PAST_ENCODINGS", {})
+        monkeypatch.setattr(xl_positions, "_PAST_ENCODINGS", {})
         cache.reset()
         prefill = _prefill(model, cache, ids, mask)  # eager: builds the table
         if not keep_table:
-            modeling._PAST_ENCODINGS.clear()
+            xl_positions._PAST_ENCODINGS.clear()
         _, step_mask, token = _next_step(prefill, ids, mask)
         step_mask = torch.cat([step_mask, torch.zeros_like(token)], 1)  # the static cache's full length
         kwargs = dict(input_ids=token, attention_mask=step_mask, past_key_values=cache, use_cache=True,
@@ -575,7 +583,7 @@ def test_compiled_relu_gradient_and_what_its_forward_saves():
     x = torch.tensor([[-2.0, -0.0, 0.0, 1e-30, 3.0, -1e-30]], requires_grad=True)
     grad = torch.randn(1, 6)
     (want,) = torch.autograd.grad(torch.nn.functional.relu(x), x, grad)
-    (got,) = torch.autograd.grad(modeling._ReluFromOutput.apply(x), x, grad)
+    (got,) = torch.autograd.grad(expert_ops._ReluFromOutput.apply(x), x, grad)
     assert torch.equal(got, want)
 
     up, down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
@@ -625,21 +633,16 @@ def test_compile_fullgraph_training_step_on_a_fresh_model(variant):
 
 
 def test_eager_calls_between_compiled_ones_do_not_recompile():
-    """The per-head path's remembered size decisions (`_by_size`) are not read while tracing: an eager call that
-    fills them does not invalidate the compiled graph."""
+    """The per-head path's decisions are functions of shapes only (no state written by an eager call): an eager
+    call between compiled ones does not invalidate the compiled graph."""
     model = _model("switchhead-rope")
     ids, mask = left_padded_batch(model.config.vocab_size, lengths=(1,))
-    attention = [layer.self_attn for layer in model.model.layers]
-    for module in attention:
-        module._by_size.clear()
     graphs = []
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=_capturing_backend(graphs), fullgraph=True, dynamic=False)
     with torch.no_grad():
         first = compiled(input_ids=ids, use_cache=False).logits
-        assert not any(module._by_size for module in attention)  # nothing remembered while tracing
         eager = model(input_ids=ids, use_cache=False).logits
-        assert all(module._by_size for module in attention)  # the eager call remembered its decisions
         again = compiled(input_ids=ids, use_cache=False).logits
     assert len(graphs) == 1
     torch.testing.assert_close(first, eager)
@@ -677,7 +680,8 @@ def test_inductor_compiles_xl_forward_and_hub_copy_without_kernels(tmp_path, mon
         shutil.copy(name, package / Path(name).name)
     monkeypatch.syspath_prepend(str(tmp_path))
     hub = importlib.import_module("hub_copy_fast_path.modeling_switchhead")
-    monkeypatch.setattr(hub, "_kernels", None)  # as where the switchhead package is not installed
+    # as where the switchhead package is not installed
+    monkeypatch.setattr(importlib.import_module("hub_copy_fast_path.expert_ops"), "_kernels", None)
     reference = _model("switchhead-xl")
     model = hub.SwitchHeadForCausalLM(hub.SwitchHeadConfig(**reference.config.to_diff_dict())).eval()
     model.load_state_dict(reference.state_dict())
@@ -758,8 +762,7 @@ def test_saved_memory_benchmark_attributes_the_saved_tensors(tmp_path):
     assert "| switchhead-xl |" in out.with_suffix(".md").read_text()
 
 
-@pytest.mark.parametrize("project", [expert_projection_torch, cvmm_reference.expert_projection],
-                         ids=["hub-file", "kernels"])
+@pytest.mark.parametrize("project", [expert_projection_torch], ids=["hub-file"])
 def test_many_token_formulations_compile_in_fp32(project):
     """"auto"/"grouped" with many tokens in fp32 under torch.compile: `_grouped_mm`'s fake kernel takes bf16 only,
     so the compiled graph must fall back to a formulation it can trace, with the eager values and gradients."""

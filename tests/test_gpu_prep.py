@@ -22,7 +22,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import bench_cvmm  # noqa: E402
 import gpu_check  # noqa: E402
 
-from switchhead.modeling_switchhead import expert_projection_torch  # noqa: E402
+from switchhead.expert_ops import expert_projection_torch  # noqa: E402
 
 
 def _run(script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -18,8 +18,8 @@ import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead import kernels
-from switchhead import modeling_switchhead as modeling
-from switchhead.modeling_switchhead import expert_projection_torch
+from switchhead import expert_ops
+from switchhead.expert_ops import expert_projection_torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cvmm_cases import USES, random_case  # noqa: E402
@@ -34,7 +34,7 @@ def _grads(out, leaves, seed=1):
 
 def test_model_calls_the_kernels_package():
     # the modeling file's try/except must have found our op, so every test below covers the model's path
-    assert modeling._kernels is kernels
+    assert expert_ops._kernels is kernels
     assert kernels.resolve_backend(torch.device("cpu"), torch.float32) == "torch"
 
 

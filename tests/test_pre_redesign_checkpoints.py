@@ -3,7 +3,8 @@ logits and greedy tokens: with this package (its classes), with the folder's own
 (trust_remote_code=True, where the old code imports today's `switchhead.kernels`), and in a clean environment.
 
 The folders are tests/fixtures/pre_redesign/<variant> (config, fp16 weights, expected.safetensors) plus the model
-files that save_pretrained copied, kept once in code/; make.py there says how they were made.
+files that save_pretrained copied, kept once as code.tar.gz (a snapshot of 28ce4f7's files, not code we maintain);
+make.py there says how they were made.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -30,8 +32,8 @@ def saved_folder(variant: str, destination: Path) -> Path:
     """The variant's folder as save_pretrained wrote it: its own files plus the copied model code."""
     folder = destination / variant
     shutil.copytree(FIXTURES / variant, folder)
-    for file in (FIXTURES / "code").glob("*.py"):
-        shutil.copy(file, folder / file.name)
+    with tarfile.open(FIXTURES / "code.tar.gz") as archive:
+        archive.extractall(folder, filter="data")
     return folder
 
 

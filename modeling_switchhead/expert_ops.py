@@ -1,0 +1,475 @@
+"""The expert projection of SwitchHead and sigma-MoE ("CVMM"): its PyTorch formulations, the one rule that picks
+among them, and the dispatch to the Triton kernels of `switchhead.kernels`.
+
+    expert_projection(inputs, expert_index, weight, gates=None, out_groups=1, implementation="auto",
+                      grouped_routing=False)
+
+inputs `[N, R, d_in]` (R input rows per token), expert_index `[N, S]` (indices into weight's first dimension),
+weight `[G, d_in, d_out]`, gates `[N, S]` or None. Slot s of a token multiplies input row `s // (S // R)` by
+`weight[expert_index[n, s]]`. Without gates the result is `[N, S, d_out]`; with gates each slot is scaled by its gate
+and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`. SwitchHead's values are
+(R=1, S=H*k, out_groups=H), its output (R=H, S=H*k, out_groups=1); sigma-MoE's keys (R=1, S=k, no gates) and values
+(R=k, S=k, out_groups=1).
+
+Formulations (`FORMULATIONS`), all giving the same result:
+- "reference": gather every slot's matrix (`[N, S, d_in, d_out]`), one einsum: the simple twin the others are
+  tested against;
+- "batched": gather the selected matrices, one bmm with the gated sum inside;
+- "all_experts": every expert in dense matmuls, no weight copy. Without gates, every row times every expert, then
+  each slot's result picked; with gates, the gates scattered into a mixing matrix (`_mixing_matrix`), then either
+  every row times every expert, mixed (R <= out groups), or the rows mixed per expert and one matmul with all
+  experts stacked (R > out groups);
+- "grouped": slots sorted by expert, one grouped matmul (`torch._grouped_mm`: CPU tensors in float32 / bfloat16 /
+  float16 with 16-byte aligned rows, not under torch.compile; elsewhere "all_experts" runs) with a backward that
+  keeps no per-slot tensor (`_GroupedExperts`);
+- "per_head": SwitchHead's own case, for grouped routing (slot group h picks among experts h*E .. h*E + E - 1,
+  what `ExpertSelection` produces for heads): the gates become dense `[N, H, E]` and both projections run against
+  every expert of a head with no index arithmetic, with custom autograd functions that keep what their backward
+  needs and no more.
+
+`choose_expert_implementation` is the one rule behind "auto". `expert_projection` runs the Triton kernels where they
+run (CUDA tensors, or `TRITON_INTERPRET=1`), else `expert_projection_torch`. No formulation syncs with the host, so
+the op compiles with `torch.compile(fullgraph=True)`; an expert id outside `[0, G)` raises IndexError from an
+`index_select`.
+
+Part of the Hub-ready model: this file imports only torch, and uses `switchhead.kernels` when it is importable.
+"""
+
+import importlib
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+try:  # the package's fused kernels; a Hub copy of the model runs without them
+    _kernels = importlib.import_module("switchhead.kernels")
+    if not (hasattr(_kernels, "cvmm") and hasattr(_kernels, "resolve_backend")):
+        _kernels = None
+except Exception:  # noqa: BLE001 - any failure means "use the PyTorch formulations"
+    _kernels = None
+# Triton runs CPU tensors only in its interpreter, which it reads from the environment when the kernels are defined
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# the formulations valid for any routing; "per_head" needs grouped routing and is reached through "auto"
+EXPERT_IMPLEMENTATIONS = ("auto", "reference", "batched", "all_experts", "grouped")
+_FEW_SLOTS = 4  # "auto": gather the selected matrices while N * S (selected matrices in the call) is at most this
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_usable(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`torch._grouped_mm` on CPU for float32 / bfloat16 / float16 with 16-byte aligned rows (GPUs: see below)."""
+    if _GROUPED_MM is None or inputs.dtype != weight.dtype or weight.device.type != "cpu":
+        return False
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if torch.compiler.is_compiling():
+        return False  # torch 2.13's fake (meta) kernel of _grouped_mm accepts bf16 only; inductor fuses the rest
+    per_16_bytes = 16 // weight.element_size()
+    return weight.shape[1] % per_16_bytes == 0 and weight.shape[2] % per_16_bytes == 0
+
+
+def choose_expert_implementation(tokens: int, slots: int, rows: int, out_groups: int | None, num_experts: int,
+                                 inputs: torch.Tensor, weight: torch.Tensor, implementation: str = "auto",
+                                 grouped_routing: bool = False) -> str:
+    """The formulation `expert_projection_torch` runs: `implementation`, with "auto" resolved by problem size.
+
+    "auto": "batched" for a handful of selected matrices (N * S <= 4: decoding one sequence, the weight copy is
+    small); "all_experts" while its extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G
+    matrix products per token where S are needed, so it is taken when that is at most twice S, or for few tokens
+    (N * S <= 512, where the grouped path's sorting and copying cost more than the extra products); else
+    "grouped". With grouped routing and gates (`out_groups` given), "per_head" replaces "batched" and
+    "all_experts": the same work as "all_experts" in fewer ops. "grouped" needs `torch._grouped_mm`
+    (`_grouped_mm_usable`) and runs as "all_experts" otherwise.
+    """
+    if implementation not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(EXPERT_IMPLEMENTATIONS)}; got {implementation!r}")
+    if implementation == "auto":
+        mixed = min(rows, out_groups or slots) * num_experts  # products per token of "all_experts"
+        if tokens * slots <= _FEW_SLOTS:
+            implementation = "batched"
+        elif mixed <= 2 * slots or tokens * slots <= 512:
+            implementation = "all_experts"
+        else:
+            implementation = "grouped"
+        if grouped_routing and out_groups is not None and implementation != "grouped" and min(rows, out_groups) == 1:
+            implementation = "per_head"
+    if implementation == "grouped" and (tokens == 0 or not _grouped_mm_usable(inputs, weight)):
+        implementation = "all_experts"
+    return implementation
+
+
+def _expert_gated_sum(per_slot: torch.Tensor, gates: torch.Tensor | None, out_groups: int) -> torch.Tensor:
+    if gates is None:
+        return per_slot
+    n, s, d_out = per_slot.shape
+    weighted = per_slot * gates.unsqueeze(-1).to(per_slot.dtype)
+    return weighted.view(n, out_groups, s // out_groups, d_out).sum(2)
+
+
+def _mixing_matrix(expert_index: torch.Tensor, gates: torch.Tensor, rows: int, num_experts: int, out_groups: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """`[N, out_groups * G * R]`: entry (o, g, r) sums the gates of the slots of output group o that multiply input
+    row r by expert g (zero where no slot does). The gated sum is linear, so out[o] = sum_{g,r} M[o,g,r] x_r W_g."""
+    n, s = expert_index.shape
+    slot = torch.arange(s, device=expert_index.device)
+    column = ((slot // (s // out_groups)) * num_experts + expert_index) * rows + slot // (s // rows)
+    mixing = torch.zeros(n, out_groups * num_experts * rows, dtype=dtype, device=expert_index.device)
+    return mixing.scatter_add_(1, column, gates.to(dtype))
+
+
+def _grouped_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as `_grouped_mm` takes it: packed experts, each row- or column-major (Transformers' `[E, out, in]`
+    experts seen as `[E, in, out]` are used as they are, with no copy); any other layout is copied."""
+    _, rows, cols = weight.shape
+    if weight.stride(0) == rows * cols and weight.stride()[1:] in ((cols, 1), (1, rows)):
+        return weight
+    return weight.contiguous()
+
+
+class _GroupedExperts(torch.autograd.Function):
+    """The "grouped" formulation with a lean backward: slots sorted by expert, one grouped matmul per direction.
+
+    It saves only its arguments and the sort (the sorted input rows are gathered again in the backward, and no
+    per-slot output is kept), and takes three grouped matmuls in all: the gate gradient comes from the input-side
+    product, d gate_s = <dy_s W_e^T, x_s>, which the input gradient needs anyway.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, weight, gates, expert_index, out_groups):
+        n, s = expert_index.shape
+        r, d_in = inputs.shape[1], inputs.shape[2]
+        g, _, d_out = weight.shape
+        flat = torch.arange(g, device=inputs.device).index_select(0, expert_index.reshape(-1))  # bounds-checked
+        sorted_expert, order = torch.sort(flat, stable=True)
+        ends = torch.searchsorted(sorted_expert, torch.arange(1, g + 1, device=inputs.device)).to(torch.int32)
+        weight = _grouped_weight(weight)
+        sorted_rows = inputs.reshape(n * r, d_in).index_select(0, order // (s // r))
+        sorted_out = _GROUPED_MM(sorted_rows, weight, offs=ends)  # [N * S, d_out]
+        ctx.save_for_backward(inputs, weight, gates, order, ends)
+        ctx.shape = (n, s, r, out_groups)
+        if gates is None:
+            return sorted_out.new_empty(n * s, d_out).index_copy_(0, order, sorted_out).view(n, s, d_out)
+        sorted_out.mul_(gates.reshape(-1).index_select(0, order).to(sorted_out.dtype).unsqueeze(-1))
+        out = sorted_out.new_zeros(n * out_groups, d_out).index_add_(0, order // (s // out_groups), sorted_out)
+        return out.view(n, out_groups, d_out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs, weight, gates, order, ends = ctx.saved_tensors
+        n, s, r, out_groups = ctx.shape
+        d_in, d_out = inputs.shape[2], weight.shape[2]
+        grad = grad.contiguous().reshape(-1, d_out)
+        sorted_rows = inputs.reshape(n * r, d_in).index_select(0, order // (s // r))
+        grad_inputs = grad_weight = grad_gates = None
+        if gates is None:
+            sorted_grad = grad.index_select(0, order)  # [N * S, d_out]
+        else:
+            sorted_grad = grad.index_select(0, order // (s // out_groups))  # d (gated slot output), ungated
+            sorted_gates = gates.reshape(-1).index_select(0, order).to(grad.dtype).unsqueeze(-1)
+        need_inputs = ctx.needs_input_grad[0] or (gates is not None and ctx.needs_input_grad[2])
+        if need_inputs:
+            row_grad = _GROUPED_MM(sorted_grad, weight.transpose(1, 2), offs=ends)  # dy W_e^T, [N * S, d_in]
+            if gates is not None and ctx.needs_input_grad[2]:
+                sorted_gate_grad = (row_grad * sorted_rows).sum(-1)
+                grad_gates = torch.empty_like(sorted_gate_grad).scatter_(0, order, sorted_gate_grad)
+                grad_gates = grad_gates.view(n, s).to(gates.dtype)
+            if ctx.needs_input_grad[0]:
+                if gates is not None:
+                    row_grad = row_grad * sorted_gates
+                grad_inputs = row_grad.new_zeros(n * r, d_in).index_add_(0, order // (s // r), row_grad)
+                grad_inputs = grad_inputs.view(n, r, d_in)
+        if ctx.needs_input_grad[1]:
+            scaled = sorted_grad if gates is None else sorted_grad * sorted_gates
+            grad_weight = _GROUPED_MM(sorted_rows.t(), scaled, offs=ends)  # [G, d_in, d_out]
+        return grad_inputs, grad_weight, grad_gates, None, None
+
+
+def _reference(inputs, expert_index, weight, gates, out_groups):
+    n, s = expert_index.shape
+    r, d_in = inputs.shape[1], inputs.shape[2]
+    rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in)
+    matrices = weight.index_select(0, expert_index.reshape(-1)).view(n, s, d_in, weight.shape[2])  # each slot's matrix
+    return _expert_gated_sum(torch.einsum("nsi,nsio->nso", rows, matrices), gates, out_groups)
+
+
+def _batched(inputs, expert_index, weight, gates, out_groups):
+    n, s = expert_index.shape
+    r, d_in, d_out = inputs.shape[1], inputs.shape[2], weight.shape[2]
+    matrices = weight.index_select(0, expert_index.reshape(-1))  # [M, d_in, d_out]
+    rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in)
+    if gates is None:
+        return torch.bmm(rows.reshape(n * s, 1, d_in), matrices).view(n, s, d_out)
+    rows = rows * gates.unsqueeze(-1).to(rows.dtype)  # the gated sum inside the matmul, per output group
+    per_group = s // out_groups
+    out = torch.bmm(rows.reshape(n * out_groups, 1, per_group * d_in),
+                    matrices.view(n * out_groups, per_group * d_in, d_out))
+    return out.view(n, out_groups, d_out)
+
+
+def _all_experts(inputs, expert_index, weight, gates, out_groups):
+    n, s = expert_index.shape
+    r, d_in = inputs.shape[1], inputs.shape[2]
+    g, _, d_out = weight.shape
+    device = inputs.device
+    if gates is None:  # every row times every expert, then each slot's result picked
+        every = torch.matmul(inputs.reshape(1, n * r, d_in), weight)  # [G, N * R, d_out]
+        slot_row = torch.arange(s, device=device)[None, :] // (s // r)
+        row_of_slot = torch.arange(n, device=device)[:, None] * r + slot_row
+        pick = (expert_index * (n * r) + row_of_slot).reshape(-1)  # out of range iff an expert id is
+        return every.reshape(g * n * r, d_out).index_select(0, pick).view(n, s, d_out)
+    checked = torch.arange(g, device=device).index_select(0, expert_index.reshape(-1)).view(n, s)  # bounds check
+    mixing = _mixing_matrix(checked, gates, r, g, out_groups, inputs.dtype)  # [N, O * G * R]
+    if r <= out_groups:  # project every row by every expert, then mix the results
+        every = torch.matmul(inputs.reshape(1, n * r, d_in), weight)  # [G, N * R, d_out]
+        every = every.view(g, n, r, d_out).permute(1, 0, 2, 3).reshape(n, g * r, d_out)
+        return torch.bmm(mixing.view(n, out_groups, g * r), every)
+    mixed = torch.bmm(mixing.view(n, out_groups * g, r), inputs)  # [N, O * G, d_in]: each expert's gated input
+    out = torch.matmul(mixed.view(n * out_groups, g * d_in), weight.reshape(g * d_in, d_out))
+    return out.view(n, out_groups, d_out)
+
+
+def _grouped(inputs, expert_index, weight, gates, out_groups):
+    return _GroupedExperts.apply(inputs, weight, gates, expert_index, out_groups)
+
+
+def _per_head(inputs, expert_index, weight, gates, out_groups):
+    """Grouped routing with gates, one side of SwitchHead: values (R = 1, H output groups) or output (R = H rows,
+    one output group); H groups of E = G / H experts."""
+    rows = inputs.shape[1]
+    heads = max(rows, out_groups)
+    dense = dense_head_gates(expert_index, gates, heads, weight.shape[0] // heads, inputs.dtype)  # [N, H, E]
+    if rows == 1:
+        return head_expert_values(inputs[:, 0], dense, weight)  # [N, H, d_out]
+    return head_expert_output(inputs, dense, weight).unsqueeze(1)  # [N, 1, d_out]
+
+
+FORMULATIONS: dict[str, Callable] = {"reference": _reference, "batched": _batched, "all_experts": _all_experts,
+                                     "grouped": _grouped, "per_head": _per_head}
+
+
+def expert_projection_torch(
+    inputs: torch.Tensor,
+    expert_index: torch.Tensor,
+    weight: torch.Tensor,
+    gates: torch.Tensor | None = None,
+    out_groups: int = 1,
+    implementation: str = "auto",
+    grouped_routing: bool = False,
+) -> torch.Tensor:
+    """The expert projection in PyTorch (see the module docstring for the contract and the formulations).
+
+    Args:
+        inputs: `[N, R, d_in]`.
+        expert_index: `[N, S]` integer indices into `weight`'s first dimension.
+        weight: `[G, d_in, d_out]`.
+        gates: `[N, S]` or None.
+        out_groups: output rows per token when `gates` is given.
+        implementation: one of `EXPERT_IMPLEMENTATIONS`; "auto" is `choose_expert_implementation`'s rule.
+        grouped_routing: the caller guarantees that the slots of group h (input row or output group h) pick among
+            experts h * E .. h * E + E - 1, which lets "auto" take "per_head".
+
+    Returns:
+        `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them.
+    """
+    n, s = expert_index.shape
+    rows = inputs.shape[1]
+    name = choose_expert_implementation(n, s, rows, out_groups if gates is not None else None, weight.shape[0],
+                                        inputs, weight, implementation, grouped_routing)
+    return FORMULATIONS[name](inputs, expert_index.long(), weight, gates, out_groups)
+
+
+def _triton_runs(inputs: torch.Tensor) -> bool:
+    if _kernels is None or (inputs.device.type == "cpu" and not _TRITON_INTERPRET):
+        return False  # no Triton on the CPU outside its interpreter: skip the backend look-up
+    return _kernels.resolve_backend(inputs.device, inputs.dtype) == "triton"
+
+
+def expert_projection(inputs, expert_index, weight, gates=None, out_groups=1, implementation="auto",
+                      grouped_routing=False):
+    """The op's dispatch point: the Triton kernels of `switchhead.kernels` where they run (they ignore
+    `implementation`), else `expert_projection_torch` (the same with or without the package installed)."""
+    if _triton_runs(inputs):
+        return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups, implementation=implementation)
+    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups, implementation=implementation,
+                                   grouped_routing=grouped_routing)
+
+
+# Transformers' experts implementations -> the formulation that runs SwitchHead's V/O experts (and the sigma-MoE
+# MLP's "eager"). "cvmm" (registered by the switchhead package), None (a module used on its own) and other
+# registered ones (MLP-shaped kernels) take `expert_projection`, i.e. the kernels where they run.
+EXPERTS_FORMULATIONS = {"eager": "auto", "batched_mm": "batched", "grouped_mm": "grouped"}
+
+
+def expert_projection_for(experts_implementation: str | None) -> Callable:
+    """The expert projection that `config._experts_implementation` asks for, with `expert_projection`'s signature."""
+    formulation = EXPERTS_FORMULATIONS.get(experts_implementation)
+    if formulation is None:
+        return expert_projection
+
+    def project(inputs, expert_index, weight, gates=None, out_groups=1, grouped_routing=False):
+        return expert_projection_torch(inputs, expert_index, weight, gates, out_groups, implementation=formulation,
+                                       grouped_routing=grouped_routing)
+
+    return project
+
+
+def formulation_for(experts_implementation: str | None, tokens: int, slots: int, rows: int, out_groups: int | None,
+                    inputs: torch.Tensor, weight: torch.Tensor, grouped_routing: bool = False) -> str:
+    """What a call of `expert_projection_for(experts_implementation)` with these sizes runs: "triton" where the
+    kernels take it, else the formulation's name."""
+    formulation = EXPERTS_FORMULATIONS.get(experts_implementation)
+    if formulation is None:
+        if _triton_runs(inputs):
+            return "triton"
+        formulation = "auto"
+    return choose_expert_implementation(tokens, slots, rows, out_groups, weight.shape[0], inputs, weight, formulation,
+                                        grouped_routing)
+
+
+# ---------------------------------------------------------------------------------------------------- per head
+# "per_head" holds the top-k as dense gates `[N, H, E]` (zero for the experts not chosen) and runs against every
+# expert of a head: the work of "all_experts" in a handful of ops, which is what decoding pays for. Under autograd
+# the custom functions keep what their backward needs: the value side its arguments and every expert's products
+# `[N, H * E, dh]` (the gates' gradient reads them), the output side only its arguments (the gated input rows are
+# elementwise, recomputed).
+def dense_head_gates(expert_index: torch.Tensor, gates: torch.Tensor, num_groups: int, num_experts: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """`[N, S]` global expert ids (group h's slots pick ids in `[h * E, (h + 1) * E)`) and their gates -> the dense
+    gates `[N, groups, E]` in `dtype` (summed where an id repeats, zero where no slot picked the expert)."""
+    dense = gates.new_zeros(gates.shape[0], num_groups * num_experts)
+    return dense.scatter_add_(1, expert_index, gates).view(-1, num_groups, num_experts).to(dtype)
+
+
+def _every_expert_values(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """inputs `[N, d]`, weight `[H * E, d, dh]` -> every expert's projection `[H * E, N, dh]`."""
+    if inputs.shape[0] == 1:  # decoding one token: one batched matrix-vector product (no broadcasting matmul)
+        return torch.bmm(inputs.expand(weight.shape[0], 1, inputs.shape[1]), weight)
+    return torch.matmul(inputs.unsqueeze(0), weight)
+
+
+def _head_values_forward(inputs: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    n, heads, experts = gates.shape
+    if n == 1 and torch.compiler.is_compiling():
+        # one token, compiled: inductor would turn the batched matrix-vector products into a generated loop;
+        # mixing each head's expert matrices by their gates first (one pass over the weights, into [d, H * dh])
+        # leaves one ATen matrix product
+        d, dh = weight.shape[1], weight.shape[2]
+        mixed = (gates.view(heads, experts, 1, 1) * weight.view(heads, experts, d, dh)).sum(1)  # [H, d, dh]
+        return torch.mm(inputs, mixed.permute(1, 0, 2).reshape(d, heads * dh)).view(1, heads, dh)
+    every = _every_expert_values(inputs, weight)  # [H * E, N, dh]
+    if n == 1:  # [H, 1, E] x [H, E, dh]
+        return torch.bmm(gates.view(heads, 1, experts), every.view(heads, experts, -1)).view(1, heads, -1)
+    return _mix_values(every, gates)
+
+
+def _mix_values(every: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """every expert's values `[H * E, N, dh]` and dense gates `[N, H, E]` -> `[N, H, dh]` (sum over each head's E)."""
+    n, heads, experts = gates.shape
+    mixed = every.view(heads, experts, n, every.shape[-1]) * gates.permute(1, 2, 0).unsqueeze(-1)
+    return mixed.sum(1).transpose(0, 1)
+
+
+def _head_output_mixed(rows: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """rows `[N, H, dh]`, gates `[N, H, E]` -> every expert's gated input row, `[N, H * E * dh]`."""
+    n, heads, experts = gates.shape
+    return (gates.unsqueeze(-1) * rows.unsqueeze(2)).view(n, heads * experts * rows.shape[2])
+
+
+class _HeadExpertValues(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs, gates, weight):
+        every = _every_expert_values(inputs, weight)  # [H * E, N, dh]
+        ctx.save_for_backward(inputs, gates, weight, every)
+        return _mix_values(every, gates)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [N, H, dh]
+        inputs, gates, weight, every = ctx.saved_tensors
+        n, heads, experts = gates.shape
+        d, dh = weight.shape[1], weight.shape[2]
+        grad_inputs = grad_gates = grad_weight = None
+        if ctx.needs_input_grad[1]:  # d gate[n, h, e] = <dy[n, h], x_n W_he>
+            grad_gates = (every.view(heads, experts, n, dh) * grad.transpose(0, 1).unsqueeze(1)).sum(-1)
+            grad_gates = grad_gates.permute(2, 0, 1)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            scaled = (gates.unsqueeze(-1) * grad.unsqueeze(2)).reshape(n, heads * experts * dh)  # [N, H*E*dh]
+            if ctx.needs_input_grad[0]:
+                grad_inputs = scaled @ weight.transpose(1, 2).reshape(heads * experts * dh, d)
+            if ctx.needs_input_grad[2]:
+                grad_weight = (inputs.t() @ scaled).view(d, heads * experts, dh).transpose(0, 1).contiguous()
+        return grad_inputs, grad_gates, grad_weight
+
+
+class _HeadExpertOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, gates, weight):
+        ctx.save_for_backward(rows, gates, weight)
+        return _head_output_mixed(rows, gates) @ weight.reshape(-1, weight.shape[2])
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [N, d]
+        rows, gates, weight = ctx.saved_tensors
+        n, heads, experts = gates.shape
+        grad_rows = grad_gates = grad_weight = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            grad_mixed = (grad @ weight.reshape(-1, weight.shape[2]).t()).view(n, heads, experts, weight.shape[1])
+            if ctx.needs_input_grad[0]:
+                grad_rows = (grad_mixed * gates.unsqueeze(-1)).sum(2)
+            if ctx.needs_input_grad[1]:
+                grad_gates = (grad_mixed * rows.unsqueeze(2)).sum(-1)
+        if ctx.needs_input_grad[2]:  # the gated input rows, recomputed
+            grad_weight = (_head_output_mixed(rows, gates).t() @ grad).view(weight.shape)
+        return grad_rows, grad_gates, grad_weight
+
+
+def _lean_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether to run the custom functions above: autograd records the call, and no autocast (whose casts the
+    hand-written backwards do not replay; under autocast the plain ops run, and autograd saves what they need)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors) \
+        and not torch.is_autocast_enabled(tensors[0].device.type)
+
+
+def head_expert_values(inputs: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head expert values: inputs `[N, d]`, dense gates `[N, H, E]` (`dense_head_gates`), weight
+    `[H * E, d, dh]` (head h's experts in rows h * E .. h * E + E - 1) -> `[N, H, dh]`,
+    out[n, h] = sum_e gates[n, h, e] * inputs[n] @ weight[h * E + e]."""
+    if _lean_autograd(inputs, gates, weight):
+        return _HeadExpertValues.apply(inputs, gates, weight)
+    return _head_values_forward(inputs, gates, weight)
+
+
+def head_expert_output(rows: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head expert outputs summed over heads: rows `[N, H, dh]`, dense gates `[N, H, E]`, weight
+    `[H * E, dh, d]` -> `[N, d]`, out[n] = sum_{h, e} gates[n, h, e] * rows[n, h] @ weight[h * E + e]."""
+    if _lean_autograd(rows, gates, weight):
+        return _HeadExpertOutput.apply(rows, gates, weight)
+    return _head_output_mixed(rows, gates) @ weight.reshape(-1, weight.shape[2])
+
+
+# ---------------------------------------------------------------------------------------------------- activation
+class _ReluFromOutput(torch.autograd.Function):
+    """ReLU whose backward multiplies by the sign of its output (1 where it passed, 0 where it clipped): the same
+    gradient as `F.relu`'s (which masks `output <= 0`), written so that AOTAutograd's partitioner keeps only the
+    output, which the next projection's weight gradient needs anyway, and recomputes the mask in the fused backward
+    kernel. Given `F.relu`, its default partitioner makes the forward also store a boolean mask, and inductor's CPU
+    kernels for storing and reading it are slow (benchmarks/inductor_relu_mask.py)."""
+
+    @staticmethod
+    def forward(ctx, inputs):
+        output = torch.relu(inputs)
+        ctx.save_for_backward(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (output,) = ctx.saved_tensors
+        return grad * output.sign()
+
+
+def relu(inputs: torch.Tensor) -> torch.Tensor:
+    """`F.relu`; while torch.compile traces a function that autograd records, `_ReluFromOutput` (same values, same
+    gradient; eager keeps ATen's own relu and its backward)."""
+    if torch.compiler.is_compiling() and torch.is_grad_enabled() and inputs.requires_grad:
+        return _ReluFromOutput.apply(inputs)
+    return F.relu(inputs)
