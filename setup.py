@@ -1,8 +1,9 @@
 """Distribution `switchhead`: the top-level folders map into one import namespace.
 
-modeling_switchhead/ -> switchhead, kernels/ -> switchhead.kernels, training/ -> switchhead.training,
-evaluation/ -> switchhead.evaluation, conversion/ -> switchhead.conversion. No top-level `kernels`,
-`evaluation` or `conversion` package is installed (those names belong to other PyPI projects).
+modeling_switchhead/ -> switchhead, kernels/ -> switchhead.kernels, integrity/ -> switchhead.integrity,
+training/ -> switchhead.training, evaluation/ -> switchhead.evaluation, conversion/ -> switchhead.conversion,
+serving/ -> switchhead.serving, cli/ -> switchhead.cli. No top-level `kernels`, `evaluation` or `conversion`
+package is installed (those names belong to other PyPI projects).
 """
 
 import os
@@ -10,7 +11,8 @@ import os
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SUBPACKAGES = {"kernels": "kernels", "training": "training", "evaluation": "evaluation", "conversion": "conversion"}
+SUBPACKAGES = {"kernels": "kernels", "integrity": "integrity", "training": "training", "evaluation": "evaluation",
+               "conversion": "conversion", "serving": "serving", "cli": "cli"}
 
 package_dir = {"switchhead": "modeling_switchhead"}
 packages = ["switchhead"]

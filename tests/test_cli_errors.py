@@ -190,7 +190,7 @@ def test_the_table_walks_every_subcommand(capsys):
 
 
 def test_an_unexpected_failure_keeps_its_traceback(paths, monkeypatch):
-    from switchhead.evaluation import cli as evaluation_cli
+    from switchhead.cli import evaluate as evaluation_cli
 
     def broken(*args, **kwargs):
         raise KeyError("a bug, not the user's fault")

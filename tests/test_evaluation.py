@@ -331,7 +331,7 @@ class FakeHub:
 def test_publish_creates_repo_uploads_folder_then_card_without_network(model_dir, tmp_path, capsys):
     from argparse import Namespace
 
-    from switchhead.evaluation.cli import run_publish
+    from switchhead.cli.evaluate import run_publish
 
     hub = FakeHub()
     args = Namespace(model=str(model_dir), repo="me/tiny-switchhead", private=True, token=None, results=None,

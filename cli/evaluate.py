@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from . import UsageError, parse_field_assignments, refuse_existing_output
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -83,8 +85,8 @@ def register(subparsers) -> None:
 
 
 def _limit(value: str) -> int | float:
-    """--limit: a whole number of examples per task, or a fraction in (0, 1) of each task; anything else is refused
-    (1.5 used to run as 1)."""
+    """--limit: a whole number of examples per task, or a fraction in (0, 1) of each task; anything else (1.5) is
+    refused rather than rounded."""
     import argparse
     import math
 
@@ -102,37 +104,29 @@ def _limit(value: str) -> int | float:
     return int(number)
 
 
-def _usage_error(message: str):
-    from switchhead.cli import UsageError
-
-    return UsageError(message)
-
-
 # ---------------------------------------------------------------------------------------------------- eval
 def run_eval(args) -> int:
-    from . import TASKS_DIR
+    from switchhead.evaluation import TASKS_DIR
 
     if args.task_dir:
         print(TASKS_DIR)
         return 0
     if args.tasks is not None and args.tasks.strip().lower() == "list":
-        from .zero_shot import describe_tasks
+        from switchhead.evaluation.zero_shot import describe_tasks
 
         print(describe_tasks())
         return 0
     if not args.model or not (Path(args.model) / "config.json").is_file():
-        raise _usage_error(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
+        raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     if args.output:
-        from switchhead.cli import refuse_existing_output
-
         refuse_existing_output(args.output, args.overwrite)
     if not args.no_verify:
         from switchhead.integrity import check_model_folder
 
         check_model_folder(args.model)
     if args.batch_size < 1:
-        raise _usage_error("--batch-size must be >= 1")
-    from .zero_shot import DEFAULT_TASKS, expand_tasks
+        raise UsageError("--batch-size must be >= 1")
+    from switchhead.evaluation.zero_shot import DEFAULT_TASKS, expand_tasks
 
     if args.tasks is None:  # plots or perplexity alone run no zero-shot tasks
         names = [] if args.perplexity or args.plots else list(DEFAULT_TASKS)
@@ -149,11 +143,11 @@ def run_eval(args) -> int:
         metadata["cbt_dir"] = str(Path(args.cbt_dir).resolve())
     for path in args.perplexity:
         if not Path(path).is_file():
-            raise _usage_error(f"--perplexity file {path!r} does not exist")
+            raise UsageError(f"--perplexity file {path!r} does not exist")
     for flag in ("context", "stride"):
         value = getattr(args, flag)
-        if value is not None and value < 1:  # 0 used to fall back silently to the default
-            raise _usage_error(f"--{flag} must be >= 1, got {value}")
+        if value is not None and value < 1:  # refused, not taken as 'use the default'
+            raise UsageError(f"--{flag} must be >= 1, got {value}")
     if args.perplexity and args.context is not None:
         from transformers import AutoConfig
 
@@ -161,10 +155,10 @@ def run_eval(args) -> int:
 
         limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
         if limit is not None and args.context > limit:
-            raise _usage_error(f"--context {args.context} is longer than the model reads ({limit}, "
+            raise UsageError(f"--context {args.context} is longer than the model reads ({limit}, "
                                "max_position_embeddings); give at most that")
         if args.stride is not None and args.stride > args.context:
-            raise _usage_error(f"--stride {args.stride} is longer than --context {args.context}: the windows would "
+            raise UsageError(f"--stride {args.stride} is longer than --context {args.context}: the windows would "
                                "skip tokens")
 
     report: dict = {"model": str(Path(args.model).resolve()), "protocol": args.protocol, "limit": args.limit,
@@ -179,14 +173,14 @@ def run_eval(args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
     if args.protocol == "paper":
-        from .zero_shot import run_paper_protocol
+        from switchhead.evaluation.zero_shot import run_paper_protocol
 
         paper_tasks = [t for t in tasks if not t.startswith("switchhead_wikitext")]
         lm_eval_tasks = [t for t in tasks if t.startswith("switchhead_wikitext")]
         report["results"].update(run_paper_protocol(model, tokenizer, paper_tasks, limit=args.limit,
                                                     metadata=metadata, batch_size=args.batch_size))
     if lm_eval_tasks:
-        from .zero_shot import blimp_mean, run_lm_eval, summarize
+        from switchhead.evaluation.zero_shot import blimp_mean, run_lm_eval, summarize
 
         summary = summarize(run_lm_eval(args.model, lm_eval_tasks, limit=args.limit, batch_size=args.batch_size,
                                         device=args.device, metadata=metadata))
@@ -194,15 +188,14 @@ def run_eval(args) -> int:
             summary["switchhead_blimp"] = {"acc": blimp_mean(summary)}
         report["results"].update(summary)
     for path in args.perplexity:
-        from .perplexity import evaluate_perplexity, read_text
+        from switchhead.evaluation.perplexity import evaluate_perplexity, read_text
 
         result = evaluate_perplexity(model, tokenizer, read_text(path), context=args.context, stride=args.stride,
                                      protocol=args.ppl_protocol, batch_size=args.batch_size)
         report["perplexity"].append({"data": Path(path).name, **result.as_dict()})
     if args.plots:
+        from switchhead.evaluation.analysis import analyse
         from switchhead.integrity import FolderLock
-
-        from .analysis import analyse
 
         with FolderLock(args.plots, "eval --plots"):  # one writer of the plots folder at a time
             written = analyse(model, tokenizer, args.text, args.plots)
@@ -228,7 +221,6 @@ def run_eval(args) -> int:
 def load_config(spec: str, assignments: list[str]):
     """A SwitchHeadConfig from a preset name, a config.json or a model folder, with FIELD=VALUE overrides."""
     from switchhead import PRESETS, SwitchHeadConfig
-    from switchhead.cli import parse_field_assignments
 
     overrides = parse_field_assignments(assignments)
     if spec in PRESETS:
@@ -237,10 +229,10 @@ def load_config(spec: str, assignments: list[str]):
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise _usage_error(f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config file/folder")
+        raise UsageError(f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config file/folder")
     fields = json.loads(path.read_text(encoding="utf-8"))
     if fields.get("model_type", "switchhead") != "switchhead":
-        raise _usage_error(f"{path} describes a {fields['model_type']!r} model, not a switchhead one")
+        raise UsageError(f"{path} describes a {fields['model_type']!r} model, not a switchhead one")
     fields.update(overrides)
     for key in ("auto_map", "architectures", "transformers_version", "model_type"):
         fields.pop(key, None)
@@ -248,13 +240,13 @@ def load_config(spec: str, assignments: list[str]):
 
 
 def run_flops(args) -> int:
-    from .flops import cost_report, format_report
+    from switchhead.evaluation.flops import cost_report, format_report
 
     config = load_config(args.config, args.set)
     if args.context is not None and args.context < 1:
-        raise _usage_error("--context must be >= 1")
+        raise UsageError("--context must be >= 1")
     if args.memory_chunks is not None and args.memory_chunks < 0:
-        raise _usage_error("--memory-chunks must be >= 0")
+        raise UsageError("--memory-chunks must be >= 0")
     report = cost_report(config, args.context, args.memory_chunks, args.dtype)
     if args.json:
         print(json.dumps({"config": args.config, "overrides": args.set, **report.as_dict()}, indent=2))
@@ -265,7 +257,7 @@ def run_flops(args) -> int:
 
 # ---------------------------------------------------------------------------------------------------- card
 def _card(args, repo_id):
-    from .card import build_card, load_results
+    from switchhead.evaluation.card import build_card, load_results
 
     evaluation = load_results(args.results) if args.results else None
     return build_card(args.model, evaluation, repo_id=repo_id, training_data=args.training_data,
@@ -274,13 +266,11 @@ def _card(args, repo_id):
 
 def run_card(args) -> int:
     if not (Path(args.model) / "config.json").is_file():
-        raise _usage_error(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
+        raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     card = _card(args, args.repo_id)
     if args.output == "-":
         sys.stdout.write(str(card))
         return 0
-    from switchhead.cli import refuse_existing_output
-
     output = Path(args.output or os.path.join(args.model, "README.md"))
     refuse_existing_output(str(output), args.overwrite)
     temporary = output.with_name(f".{output.name}.tmp")
@@ -291,10 +281,10 @@ def run_card(args) -> int:
 
 
 def run_publish(args, api=None) -> int:
-    from .card import publish
+    from switchhead.evaluation.card import publish
 
     if not (Path(args.model) / "config.json").is_file():
-        raise _usage_error(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
+        raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     card = _card(args, args.repo)
     try:
         url = publish(args.model, args.repo, card, api=api, private=args.private, token=args.token)
@@ -303,8 +293,8 @@ def run_publish(args, api=None) -> int:
                 and not isinstance(error, (ConnectionError, TimeoutError)):
             raise
         if type(error).__name__ == "OfflineModeIsEnabled":
-            raise _usage_error("cannot publish: HF_HUB_OFFLINE is set (unset it to reach the Hub)") from None
+            raise UsageError("cannot publish: HF_HUB_OFFLINE is set (unset it to reach the Hub)") from None
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise _usage_error(f"cannot publish to the Hub ({type(error).__name__}: {first})") from None
+        raise UsageError(f"cannot publish to the Hub ({type(error).__name__}: {first})") from None
     print(f"published {args.model} to {url}")
     return 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
+
+from . import UsageError
 
 
 def register(subparsers) -> None:
@@ -21,11 +24,7 @@ def run(args) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .cli import UsageError
-
-    import math
-
-    from .integrity import check_model_folder, weight_shape_problem
+    from switchhead.integrity import check_model_folder, weight_shape_problem
 
     if not os.path.exists(args.model):
         raise UsageError(f"model folder {args.model!r} does not exist")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from switchhead.cli import UsageError
+from . import UsageError
 
 
 def _common(parser: argparse.ArgumentParser, reads_pickle: bool, writes_folder: bool) -> None:
@@ -77,7 +77,7 @@ def register(subparsers) -> None:
 
 
 def _register_upcycle(subparsers) -> None:
-    from . import upcycle
+    from switchhead.conversion import upcycle
 
     parser = subparsers.add_parser("upcycle", help="turn a dense model (ours or GPT-2 style) into a SwitchHead one",
                                    description=upcycle.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,8 +95,8 @@ def _register_upcycle(subparsers) -> None:
 
 
 def run_upcycle(args) -> int:
-    from .checkpoint_io import ConversionError
-    from .upcycle import upcycle
+    from switchhead.conversion.checkpoint_io import ConversionError
+    from switchhead.conversion.upcycle import upcycle
 
     try:
         with _output_lock(args.output, "upcycle"):
@@ -148,9 +148,9 @@ def run(args) -> int:
 
 
 def _run_locked(args) -> int:
-    from . import convert
-    from .authors_format import parse_renames
-    from .checkpoint_io import ConversionError, parse_dtype
+    from switchhead.conversion import convert
+    from switchhead.conversion.authors_format import parse_renames
+    from switchhead.conversion.checkpoint_io import ConversionError, parse_dtype
 
     try:
         dtype = parse_dtype(args.dtype)

@@ -1,20 +1,31 @@
-"""The `switchhead` command line: one entry point, one subcommand per job.
+"""switchhead.cli: the `switchhead` command line, one entry point, one subcommand per job.
 
-Each subpackage that adds a subcommand exposes `register(subparsers)` in its `cli` module; the subcommand's
-handler returns an exit code. Bad input ends with a non-zero exit and a one-line reason on stderr.
+    switchhead COMMAND --help          # the console script
+    python -m switchhead.cli COMMAND   # the same (what `accelerate launch -m switchhead.cli train` runs)
+
+One module per command group registers its subcommands with `register(subparsers)`: `train`, `finetune`,
+`evaluate` (eval, flops, card, publish), `convert` (convert, upcycle), `generate`, `serve`. Each handler checks its
+arguments, calls the application package (switchhead.training, .evaluation, .conversion, .serving) and returns an
+exit code. This package sits on top: it imports them, none of them imports it.
+
+The error contract: bad input ends with exit code 2 and one line `switchhead <command>: error: <reason>` on
+stderr (`fail(...)` or `raise CliError(...)`, and the expected exceptions of `expected_errors`); anything else
+keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 
-# subcommand providers, imported lazily so that `switchhead --help` works whatever extras are installed
-PROVIDERS = ("switchhead.training.cli", "switchhead.evaluation.cli", "switchhead.conversion.cli",
-             "switchhead.generate_cli", "switchhead.serving")
-PROVIDERS += ("switchhead.training.finetune_cli",)
+# command modules (in `switchhead --help` order) and the application package each needs; a command whose package
+# is not installed is left out
+COMMANDS = (("switchhead.cli.train", "switchhead.training"), ("switchhead.cli.evaluate", "switchhead.evaluation"),
+            ("switchhead.cli.convert", "switchhead.conversion"), ("switchhead.cli.generate", "switchhead"),
+            ("switchhead.cli.serve", "switchhead.serving"), ("switchhead.cli.finetune", "switchhead.training"))
 
 
 class UsageError(Exception):
@@ -54,7 +65,7 @@ def config_field_names() -> list[str]:
     """Every field a SwitchHeadConfig accepts (its own, the inherited PreTrainedConfig ones, `rope_theta`)."""
     import dataclasses
 
-    from . import SwitchHeadConfig
+    from switchhead import SwitchHeadConfig
 
     return sorted({f.name for f in dataclasses.fields(SwitchHeadConfig)} | {"rope_theta"})
 
@@ -98,14 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="switchhead", description="SwitchHead / SwitchAll models: train, "
                                      "evaluate, convert, generate, count MACs and publish.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in PROVIDERS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name and name.startswith(error.name):  # that part of the package is not there
-                continue
-            raise
-        module.register(subparsers)
+    for name, needs in COMMANDS:
+        if importlib.util.find_spec(needs) is None:  # that part of the package is not installed
+            continue
+        importlib.import_module(name).register(subparsers)
     return parser
 
 
@@ -162,10 +169,3 @@ def describe_expected(error: BaseException) -> str:
     if isinstance(error, OSError) and error.filename and str(error.filename) not in str(error.strerror or ""):
         return f"{error.strerror or name}: {error.filename!r}"
     return str(error) or name
-
-
-if __name__ == "__main__":
-    # run the package's copy of this module, so that subcommands raising switchhead.cli.UsageError are caught
-    from switchhead.cli import main as package_main
-
-    sys.exit(package_main())

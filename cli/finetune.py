@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from . import UsageError
+
 
 def _names(value: str) -> list[str]:
     return [name.strip() for name in value.split(",") if name.strip()] if value != "none" else []
@@ -47,9 +49,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..cli import UsageError
-    from .data import DataError
-    from .finetune import FinetuneError, finetune
+    from switchhead.training.data import DataError
+    from switchhead.training.finetune import FinetuneError, finetune
 
     try:
         result = finetune(args.model, args.data, args.output_dir, r=args.rank, lora_alpha=args.alpha,

@@ -1,6 +1,6 @@
 """`switchhead train`: pretrain a SwitchHead / SwitchAll / dense model, resume a run, or run the demo.
 
-    switchhead train --demo                                   # the README demo (stdlib corpus, ~5 min on 2 cores)
+    switchhead train --demo                                   # the README demo (stdlib corpus, tiny models)
     switchhead train --preset tiny-switchhead --data ../shared/data/wikitext-2 --output-dir runs/wt2
     switchhead train --output-dir runs/wt2 --resume           # continue from the newest checkpoint
     accelerate launch --num_processes 8 -m switchhead.cli train --preset wt103-47m-switchhead-xl --data DIR
@@ -8,6 +8,8 @@
 """
 
 from __future__ import annotations
+
+from . import UsageError, parse_field_assignments
 
 
 # command-line option -> TrainingConfig field; options left out keep the preset's (or the resumed run's) value
@@ -84,18 +86,12 @@ def register(subparsers) -> None:
     parser.set_defaults(handler=run)
 
 
-def parse_model_overrides(items: list[str]) -> dict:
-    from ..cli import parse_field_assignments
-
-    return parse_field_assignments(items)
-
-
 def run(args) -> int:
     from accelerate import PartialState
 
-    from .. import PAPER_TRAINING, PRESETS
-    from ..cli import UsageError
-    from .trainer import TrainingConfig, TrainingDiverged, find_checkpoint, read_checkpoint_state, train
+    from switchhead import PAPER_TRAINING, PRESETS
+    from switchhead.training.trainer import (TrainingConfig, TrainingDiverged, find_checkpoint, read_checkpoint_state,
+                                             train)
 
     if args.list_presets:
         for name in sorted(PRESETS):
@@ -126,10 +122,10 @@ def run(args) -> int:
         if args.skip_nonfinite < 0:
             raise UsageError(f"--skip-nonfinite must be >= 0, got {args.skip_nonfinite}")
         explicit["skip_nonfinite"] = args.skip_nonfinite
-    model_overrides = parse_model_overrides(args.set)
+    model_overrides = parse_field_assignments(args.set)
 
     if args.demo:
-        from .demo import run_demo
+        from switchhead.training.demo import run_demo
 
         if args.resume:
             raise UsageError("--demo always starts fresh; drop --resume")
@@ -149,7 +145,7 @@ def run(args) -> int:
         probe = TrainingConfig(output_dir=output_dir or "runs/switchhead", resume=args.resume,
                                inexact_resume=args.inexact_resume, allow_pickle=args.allow_pickle)
         if os.path.isdir(probe.output_dir):  # a run another process is writing: say so before reading its state
-            from ..integrity import FolderLock
+            from switchhead.integrity import FolderLock
 
             try:
                 FolderLock(probe.output_dir, "train").acquire().release()
@@ -198,8 +194,7 @@ def launch_under_accelerate(args) -> int:
     import torch
     import yaml
 
-    from ..cli import UsageError
-    from .accelerate_configs import CONFIGS, path
+    from switchhead.training.accelerate_configs import CONFIGS, path
 
     if os.environ.get("LOCAL_RANK") is not None:
         raise UsageError("--accelerate-config starts the processes itself: under `accelerate launch` or torchrun, "

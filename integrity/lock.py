@@ -1,0 +1,134 @@
+"""One writer per folder: `FolderLock`.
+
+`switchhead train` and `finetune` lock their output folder for the whole run, `convert` and `upcycle` the path they
+are about to create, `eval --plots` its plots folder; a second writer is refused naming the holder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+LOCK_NAME = ".switchhead.lock"
+
+
+class FolderLocked(ValueError):
+    """Another process holds the folder's lock (a ValueError: the CLI reports it in one line, exit code 2)."""
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class FolderLock:
+    """An exclusive lock on a folder that a command writes: `with FolderLock(folder, "train"): ...`.
+
+    The lock is a file holding the owner's process id, host and command, locked with `flock`. The kernel drops an
+    `flock` when its process ends however it ends (SIGKILL included), so a crashed writer never blocks the next
+    one; a clean exit also deletes the file. Where `flock` is not available (some network file systems) the
+    process id in the file decides: a holder that no longer runs on this host is taken over.
+
+    `inside=True` puts the lock file into `folder` (created if needed; a folder this lock created and left empty
+    is removed on release); `inside=False` puts it beside `folder` (for commands that create `folder` by renaming
+    a finished temporary folder into place).
+    """
+
+    def __init__(self, folder: str, command: str, inside: bool = True):
+        self.folder = os.path.abspath(folder)
+        self.command = command
+        self.inside = inside
+        if inside:
+            self.path = os.path.join(self.folder, LOCK_NAME)
+        else:
+            self.path = os.path.join(os.path.dirname(self.folder), f".{os.path.basename(self.folder)}{LOCK_NAME}")
+        self._fd: int | None = None
+        self._created_folder = False
+
+    def _holder(self) -> str:
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                info = json.loads(handle.read() or "{}")
+        except (OSError, ValueError):
+            info = {}
+        if not isinstance(info, dict) or not info.get("pid"):
+            return "another process"
+        alive = "" if info.get("host") != socket.gethostname() or _process_alive(int(info["pid"])) else ", not running"
+        return (f"process {info['pid']} on {info.get('host', '?')} (switchhead {info.get('command', '?')}, since "
+                f"{info.get('since', '?')}{alive})")
+
+    def acquire(self) -> "FolderLock":
+        import fcntl
+
+        if self.inside and not os.path.isdir(self.folder):
+            if os.path.exists(self.folder):
+                raise NotADirectoryError(f"{self.folder!r} is a file, not a folder")
+            os.makedirs(self.folder)
+            self._created_folder = True
+        try:
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    raise FolderLocked(f"{self.folder!r} is being written by {self._holder()}; wait for it to "
+                                       "finish or stop it (one writer per folder)") from None
+                except OSError:  # no flock here: decide by the recorded process id
+                    holder = self._holder()
+                    if "process " in holder and not holder.endswith("not running)") and \
+                            not holder.startswith(f"process {os.getpid()} "):
+                        os.close(fd)
+                        raise FolderLocked(f"{self.folder!r} is being written by {holder}; wait for it to finish "
+                                           "or stop it (one writer per folder)") from None
+                try:  # a holder that was releasing may have deleted the file we opened: lock the current one
+                    same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)
+            record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
+                                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+            self._fd = fd
+        except BaseException:
+            self._remove_created_folder()
+            raise
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still holding it: a waiting process then locks a fresh file
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+        self._remove_created_folder()
+
+    def _remove_created_folder(self) -> None:
+        if self._created_folder:
+            try:
+                os.rmdir(self.folder)  # only when nothing was written into it
+            except OSError:
+                pass
+            self._created_folder = False
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+__all__ = ["LOCK_NAME", "FolderLock", "FolderLocked"]
