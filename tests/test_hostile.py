@@ -542,7 +542,7 @@ def test_an_older_checkpoints_pickled_rng_state_needs_allow_pickle_only_when_uns
 
     import numpy as np
 
-    from switchhead.training.trainer import read_rng_state
+    from switchhead.training.checkpoint_files import read_rng_state
 
     run = tmp_path / "run"
     shutil.copytree(finished, run)

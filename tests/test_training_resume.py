@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from switchhead.training.trainer import read_memory, read_rng_state
+from switchhead.training.checkpoint_files import read_memory, read_rng_state
 
 RUN = ["--preset", "tiny-switchhead-xl", "--set", "xl_memory_length=32", "--set", "hidden_dropout=0.1",
        "--set", "attention_expert_dropout=0.1", "--vocab-size", "512", "--block-size", "32",

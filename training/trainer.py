@@ -3,11 +3,14 @@
     config = TrainingConfig.from_preset("tiny-switchhead", data="../shared/data/wikitext-2", max_steps=300)
     result = train(config)          # -> TrainResult(output_dir, step, valid_loss, ...)
 
-The loop (read `train` top to bottom): tokenizer and data -> model from a preset -> AdamW -> for each step:
-learning rate (linear warmup, cosine decay), `gradient_accumulation_steps` micro-batches with backward, gradient
-clipping, optimizer step, logs, periodic validation, periodic checkpoint. Run it under `accelerate launch` for
-several processes (DDP, FSDP, several nodes): every process cuts its own rows out of the same global batch, so
-the numbers do not depend on how many processes share the work.
+The loop (read `_train` top to bottom): the run folder and the resume rule (`open_run`) -> tokenizer and data
+(`load_data`) -> model from a preset -> AdamW -> the checkpoint to continue from (`restore_checkpoint`) -> for each
+step: learning rate (linear warmup, cosine decay), `gradient_accumulation_steps` micro-batches with backward
+(`accumulate_gradients`), gradient clipping, the divergence guard (`DivergenceGuard`), optimizer step
+(`apply_update`), logs, periodic validation, periodic checkpoint (`save_checkpoint`) -> the final model
+(`save_final_model`). Run it under `accelerate launch` for several processes (DDP, FSDP, several nodes): every
+process cuts its own rows out of the same global batch, so the numbers do not depend on how many processes share
+the work.
 
 Output folder layout:
     OUTPUT/                         save_pretrained folder (config, weights, model code, tokenizer) at the end
@@ -31,11 +34,8 @@ non-finite weights are ever saved. A checkpoint whose RNG state is damaged, miss
 only with `inexact_resume` (written to events.log). One writer per run folder: `train` holds an exclusive lock on
 `output_dir` (`switchhead.integrity.FolderLock`) for the whole run.
 
-Nothing a resume reads is fully unpickled unless `allow_pickle` says so: the model is safetensors, the RNG states
-and XL memory are safetensors with JSON metadata, the optimizer state (Accelerate's `optimizer.bin`) goes through
-torch's restricted loader (`weights_only=True`, which refuses any object that could run code). Checkpoints from
-before this format keep their RNG state in `random_states_P.pkl`; it is read with the restricted loader too, and
-fully unpickled only with `allow_pickle` (`--allow-pickle`) for files that loader refuses.
+The files of a checkpoint, and how a resume reads them without unpickling anything of ours, are in
+`checkpoint_files`.
 """
 
 from __future__ import annotations
@@ -56,11 +56,14 @@ from typing import Any
 import torch
 
 from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
-from ..integrity import LOCK_NAME, MANIFEST, FolderLock, read_manifest, verify_manifest, write_manifest
+from ..integrity import LOCK_NAME, MANIFEST, FolderLock, read_manifest, write_manifest
+from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, RngStateError, checkpoint_dirs, inspect_checkpoint,
+                               read_memory, read_rng_state, restore_rng_state, unloadable_file, write_memory,
+                               write_rng_state)
 from .data import DataError, TokenBatches, load_documents, load_tokenizer, tokenize_documents, train_tokenizer, \
     unigram_perplexity
 
-# Training settings of the tiny presets: a few minutes on 2 CPU cores.
+# Training settings of the tiny presets, sized for a CPU.
 TINY_TRAINING: dict[str, Any] = dict(block_size=128, batch_size=16, learning_rate=2e-3, max_steps=400,
                                      warmup_steps=40, grad_clip=0.25, vocab_size=2048, eval_every=100,
                                      save_every=200, log_every=10)
@@ -248,242 +251,6 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 # ================================================================================================ checkpoints
-CHECKPOINT_STATE = "trainer_state.json"  # written last: its presence marks a complete checkpoint
-
-
-def checkpoint_dirs(output_dir: str) -> list[str]:
-    """Checkpoints of a run, oldest first (temporary folders of interrupted saves are not listed; whether a listed
-    one is still intact is for `inspect_checkpoint` to say)."""
-    root = os.path.join(output_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    names = sorted(n for n in os.listdir(root) if n.startswith("step-") and
-                   (os.path.isfile(os.path.join(root, n, MANIFEST))
-                    or os.path.isfile(os.path.join(root, n, CHECKPOINT_STATE))))
-    return [os.path.join(root, n) for n in names]
-
-
-RNG_FILE = "rng_state_{}.safetensors"  # per process: torch (CPU, CUDA), Python and NumPy generators
-LEGACY_RNG_FILE = "random_states_{}.pkl"  # Accelerate's pickle, written by checkpoints before the format above
-MEMORY_FILE = "xl_memory_{}.safetensors"  # per process: the XL memory of each micro-batch slot
-LEGACY_MEMORY_FILE = "xl_memory_{}.pt"
-RNG_FORMAT = "switchhead-rng-1"
-
-
-class RngStateError(ValueError):
-    """An RNG state file that is missing, damaged, foreign, or refused without `allow_pickle` (one-line reason)."""
-
-
-def _rng_file(name: str) -> bool:
-    base = os.path.basename(name)
-    return base.startswith(("random_states_", "rng_state_"))
-
-
-def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """This process's generators as (tensors, string metadata) for a safetensors file: exact, no pickle."""
-    import random
-
-    import numpy as np
-
-    version, words, gauss_next = random.getstate()
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    tensors = {"torch_cpu": torch.get_rng_state(),
-               "python_words": torch.tensor(words, dtype=torch.int64),
-               "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64))}
-    if torch.cuda.is_available():
-        for index, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{index}"] = state
-    metadata = {"format": RNG_FORMAT, "python_version": json.dumps(version), "python_gauss_next": json.dumps(gauss_next),
-                "numpy_kind": str(kind), "numpy_position": json.dumps(int(position)),
-                "numpy_has_gauss": json.dumps(int(has_gauss)), "numpy_cached_gaussian": json.dumps(float(cached_gaussian)),
-                "cuda_devices": json.dumps(torch.cuda.device_count() if torch.cuda.is_available() else 0)}
-    return tensors, metadata
-
-
-def write_rng_state(folder: str, process_index: int) -> str:
-    from safetensors.torch import save_file
-
-    tensors, metadata = capture_rng_state()
-    path = os.path.join(folder, RNG_FILE.format(process_index))
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, path, metadata=metadata)
-    return path
-
-
-def _legacy_rng_state(path: str, allow_pickle: bool) -> dict[str, Any]:
-    """Accelerate's pickled RNG dictionary, through torch's restricted loader (with the NumPy types Accelerate itself
-    allows); a full unpickle only when `allow_pickle`."""
-    from accelerate.utils import load as restricted_load
-
-    try:
-        return restricted_load(path, map_location="cpu")  # weights_only=True: refuses anything that could run code
-    except Exception as error:  # noqa: BLE001 - a refused or damaged pickle fails in many ways
-        if not allow_pickle:
-            raise RngStateError(f"{os.path.basename(path)} is an older pickled RNG state that the restricted loader "
-                                f"refuses ({type(error).__name__}); pass --allow-pickle to unpickle it (only for a "
-                                "checkpoint you trust: unpickling can run code stored in the file)") from None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)  # the user allowed it (--allow-pickle)
-    except Exception as error:  # noqa: BLE001
-        raise RngStateError(f"unreadable {os.path.basename(path)} ({type(error).__name__})") from None
-
-
-def read_rng_state(folder: str, process_index: int, allow_pickle: bool = False) -> dict[str, Any]:
-    """The RNG state of one process as {"torch_cpu", "torch_cuda" (list), "python" (tuple), "numpy" (tuple)};
-    RngStateError naming the file when it is missing, damaged or refused."""
-    import numpy as np
-
-    path = os.path.join(folder, RNG_FILE.format(process_index))
-    legacy = os.path.join(folder, LEGACY_RNG_FILE.format(process_index))
-    if not os.path.isfile(path):
-        if not os.path.isfile(legacy):
-            raise RngStateError(f"missing {RNG_FILE.format(process_index)}")
-        states = _legacy_rng_state(legacy, allow_pickle)
-        try:
-            return {"torch_cpu": states["torch_manual_seed"], "torch_cuda": list(states.get("torch_cuda_manual_seed", [])),
-                    "python": states["random_state"], "numpy": states["numpy_random_seed"]}
-        except (KeyError, TypeError) as error:
-            raise RngStateError(f"unreadable {LEGACY_RNG_FILE.format(process_index)} (no {error})") from None
-    from safetensors import safe_open
-
-    name = RNG_FILE.format(process_index)
-    try:
-        with safe_open(path, framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-        if metadata.get("format") != RNG_FORMAT:
-            raise ValueError(f"format {metadata.get('format')!r}, expected {RNG_FORMAT!r}")
-        words = tuple(int(w) for w in tensors["python_words"].tolist())
-        python = (json.loads(metadata["python_version"]), words, json.loads(metadata["python_gauss_next"]))
-        numpy = (metadata["numpy_kind"], tensors["numpy_keys"].numpy().astype(np.uint32),
-                 json.loads(metadata["numpy_position"]), json.loads(metadata["numpy_has_gauss"]),
-                 json.loads(metadata["numpy_cached_gaussian"]))
-        cuda = [tensors[f"torch_cuda_{i}"] for i in range(json.loads(metadata["cuda_devices"]))]
-        cpu = tensors["torch_cpu"]
-        if cpu.dtype != torch.uint8 or cpu.dim() != 1 or len(words) != 625 or numpy[1].shape != (624,):
-            raise ValueError("tensor shapes or types are not those of RNG states")
-    except Exception as error:  # noqa: BLE001 - a damaged file fails in many ways; say which file
-        raise RngStateError(f"unreadable {name} ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''})") from None
-    return {"torch_cpu": cpu, "torch_cuda": cuda, "python": python, "numpy": numpy}
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Set this process's generators; RngStateError when the state does not fit them (then nothing is exact)."""
-    import random
-
-    import numpy as np
-
-    try:
-        torch.set_rng_state(state["torch_cpu"])
-        random.setstate(tuple(state["python"]))
-        np.random.set_state(tuple(state["numpy"]))
-        if torch.cuda.is_available():
-            if len(state["torch_cuda"]) != torch.cuda.device_count():
-                raise ValueError(f"the checkpoint holds {len(state['torch_cuda'])} CUDA generator states, this "
-                                 f"machine has {torch.cuda.device_count()} GPUs")
-            torch.cuda.set_rng_state_all(state["torch_cuda"])
-    except Exception as error:  # noqa: BLE001
-        raise RngStateError(f"the RNG state does not load ({type(error).__name__}: {error})") from None
-
-
-def write_memory(folder: str, process_index: int, memory: list) -> None:
-    """XL memory of every micro-batch slot (None, or a tuple / list of per-layer tensors) as safetensors + JSON."""
-    from safetensors.torch import save_file
-
-    tensors, layout = {}, []
-    for slot, entry in enumerate(memory):
-        if entry is None:
-            layout.append(None)
-            continue
-        items = [entry] if isinstance(entry, torch.Tensor) else list(entry)
-        if not all(isinstance(item, torch.Tensor) for item in items):
-            raise TypeError(f"XL memory slot {slot} holds {type(entry).__name__}, not tensors")
-        kind = "tensor" if isinstance(entry, torch.Tensor) else type(entry).__name__
-        layout.append([kind, len(items)])
-        for index, item in enumerate(items):
-            tensors[f"{slot}.{index}"] = item.detach().to("cpu").contiguous().clone()
-    save_file(tensors, os.path.join(folder, MEMORY_FILE.format(process_index)),
-              metadata={"layout": json.dumps(layout)})
-
-
-def read_memory(folder: str, process_index: int, device) -> list:
-    """The XL memory `write_memory` wrote (or an older checkpoint's `xl_memory_P.pt`, restricted loader)."""
-    path = os.path.join(folder, MEMORY_FILE.format(process_index))
-    if not os.path.isfile(path):
-        legacy = os.path.join(folder, LEGACY_MEMORY_FILE.format(process_index))
-        return torch.load(legacy, map_location=device, weights_only=True)  # refuses anything that could run code
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as handle:
-        layout = json.loads((handle.metadata() or {})["layout"])
-        memory = []
-        for slot, entry in enumerate(layout):
-            if entry is None:
-                memory.append(None)
-                continue
-            kind, count = entry
-            items = [handle.get_tensor(f"{slot}.{index}").to(device) for index in range(count)]
-            memory.append(items[0] if kind == "tensor" else (list(items) if kind == "list" else tuple(items)))
-    return memory
-
-
-def _unloadable_file(folder: str, process_index: int) -> str | None:
-    """After a failed load: the first file of the checkpoint that does not load on its own, as 'NAME does not load
-    (reason)', read the same safe way the resume reads it (None when each loads alone)."""
-    from safetensors import safe_open
-
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        try:
-            if name.endswith(".safetensors") and not _rng_file(name) and not name.startswith("xl_memory_"):
-                with safe_open(path, framework="pt") as handle:
-                    for key in handle.keys():
-                        handle.get_slice(key)
-            elif name.endswith(".bin"):
-                torch.load(path, map_location="cpu", weights_only=True)  # refuses anything that could run code
-            elif name in (MEMORY_FILE.format(process_index), LEGACY_MEMORY_FILE.format(process_index)):
-                read_memory(folder, process_index, "cpu")
-        except Exception as error:  # noqa: BLE001 - this is the diagnosis
-            text = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
-            return f"{name} does not load: {type(error).__name__}{': ' + text if text else ''}"
-    return None
-
-
-def inspect_checkpoint(path: str, allow_pickle: bool = False) -> tuple[list[str], list[str]]:
-    """(problems, RNG problems) of a checkpoint folder: files that changed or are missing against its SHA-256
-    manifest, or that the manifest does not list (not written by the run), split into the RNG states (resumable,
-    inexactly, with `inexact_resume`) and everything else. Every process's RNG state is also read (safely: see the
-    module docstring), so one that would not load is found here, before anything is resumed."""
-    has_manifest = os.path.isfile(os.path.join(path, MANIFEST))
-    problems = verify_manifest(path) if has_manifest else []
-    if has_manifest and not problems:
-        listed = set(read_manifest(path))
-        for root, dirs, files in os.walk(path):
-            dirs.sort()
-            for name in sorted(files):
-                relative = os.path.relpath(os.path.join(root, name), path).replace(os.sep, "/")
-                if relative != MANIFEST and relative not in listed:
-                    problems.append(f"unlisted {relative}")
-    if not has_manifest and not os.path.isfile(os.path.join(path, CHECKPOINT_STATE)):
-        problems.append(f"no {MANIFEST} or {CHECKPOINT_STATE}")
-    # a changed or missing RNG state leaves the rest resumable (inexactly); a file the run did not write does not
-    rng = [p for p in problems if not p.startswith("unlisted ") and _rng_file(p.split(" ", 1)[-1])]
-    other = [p for p in problems if p not in rng]
-    try:
-        with open(os.path.join(path, CHECKPOINT_STATE)) as handle:
-            processes = int(json.load(handle).get("num_processes", 1))
-    except (OSError, ValueError, TypeError, AttributeError):
-        if not other:
-            other.append(f"unreadable {CHECKPOINT_STATE}")
-        processes = 1
-    if not other and not rng:
-        for index in range(processes):
-            try:
-                read_rng_state(path, index, allow_pickle)
-            except RngStateError as error:
-                rng.append(str(error))
-    return other, rng
-
-
 def log_event(output_dir: str, message: str) -> None:
     """Append one line to the run's events.log (main process only)."""
     with open(os.path.join(output_dir, EVENTS), "a", encoding="utf-8") as handle:
@@ -616,6 +383,44 @@ def merge_resumed_config(config: TrainingConfig, stored: dict[str, Any]) -> Trai
     return resumed
 
 
+def restore_checkpoint(accelerator, config: TrainingConfig, resume: "Resume") -> tuple[int, int, list]:
+    """Load `resume`'s model, optimizer and XL memory, and its RNG states when they allow an exact continuation;
+    returns (step, skipped updates, XL memory). The main process reports the resume notes (and writes them to
+    events.log) and removes the folders of interrupted saves."""
+    checkpoint = resume.path
+    try:
+        # model (safetensors) and optimizer (torch's restricted loader); Accelerate also tries its pickled RNG
+        # file, with the same restricted loader, and says nothing when there is none: ours is restored below
+        accelerator.load_state(checkpoint)
+        memory = read_memory(checkpoint, accelerator.process_index, accelerator.device)
+    except Exception as error:  # noqa: BLE001 - truncated or foreign files fail in many ways
+        culprit = unloadable_file(checkpoint, accelerator.process_index) or \
+            f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        raise TrainingError(f"--resume: checkpoint {checkpoint!r} is corrupt or incomplete ({culprit})") from None
+    if resume.exact:
+        try:
+            restore_rng_state(read_rng_state(checkpoint, accelerator.process_index, config.allow_pickle))
+        except RngStateError as error:
+            if not config.inexact_resume:
+                raise TrainingError(f"--resume: the RNG state of checkpoint {checkpoint!r} does not load "
+                                    f"({error}), so the continuation would not be exact; pass --inexact-resume "
+                                    "to continue anyway") from None
+            resume.notes.append(f"inexact resume from {checkpoint}: RNG state does not load ({error}); dropout, "
+                                "expert dropout and data-independent randomness will differ from an "
+                                "uninterrupted run")
+    step = resume.state["step"]
+    skipped_updates = int(resume.state.get("skipped_updates", 0))
+    if accelerator.is_main_process:
+        for note in resume.notes:
+            accelerator.print(f"switchhead train: {note}")
+            log_event(config.output_dir, f"step {step}: {note}")
+        root = os.path.join(config.output_dir, "checkpoints")  # folders of interrupted saves are not checkpoints
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return step, skipped_updates, memory
+
+
 # ================================================================================================ logs
 class RunLog:
     """log.csv (and TensorBoard) of the main process. On resume the CSV is cut back to the checkpoint's step, so
@@ -660,7 +465,340 @@ class RunLog:
             self.writer.close()
 
 
+# ================================================================================================ the guard
+class DivergenceGuard:
+    """Keeps non-finite numbers out of the weights and the checkpoints.
+
+    Once per optimizer step, `update_is_finite` decides (one host sync, agreed by every process) whether the
+    step's loss and gradient norm allow the update. A bad update is not applied: `skip` counts it, and more than
+    `skip_nonfinite` in a row stop the run with TrainingDiverged. `check_weights` stops the run before non-finite
+    weights would be saved.
+    """
+
+    def __init__(self, accelerator, config: TrainingConfig, log: "RunLog", progress, skipped_updates: int = 0):
+        self.accelerator, self.config, self.log, self.progress = accelerator, config, log, progress
+        self.skipped_updates = skipped_updates  # over the whole run, those before a resume included
+        self.in_a_row = 0
+
+    def update_is_finite(self, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        if self.config.mixed_precision == "fp16":  # the loss scaler skips non-finite gradients itself
+            bad = ~torch.isfinite(step_loss)
+        else:
+            bad = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+        if self.accelerator.num_processes > 1:
+            bad = self.accelerator.reduce(bad.float(), reduction="sum") > 0
+        if bool(bad):
+            self.in_a_row += 1
+            return False
+        self.in_a_row = 0
+        return True
+
+    def skip(self, step: int, step_loss: torch.Tensor, grad_norm: torch.Tensor, learning_rate: float) -> float:
+        """Account for the bad update of `step` (not applied): stop the run when it is one too many in a row, else
+        count it and write it to events.log. Returns the step's loss."""
+        loss_value = float(self.accelerator.reduce(step_loss, reduction="mean"))
+        if self.in_a_row > self.config.skip_nonfinite:
+            self.log.write(dict(step=step, loss=repr(loss_value), learning_rate=repr(learning_rate),
+                                grad_norm=f"{float(grad_norm):.6g}", tokens_per_second="", peak_memory_mb="",
+                                valid_loss="", valid_perplexity="", skipped_updates=self.skipped_updates))
+            self.stop(step, loss_value, float(grad_norm), self.in_a_row)
+        self.skipped_updates += 1
+        if self.accelerator.is_main_process:
+            log_event(self.config.output_dir, f"step {step}: skipped a non-finite update (loss {loss_value!r}, "
+                                              f"grad norm {float(grad_norm)!r}); {self.in_a_row} in a row")
+        return loss_value
+
+    def check_weights(self, model, step: int, loss_value: float, grad_norm: torch.Tensor) -> None:
+        if not _weights_finite(model, self.accelerator):
+            self.stop(step, loss_value, float(grad_norm), 0, weights=True)
+
+    def stop(self, step: int, loss: float, grad_norm: float, in_a_row: int, weights: bool = False) -> None:
+        self.progress.close()
+        self.log.close()
+        _stop_diverged(self.accelerator, self.config, step, loss, grad_norm, in_a_row, weights)
+
+
+def apply_update(optimizer, finite: bool, mixed_precision: str) -> None:
+    """Step the optimizer when the update is finite, then clear the gradients. Under fp16 it steps either way:
+    Accelerate's gradient scaler then sees the non-finite gradients, skips the update and lowers its scale."""
+    if finite or mixed_precision == "fp16":
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _weights_finite(model, accelerator) -> bool:
+    """Every parameter finite (one host sync; checked before each save so nothing non-finite is written)."""
+    flags = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
+    if accelerator.num_processes > 1:  # FSDP shards: every process checks its own
+        flags = accelerator.reduce(flags.float(), reduction="sum") == accelerator.num_processes
+    return bool(flags)
+
+
+def _stop_diverged(accelerator, config: TrainingConfig, step: int, loss: float, grad_norm: float, in_a_row: int,
+                   weights: bool = False) -> None:
+    found = checkpoint_dirs(config.output_dir)
+    last = found[-1] if found else None
+    where = f"last good checkpoint: {last} (resume with --resume)" if last else "no checkpoint was written yet"
+    if weights:
+        message = f"step {step}: the weights became non-finite; nothing was saved; {where}"
+    else:
+        message = (f"step {step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (loss "
+                   f"{loss!r}, grad norm {grad_norm!r}{f', {in_a_row} bad updates in a row' if in_a_row > 1 else ''});"
+                   f" the update was not applied; {where}; lower --learning-rate or allow --skip-nonfinite N")
+    if accelerator.is_main_process:
+        log_event(config.output_dir, f"stopped: {message}")
+    accelerator.end_training()
+    raise TrainingDiverged(message, step, last)
+
+
 # ================================================================================================ the loop
+def train(config: TrainingConfig) -> TrainResult:
+    """Run (or resume) the pretraining job `config` describes; returns the final numbers.
+
+    The main process holds the run folder's lock (`FolderLock`) from before anything is checked or written until
+    the run ends, however it ends; a second writer gets TrainingError naming the holder."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    check_processes_joined(accelerator)
+    with run_folder_lock(accelerator, config.output_dir):
+        return _train(config, accelerator)
+
+
+def _train(config: TrainingConfig, accelerator) -> TrainResult:
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    started = time.time()
+    is_main = accelerator.is_main_process
+    config, resume = open_run(config, accelerator)
+    data = load_data(config, accelerator, fresh=resume is None)
+
+    # ---------------------------------------------------------------- model and optimizer
+    set_seed(config.seed)  # the same initial weights in every process
+    model = SwitchHeadForCausalLM(data.model_config)
+    num_parameters = model.num_parameters()
+    memory_supported = (data.model_config.position_encoding == "xl" and data.model_config.xl_memory_length > 0
+                        and "xl_memory" in inspect.signature(model.forward).parameters)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
+                                  weight_decay=config.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accumulation = config.gradient_accumulation_steps
+    memory: list = [None] * accumulation  # XL memory of each micro-batch slot (each is its own set of streams)
+    step, skipped_updates = 0, 0
+    if resume is not None:
+        step, skipped_updates, memory = restore_checkpoint(accelerator, config, resume)
+
+    log = RunLog(config.output_dir, step, config.tensorboard, is_main)
+    if is_main:
+        accelerator.print(f"{config.preset} ({data.model_config.attention_type} attention): "
+                          f"{num_parameters / 1e6:.2f}M parameters, {data.train_tokens:,} training tokens, "
+                          f"{data.valid_tokens:,} validation tokens, unigram perplexity {data.unigram:.1f}"
+                          + (f", resuming at step {step}" if step else ""))
+    progress = tqdm(total=config.max_steps, initial=step, disable=not (is_main and config.progress),
+                    desc=f"train {config.preset}", dynamic_ncols=True)
+    guard = DivergenceGuard(accelerator, config, log, progress, skipped_updates)
+
+    # ---------------------------------------------------------------- the loop
+    model.train()
+    loss_value, valid_loss = float("nan"), float("nan")
+    tokens_per_step = config.batch_size * config.block_size
+    tick, steps_since_tick = time.time(), 0
+    while step < config.max_steps:
+        learning_rate = learning_rate_at(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
+        if data.train_batches.segment_index(step) == 0:
+            memory = [None] * accumulation  # a new pass over the streams: no previous segment to remember
+
+        step_loss, step_memory = accumulate_gradients(model, data.train_batches, step, memory, accumulation,
+                                                      accelerator, memory_supported)
+        grad_norm = clip_gradients(model, accelerator, config.grad_clip)
+        finite = guard.update_is_finite(step_loss, grad_norm)
+        apply_update(optimizer, finite, config.mixed_precision)
+        if finite:
+            memory = step_memory
+        else:  # the bad step's XL memory is not carried on
+            loss_value = guard.skip(step + 1, step_loss, grad_norm, learning_rate)
+        step += 1
+        steps_since_tick += 1
+        progress.update(1)
+
+        is_log = step % config.log_every == 0 or step == config.max_steps
+        is_eval = step % config.eval_every == 0 or step == config.max_steps
+        if is_log or is_eval:
+            loss_value = float(accelerator.reduce(step_loss, reduction="mean"))
+            throughput = tokens_per_step * steps_since_tick / max(time.time() - tick, 1e-9)
+            row = dict(step=step, loss=repr(loss_value), learning_rate=repr(learning_rate),
+                       grad_norm=f"{float(grad_norm):.6g}", peak_memory_mb=f"{_peak_memory_mb(accelerator.device):.1f}",
+                       tokens_per_second=f"{throughput:.1f}",
+                       valid_loss="", valid_perplexity="", skipped_updates=guard.skipped_updates)
+            if is_eval:
+                valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches)
+                row.update(valid_loss=repr(valid_loss), valid_perplexity=f"{math.exp(valid_loss):.4f}")
+            log.write(row)
+            tick, steps_since_tick = time.time(), 0  # validation and logging time is not training throughput
+            progress.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{math.exp(valid_loss):.1f}"
+                                 if valid_loss == valid_loss else "-")
+        if step % config.save_every == 0 or step == config.max_steps:
+            guard.check_weights(model, step, loss_value, grad_norm)
+            save_checkpoint(accelerator, config.output_dir, step, config, memory, guard.skipped_updates)
+    progress.close()
+    log.close()
+
+    # ---------------------------------------------------------------- the result folder
+    save_final_model(accelerator, model, data.tokenizer, config.output_dir)
+    if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
+        valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches)
+    accelerator.end_training()
+    return TrainResult(config.output_dir, step, loss_value, valid_loss, math.exp(valid_loss), data.unigram,
+                       num_parameters, time.time() - started)
+
+
+def accumulate_gradients(model, batches: TokenBatches, step: int, memory: list, accumulation: int, accelerator,
+                         memory_supported: bool) -> tuple[torch.Tensor, list]:
+    """Forward and backward of the step's `accumulation` micro-batches. Returns the step's mean loss (a tensor: no
+    host sync) and the XL memory each micro-batch slot carries on, as a new list: `memory` stays as it was, for a
+    step whose update is not applied."""
+    step_loss = torch.zeros((), device=accelerator.device)
+    carried = list(memory)
+    for micro in range(accumulation):
+        rows = batches.micro_batch(step, micro, accelerator.process_index, accelerator.num_processes,
+                                   accumulation).to(accelerator.device)
+        extra = {"xl_memory": carried[micro], "use_cache": False} if memory_supported else {"use_cache": False}
+        # gradients are synchronised between processes only on the last micro-batch
+        sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
+        with sync, accelerator.autocast():
+            out = model(input_ids=rows, labels=rows, **extra)
+            accelerator.backward(out.loss / accumulation)
+        carried[micro] = _detach(getattr(out, "xl_memory", None))
+        step_loss += out.loss.detach() / accumulation
+    return step_loss, carried
+
+
+def clip_gradients(model, accelerator, grad_clip: float) -> torch.Tensor:
+    """Clip the gradient norm to `grad_clip` (0: no clipping) and return the norm before clipping, as a tensor.
+    Clipping computes the norm anyway (max_norm=inf: the norm alone); with the loss it decides whether the update
+    may be applied."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    return torch.as_tensor(grad_norm, device=accelerator.device)
+
+
+# ================================================================================================ the run folder
+@dataclass
+class Resume:
+    """The checkpoint a run continues from: its folder, its trainer state, notes for the user and events.log, and
+    whether its RNG state allows an exact continuation."""
+
+    path: str
+    state: dict[str, Any]
+    notes: list[str]
+    exact: bool
+
+
+@dataclass
+class RunData:
+    """The tokenizer, the model configuration that fits it, and the token streams of a run."""
+
+    tokenizer: Any
+    model_config: SwitchHeadConfig
+    train_batches: TokenBatches
+    valid_batches: TokenBatches
+    unigram: float  # perplexity of the training split's unigram distribution on the validation split
+    train_tokens: int
+    valid_tokens: int
+
+
+def check_processes_joined(accelerator) -> None:
+    """TrainingError when more processes were launched than Accelerate joined: each would train alone into the
+    same folder."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > accelerator.num_processes:  # e.g. an FSDP / multi-GPU Accelerate config on a CPU-only machine
+        raise TrainingError(
+            f"{launched} processes were launched but Accelerate joined none of them (it found no GPU and "
+            f"ACCELERATE_USE_CPU is not set), so each would train alone into the same folder: use `switchhead train "
+            f"--accelerate-config FILE`, or set ACCELERATE_USE_CPU=true to train on CPU processes (gloo)")
+
+
+@contextlib.contextmanager
+def run_folder_lock(accelerator, output_dir: str):
+    """Hold `output_dir`'s FolderLock in the main process for the body; every process raises TrainingError when
+    the main one cannot take it."""
+    lock, lock_error = None, None
+    if accelerator.is_main_process:
+        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+            lock_error = f"--output-dir {output_dir!r} is a file, not a folder; choose a new folder"
+        else:
+            try:
+                lock = FolderLock(output_dir, "train").acquire()
+            except (ValueError, OSError) as error:  # FolderLocked, or the folder cannot be created
+                lock_error = f"--output-dir: {error}"
+    if accelerator.num_processes > 1:  # every process stops when the main one could not lock the folder
+        flag = torch.tensor([0.0 if lock_error is None else 1.0], device=accelerator.device)
+        if float(accelerator.reduce(flag, reduction="sum")) > 0:
+            if lock is not None:
+                lock.release()
+            raise TrainingError(lock_error or f"--output-dir {output_dir!r} could not be locked (see the main "
+                                              "process)")
+    elif lock_error is not None:
+        raise TrainingError(lock_error)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def open_run(config: TrainingConfig, accelerator) -> tuple[TrainingConfig, Resume | None]:
+    """The output folder's rules (`check_output_dir`; `overwrite` clears the old run) and the resume rule: with
+    `resume`, the checkpoint to continue from and the run's stored configuration, in which only the options of
+    CHANGEABLE_ON_RESUME take the new values."""
+    check_output_dir(config)
+    if accelerator.is_main_process and config.overwrite and os.path.isdir(config.output_dir):
+        clear_run(config.output_dir)
+    accelerator.wait_for_everyone()
+    resume = None
+    if config.resume:
+        path, notes, exact = choose_checkpoint(config)
+        state = read_checkpoint_state(path)
+        config = merge_resumed_config(config, state["config"])
+        resume = Resume(path, state, notes, exact)
+    if config.preset not in PRESETS:
+        raise TrainingError(f"unknown preset {config.preset!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    return config, resume
+
+
+def load_data(config: TrainingConfig, accelerator, fresh: bool) -> RunData:
+    """Documents, tokenizer and token streams. A fresh run checks its settings (and loads a given tokenizer)
+    before anything is written, then writes the run marker, then the tokenizer."""
+    train_documents, valid_documents = load_documents(config.data, config.text_field, config.valid_data,
+                                                      config.valid_fraction)
+    given_tokenizer = None
+    if fresh:  # bad settings (and a tokenizer that does not load) fail before anything is written
+        check_config(config, build_model_config(config, None), accelerator.num_processes)
+        if config.tokenizer:
+            given_tokenizer = load_tokenizer(config.tokenizer)
+        if accelerator.is_main_process:  # the run marker goes first: from here on the folder is this run's
+            os.makedirs(config.output_dir, exist_ok=True)
+            _write_json(os.path.join(config.output_dir, RUN_MARKER), config.to_dict())
+    accelerator.wait_for_everyone()
+    tokenizer = prepare_tokenizer(config, train_documents, accelerator, given_tokenizer)
+    model_config = build_model_config(config, tokenizer)
+    check_config(config, model_config, accelerator.num_processes)
+    train_ids = tokenize_documents(tokenizer, train_documents)
+    valid_ids = tokenize_documents(tokenizer, valid_documents)
+    ordered = model_config.position_encoding == "xl"  # XL memory needs each row to continue the previous segment
+    train_batches = TokenBatches(train_ids, config.block_size, config.batch_size, config.seed, ordered)
+    eval_rows = max(1, min(config.batch_size, valid_ids.numel() // (config.block_size * 2)))
+    eval_rows = max(accelerator.num_processes, eval_rows // accelerator.num_processes * accelerator.num_processes)
+    try:
+        valid_batches = TokenBatches(valid_ids, config.block_size, eval_rows, ordered=True)
+    except DataError as error:
+        raise DataError(f"validation split: {error}") from None
+    return RunData(tokenizer, model_config, train_batches, valid_batches,
+                   unigram_perplexity(train_ids, valid_ids, len(tokenizer)), train_ids.numel(), valid_ids.numel())
+
+
 def prepare_tokenizer(config: TrainingConfig, train_documents: list[str], accelerator, given=None):
     """The run's tokenizer: the one saved in `output_dir` (resume), the given folder (`given`: already loaded from
     it), or a BPE trained on the training split by the main process and saved to `output_dir` for the others (all
@@ -705,258 +843,6 @@ def evaluate(model, batches: TokenBatches, accelerator, memory_supported: bool, 
     return float(total[0] / total[1])
 
 
-def train(config: TrainingConfig) -> TrainResult:
-    """Run (or resume) the pretraining job `config` describes; returns the final numbers.
-
-    The main process holds the run folder's lock (`FolderLock`) from before anything is checked or written until
-    the run ends, however it ends; a second writer gets TrainingError naming the holder."""
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(mixed_precision=config.mixed_precision)
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if launched > accelerator.num_processes:  # e.g. an FSDP / multi-GPU Accelerate config on a CPU-only machine
-        raise TrainingError(
-            f"{launched} processes were launched but Accelerate joined none of them (it found no GPU and "
-            f"ACCELERATE_USE_CPU is not set), so each would train alone into the same folder: use `switchhead train "
-            f"--accelerate-config FILE`, or set ACCELERATE_USE_CPU=true to train on CPU processes (gloo)")
-    lock, lock_error = None, None
-    if accelerator.is_main_process:
-        if os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
-            lock_error = f"--output-dir {config.output_dir!r} is a file, not a folder; choose a new folder"
-        else:
-            try:
-                lock = FolderLock(config.output_dir, "train").acquire()
-            except (ValueError, OSError) as error:  # FolderLocked, or the folder cannot be created
-                lock_error = f"--output-dir: {error}"
-    if accelerator.num_processes > 1:  # every process stops when the main one could not lock the folder
-        flag = torch.tensor([0.0 if lock_error is None else 1.0], device=accelerator.device)
-        if float(accelerator.reduce(flag, reduction="sum")) > 0:
-            if lock is not None:
-                lock.release()
-            raise TrainingError(lock_error or f"--output-dir {config.output_dir!r} could not be locked (see the "
-                                              "main process)")
-    elif lock_error is not None:
-        raise TrainingError(lock_error)
-    try:
-        return _train(config, accelerator)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _train(config: TrainingConfig, accelerator) -> TrainResult:
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-
-    started = time.time()
-    is_main = accelerator.is_main_process
-
-    # ---------------------------------------------------------------- the output folder and the resume rule
-    check_output_dir(config)
-    if is_main and config.overwrite and os.path.isdir(config.output_dir):
-        clear_run(config.output_dir)
-    accelerator.wait_for_everyone()
-    checkpoint, resume_notes, exact = None, [], True
-    if config.resume:
-        checkpoint, resume_notes, exact = choose_checkpoint(config)
-        state = read_checkpoint_state(checkpoint)
-        config = merge_resumed_config(config, state["config"])
-    if config.preset not in PRESETS:
-        raise TrainingError(f"unknown preset {config.preset!r}; choose one of: {', '.join(sorted(PRESETS))}")
-
-    # ---------------------------------------------------------------- data and tokenizer
-    train_documents, valid_documents = load_documents(config.data, config.text_field, config.valid_data,
-                                                      config.valid_fraction)
-    given_tokenizer = None
-    if not config.resume:  # bad settings (and a tokenizer that does not load) fail before anything is written
-        model_config = build_model_config(config, None)
-        check_config(config, model_config, accelerator.num_processes)
-        if config.tokenizer:
-            given_tokenizer = load_tokenizer(config.tokenizer)
-    if is_main and checkpoint is None:  # the run marker goes first: from now on the folder is this run's
-        os.makedirs(config.output_dir, exist_ok=True)
-        _write_json(os.path.join(config.output_dir, RUN_MARKER), config.to_dict())
-    accelerator.wait_for_everyone()
-    tokenizer = prepare_tokenizer(config, train_documents, accelerator, given_tokenizer)
-    model_config = build_model_config(config, tokenizer)
-    check_config(config, model_config, accelerator.num_processes)
-    train_ids = tokenize_documents(tokenizer, train_documents)
-    valid_ids = tokenize_documents(tokenizer, valid_documents)
-    ordered = model_config.position_encoding == "xl"  # XL memory needs each row to continue the previous segment
-    train_batches = TokenBatches(train_ids, config.block_size, config.batch_size, config.seed, ordered)
-    eval_rows = max(1, min(config.batch_size, valid_ids.numel() // (config.block_size * 2)))
-    eval_rows = max(accelerator.num_processes, eval_rows // accelerator.num_processes * accelerator.num_processes)
-    try:
-        valid_batches = TokenBatches(valid_ids, config.block_size, eval_rows, ordered=True)
-    except DataError as error:
-        raise DataError(f"validation split: {error}") from None
-    unigram = unigram_perplexity(train_ids, valid_ids, len(tokenizer))
-
-    # ---------------------------------------------------------------- model and optimizer
-    set_seed(config.seed)  # the same initial weights in every process
-    model = SwitchHeadForCausalLM(model_config)
-    num_parameters = model.num_parameters()
-    memory_supported = (model_config.position_encoding == "xl" and model_config.xl_memory_length > 0
-                        and "xl_memory" in inspect.signature(model.forward).parameters)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
-                                  weight_decay=config.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accumulation = config.gradient_accumulation_steps
-    memory: list = [None] * accumulation  # XL memory of each micro-batch slot (each is its own set of streams)
-
-    step = 0
-    skipped_updates = 0  # non-finite updates skipped (--skip-nonfinite), over the whole run
-    if checkpoint is not None:
-        try:
-            # model (safetensors) and optimizer (torch's restricted loader); Accelerate also tries its pickled RNG
-            # file, with the same restricted loader, and says nothing when there is none: ours is restored below
-            accelerator.load_state(checkpoint)
-            memory = read_memory(checkpoint, accelerator.process_index, accelerator.device)
-        except Exception as error:  # noqa: BLE001 - truncated or foreign files fail in many ways
-            culprit = _unloadable_file(checkpoint, accelerator.process_index) or \
-                f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
-            raise TrainingError(f"--resume: checkpoint {checkpoint!r} is corrupt or incomplete ({culprit})") from None
-        if exact:
-            try:
-                restore_rng_state(read_rng_state(checkpoint, accelerator.process_index, config.allow_pickle))
-            except RngStateError as error:
-                if not config.inexact_resume:
-                    raise TrainingError(f"--resume: the RNG state of checkpoint {checkpoint!r} does not load "
-                                        f"({error}), so the continuation would not be exact; pass --inexact-resume "
-                                        "to continue anyway") from None
-                resume_notes.append(f"inexact resume from {checkpoint}: RNG state does not load ({error}); dropout, "
-                                    "expert dropout and data-independent randomness will differ from an "
-                                    "uninterrupted run")
-        step = state["step"]
-        skipped_updates = int(state.get("skipped_updates", 0))
-        if is_main:
-            for note in resume_notes:
-                accelerator.print(f"switchhead train: {note}")
-                log_event(config.output_dir, f"step {step}: {note}")
-        if is_main:  # folders of saves that were interrupted are not checkpoints: clear them away
-            root = os.path.join(config.output_dir, "checkpoints")
-            for name in os.listdir(root) if os.path.isdir(root) else []:
-                if name.startswith(".tmp-"):
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-    log = RunLog(config.output_dir, step, config.tensorboard, is_main)
-    if is_main:
-        accelerator.print(f"{config.preset} ({model_config.attention_type} attention): {num_parameters / 1e6:.2f}M "
-                          f"parameters, {train_ids.numel():,} training "
-                          f"tokens, {valid_ids.numel():,} validation tokens, unigram perplexity {unigram:.1f}"
-                          + (f", resuming at step {step}" if step else ""))
-    progress = tqdm(total=config.max_steps, initial=step, disable=not (is_main and config.progress),
-                    desc=f"train {config.preset}", dynamic_ncols=True)
-
-    # ---------------------------------------------------------------- the loop
-    model.train()
-    loss_value, valid_loss = float("nan"), float("nan")
-    tokens_per_step = config.batch_size * config.block_size
-    tick, steps_since_tick = time.time(), 0
-    bad_in_a_row = 0
-    while step < config.max_steps:
-        learning_rate = learning_rate_at(step, config)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate
-        if train_batches.segment_index(step) == 0:
-            memory = [None] * accumulation  # a new pass over the streams: no previous segment to remember
-
-        step_loss = torch.zeros((), device=accelerator.device)
-        memory_before = list(memory)
-        for micro in range(accumulation):
-            rows = train_batches.micro_batch(step, micro, accelerator.process_index, accelerator.num_processes,
-                                             accumulation).to(accelerator.device)
-            extra = {"xl_memory": memory[micro], "use_cache": False} if memory_supported else {"use_cache": False}
-            # gradients are synchronised between processes only on the last micro-batch
-            sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
-            with sync, accelerator.autocast():
-                out = model(input_ids=rows, labels=rows, **extra)
-                accelerator.backward(out.loss / accumulation)
-            memory[micro] = _detach(getattr(out, "xl_memory", None))
-            step_loss += out.loss.detach() / accumulation
-        # clipping computes the gradient norm anyway (max_norm=inf: the norm without clipping); together with the
-        # loss it decides, in one host sync per optimizer step, whether this update may be applied
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(),
-                                                config.grad_clip if config.grad_clip > 0 else float("inf"))
-        grad_norm = torch.as_tensor(grad_norm, device=accelerator.device)
-        if config.mixed_precision == "fp16":  # the loss scaler skips non-finite gradients itself
-            bad = ~torch.isfinite(step_loss)
-        else:
-            bad = ~(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
-        if accelerator.num_processes > 1:
-            bad = accelerator.reduce(bad.float(), reduction="sum") > 0
-        if bool(bad):
-            bad_in_a_row += 1
-            if config.mixed_precision == "fp16":
-                optimizer.step()  # the scaler sees the non-finite gradients and skips the update
-            optimizer.zero_grad(set_to_none=True)
-            memory = memory_before  # the bad step's XL memory is not carried on
-            loss_value = float(accelerator.reduce(step_loss, reduction="mean"))
-            if bad_in_a_row > config.skip_nonfinite:
-                log.write(dict(step=step + 1, loss=repr(loss_value), learning_rate=repr(learning_rate),
-                               grad_norm=f"{float(grad_norm):.6g}", tokens_per_second="", peak_memory_mb="",
-                               valid_loss="", valid_perplexity="", skipped_updates=skipped_updates))
-                progress.close()
-                log.close()
-                _stop_diverged(accelerator, config, step + 1, loss_value, float(grad_norm), bad_in_a_row)
-            skipped_updates += 1
-            if is_main:
-                log_event(config.output_dir, f"step {step + 1}: skipped a non-finite update (loss {loss_value!r}, "
-                                             f"grad norm {float(grad_norm)!r}); {bad_in_a_row} in a row")
-        else:
-            bad_in_a_row = 0
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        step += 1
-        steps_since_tick += 1
-        progress.update(1)
-
-        is_log = step % config.log_every == 0 or step == config.max_steps
-        is_eval = step % config.eval_every == 0 or step == config.max_steps
-        if is_log or is_eval:
-            loss_value = float(accelerator.reduce(step_loss, reduction="mean"))
-            throughput = tokens_per_step * steps_since_tick / max(time.time() - tick, 1e-9)
-            row = dict(step=step, loss=repr(loss_value), learning_rate=repr(learning_rate),
-                       grad_norm=f"{float(grad_norm):.6g}", peak_memory_mb=f"{_peak_memory_mb(accelerator.device):.1f}",
-                       tokens_per_second=f"{throughput:.1f}",
-                       valid_loss="", valid_perplexity="", skipped_updates=skipped_updates)
-            if is_eval:
-                valid_loss = evaluate(model, valid_batches, accelerator, memory_supported, config.eval_batches)
-                row.update(valid_loss=repr(valid_loss), valid_perplexity=f"{math.exp(valid_loss):.4f}")
-            log.write(row)
-            tick, steps_since_tick = time.time(), 0  # validation and logging time is not training throughput
-            progress.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{math.exp(valid_loss):.1f}"
-                                 if valid_loss == valid_loss else "-")
-        if step % config.save_every == 0 or step == config.max_steps:
-            if not _weights_finite(model, accelerator):
-                progress.close()
-                log.close()
-                _stop_diverged(accelerator, config, step, loss_value, float(grad_norm), 0, weights=True)
-            save_checkpoint(accelerator, config.output_dir, step, config, memory, skipped_updates)
-    progress.close()
-    log.close()
-
-    # ---------------------------------------------------------------- the result folder
-    accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers the full weights under FSDP; every process calls it
-    if is_main:
-        try:
-            _save_model(accelerator.unwrap_model(model), state_dict, tokenizer, config.output_dir)
-        except Exception as error:  # noqa: BLE001 - only write failures are turned into a message
-            reason = _write_failure(error)
-            if reason is None:
-                raise
-            found = checkpoint_dirs(config.output_dir)
-            raise TrainingError(f"cannot write the final model into {config.output_dir!r} ({reason}); the "
-                                f"checkpoints are intact ({'newest: ' + found[-1] if found else 'none'}); free some "
-                                "space and resume with --resume to finish the save") from None
-    accelerator.wait_for_everyone()
-    if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
-        valid_loss = evaluate(model, valid_batches, accelerator, memory_supported, config.eval_batches)
-    accelerator.end_training()
-    return TrainResult(config.output_dir, step, loss_value, valid_loss, math.exp(valid_loss), unigram,
-                       num_parameters, time.time() - started)
-
 
 # ================================================================================================ saving
 def check_output_dir(config: TrainingConfig) -> None:
@@ -993,35 +879,29 @@ def clear_run(folder: str) -> None:
             os.remove(path)
 
 
-def _weights_finite(model, accelerator) -> bool:
-    """Every parameter finite (one host sync; checked before each save so nothing non-finite is written)."""
-    flags = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
-    if accelerator.num_processes > 1:  # FSDP shards: every process checks its own
-        flags = accelerator.reduce(flags.float(), reduction="sum") == accelerator.num_processes
-    return bool(flags)
-
-
-def _stop_diverged(accelerator, config: TrainingConfig, step: int, loss: float, grad_norm: float, in_a_row: int,
-                   weights: bool = False) -> None:
-    found = checkpoint_dirs(config.output_dir)
-    last = found[-1] if found else None
-    where = f"last good checkpoint: {last} (resume with --resume)" if last else "no checkpoint was written yet"
-    if weights:
-        message = f"step {step}: the weights became non-finite; nothing was saved; {where}"
-    else:
-        message = (f"step {step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} (loss "
-                   f"{loss!r}, grad norm {grad_norm!r}{f', {in_a_row} bad updates in a row' if in_a_row > 1 else ''});"
-                   f" the update was not applied; {where}; lower --learning-rate or allow --skip-nonfinite N")
-    if accelerator.is_main_process:
-        log_event(config.output_dir, f"stopped: {message}")
-    accelerator.end_training()
-    raise TrainingDiverged(message, step, last)
-
-
 def _write_json(path: str, content: dict) -> None:
     with open(path + ".tmp", "w") as handle:
         json.dump(content, handle, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def save_final_model(accelerator, model, tokenizer, output_dir: str) -> None:
+    """Write the run folder's save_pretrained model, tokenizer and manifest (main process; every process gathers
+    the weights). A failed write raises TrainingError; the checkpoints stay intact for a resume."""
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)  # gathers the full weights under FSDP; every process calls it
+    if accelerator.is_main_process:
+        try:
+            _save_model(accelerator.unwrap_model(model), state_dict, tokenizer, output_dir)
+        except Exception as error:  # noqa: BLE001 - only write failures are turned into a message
+            reason = _write_failure(error)
+            if reason is None:
+                raise
+            found = checkpoint_dirs(output_dir)
+            raise TrainingError(f"cannot write the final model into {output_dir!r} ({reason}); the "
+                                f"checkpoints are intact ({'newest: ' + found[-1] if found else 'none'}); free some "
+                                "space and resume with --resume to finish the save") from None
+    accelerator.wait_for_everyone()
 
 
 def _save_model(model, state_dict, tokenizer, output_dir: str) -> None:
@@ -1050,6 +930,5 @@ def _save_into(output_dir: str, write) -> None:
     os.rmdir(temporary)
 
 
-__all__ = ["TINY_TRAINING", "TrainResult", "TrainingConfig", "TrainingDiverged", "TrainingError", "checkpoint_dirs",
-           "choose_checkpoint", "inspect_checkpoint", "learning_rate_at", "read_rng_state", "restore_rng_state",
-           "train", "write_rng_state"]
+__all__ = ["TINY_TRAINING", "TrainResult", "TrainingConfig", "TrainingDiverged", "TrainingError", "choose_checkpoint",
+           "learning_rate_at", "train"]
