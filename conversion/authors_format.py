@@ -184,7 +184,7 @@ def check_position_encoding(dim: int) -> None:
 
     A model version whose encoding differs would silently change every converted XL model; refuse instead.
     """
-    from switchhead.xl_positions import sinusoidal_embedding
+    from switchhead.positions import sinusoidal_embedding
 
     positions = torch.arange(-64, 64)
     ours = sinusoidal_embedding(positions, dim).to(torch.float64)

@@ -15,7 +15,7 @@ the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper'
 
 The file is Hub-ready: it imports only torch, transformers and its siblings, which a saved folder carries too:
 `configuration_switchhead.py`, `expert_ops.py` (the expert projection: PyTorch formulations, and the package's
-Triton kernels where installed), `xl_positions.py` (Transformer-XL positions and paged-cache helpers),
+Triton kernels where installed), `positions.py` (RoPE, Transformer-XL positions and paged-cache helpers),
 `tensor_parallel.py` (the styles of `base_model_tp_plan`) and `transformers_compat.py` (what differs between the
 supported Transformers releases).
 """
@@ -49,7 +49,6 @@ try:
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_layers import GradientCheckpointingLayer
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
     from transformers.processing_utils import Unpack
     from transformers.utils import TransformersKwargs, can_return_tuple, output_capturing
@@ -61,7 +60,9 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 from .configuration_switchhead import SwitchHeadConfig
 from .expert_ops import expert_projection, expert_projection_for, expert_projection_torch, formulation_for, relu
 from .tensor_parallel import register_styles
-from .xl_positions import (
+from .positions import (
+    SwitchHeadRotaryEmbedding,
+    apply_partial_rotary,
     check_xl_memory,
     create_xl_memory_mask,
     paged_key_distances,
@@ -116,120 +117,6 @@ class ExpertSelection(nn.Module):
         return logits, scores.gather(-1, index), index
 
 
-# ==================================================================================================== positions
-class _RotatedChannels:
-    """The config fields Transformers' `ROPE_INIT_FUNCTIONS` read, describing only the rotated channels.
-
-    Those functions derive the rotary width as `int(head_dim * partial_rotary_factor)`; ours rounds down to an even
-    count (`num_rotary_channels`), so they get head_dim = num_rotary_channels and a factor of 1.
-    """
-
-    def __init__(self, config: SwitchHeadConfig):
-        self.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 1.0}
-        self.rope_parameters.setdefault("rope_theta", config.default_theta)
-        self.rope_parameters.setdefault("original_max_position_embeddings", config.max_position_embeddings)
-        self.head_dim = config.num_rotary_channels
-        self.hidden_size, self.num_attention_heads = config.hidden_size, config.num_attention_heads
-        self.max_position_embeddings = config.max_position_embeddings
-
-    def standardize_rope_params(self) -> None:  # already standard (see __init__)
-        pass
-
-
-class SwitchHeadRotaryEmbedding(nn.Module):
-    """NeoX-style RoPE on the first `num_rotary_channels` channels of each head (the paper rotates half).
-
-    `config.rope_parameters["rope_type"]` picks the frequencies of the rotated channels: "default" (the paper's)
-    and "dynamic" (NTK-aware, from the forward's longest position) are computed in every forward in at least fp32
-    with tensor ops only; "linear", "yarn", "llama3" and "longrope" come from Transformers' `ROPE_INIT_FUNCTIONS`,
-    with their attention factor applied to cos and sin (longrope switches to its long factors past
-    `original_max_position_embeddings`). `inv_freq` / `long_inv_freq` are float32 buffers, not saved, rebuilt from
-    the config after loading and after every `.to()` (so a cast never rounds them).
-    """
-
-    def __init__(self, config: SwitchHeadConfig, device: torch.device | str | None = None):
-        super().__init__()
-        self.config = config
-        params = config.rope_parameters
-        self.rope_type = params.get("rope_type", params.get("type", "default"))
-        if self.rope_type != "default" and self.rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"rope_parameters['rope_type']={self.rope_type!r} is not a RoPE type of this "
-                             f"Transformers version; use 'default' or one of {sorted(ROPE_INIT_FUNCTIONS)}")
-        self.rotary = config.num_rotary_channels
-        self.base = float(params.get("rope_theta", config.default_theta))
-        self.factor = float(params.get("factor") or 1.0)
-        # the context the frequencies were made for: dynamic scales past max_position_embeddings (as Transformers
-        # does), longrope switches past original_max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-        if self.rope_type == "longrope":
-            self.original_max_seq_len = int(params.get("original_max_position_embeddings",
-                                                       config.max_position_embeddings))
-        self.attention_scaling = 1.0
-        self.reset_frequencies(device)
-
-    def _default_frequencies(self, device, dtype) -> torch.Tensor:
-        return self.base ** (-torch.arange(0, self.rotary, 2, device=device, dtype=dtype) / self.rotary)
-
-    @torch.no_grad()
-    def reset_frequencies(self, device: torch.device | str | None = None) -> None:
-        """(Re)build the float32 frequency buffers from the config on `device` (default: where they are now, or the
-        default device when there are none yet, e.g. meta while `from_pretrained` builds the model)."""
-        if device is None:
-            device = self.inv_freq.device if "inv_freq" in self._buffers else torch.get_default_device()
-        if self.rope_type in ("default", "dynamic"):
-            inv_freq = self._default_frequencies(device, torch.float32)
-        else:
-            fraction = _RotatedChannels(self.config)
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](fraction, device)
-            if self.rope_type == "longrope":
-                long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](fraction, device,
-                                                                   seq_len=self.original_max_seq_len + 1)
-                self.register_buffer("long_inv_freq", long_inv_freq.float(), persistent=False)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self.reset_frequencies()  # rebuilt in float32 wherever they went (a cast would round them)
-        return self
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids `[B, T]` -> (cos, sin), each `[B, T, num_rotary_channels]` in x's dtype."""
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        if self.rope_type == "default":
-            inv_freq = self._default_frequencies(x.device, dtype)
-        elif self.rope_type == "dynamic":
-            # NTK-aware base for this forward's length L = max(longest position + 1, original), as a tensor
-            length = (position_ids.max() + 1).to(dtype).clamp(min=self.original_max_seq_len)
-            growth = self.factor * length / self.original_max_seq_len - (self.factor - 1)
-            base = self.base * growth ** (self.rotary / (self.rotary - 2))
-            inv_freq = base ** (-torch.arange(0, self.rotary, 2, device=x.device, dtype=dtype) / self.rotary)
-        else:
-            inv_freq = self.inv_freq.to(device=x.device, dtype=dtype)
-            if self.rope_type == "longrope":
-                beyond = position_ids.max() + 1 > self.original_max_seq_len
-                inv_freq = torch.where(beyond, self.long_inv_freq.to(device=x.device, dtype=dtype), inv_freq)
-        freqs = position_ids[..., None].to(dtype) * inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = angles.cos(), angles.sin()
-        if self.attention_scaling != 1.0:
-            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-        return cos.to(x.dtype), sin.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[B, H, T, dh]`; rotates its first `cos.shape[-1]` channels, passes the rest through."""
-    rotary = cos.shape[-1]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotated, passed = x[..., :rotary], x[..., rotary:]
-    return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
-
-
 # ==================================================================================================== attention
 def eager_attention_forward(
     module: nn.Module,
@@ -267,7 +154,7 @@ class SwitchHeadAttentionBase(nn.Module):
     results become the layer output (`project_output`).
 
     Backends: `config._attn_implementation` picks eager (`eager_attention_forward`, the reference), sdpa or flex.
-    With XL positions the relative-position term (`xl_positions.xl_position_bias`, `[B, H, Tq, Tk]`) is passed
+    With XL positions the relative-position term (`positions.xl_position_bias`, `[B, H, Tq, Tk]`) is passed
     as `position_bias` (eager adds it to the scores, sdpa folds it into a float mask, flex into its score_mod);
     keys are indexed cache or XL memory first, then the current tokens (query t at key index `query_offset + t`).
 

@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from switchhead import PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.accounting import kv_cache_bytes_per_token
-from switchhead.xl_positions import paged_key_distances, xl_paged_attention_mask, xl_position_bias
+from switchhead.positions import paged_key_distances, xl_paged_attention_mask, xl_position_bias
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_serve import cb_config, resolved_cb_config  # noqa: E402  (across Transformers versions)

@@ -417,15 +417,15 @@ def test_cli_module_directions_round_trip(tmp_path):
 
 def test_xl_conversion_refuses_a_model_whose_sinusoid_layout_differs(tmp_path, monkeypatch):
     """pos_to_pk is copied as is, which is only right while our encoding interleaves sin/cos like the authors'."""
-    import switchhead.xl_positions as xl_positions
+    import switchhead.positions as positions
 
-    original = xl_positions.sinusoidal_embedding
+    original = positions.sinusoidal_embedding
 
     def sines_then_cosines(positions, dim, *args, **kwargs):
         encoding = original(positions, dim, *args, **kwargs)
         return torch.cat((encoding[:, 0::2], encoding[:, 1::2]), dim=-1)
 
-    monkeypatch.setattr(xl_positions, "sinusoidal_embedding", sines_then_cosines)
+    monkeypatch.setattr(positions, "sinusoidal_embedding", sines_then_cosines)
     with pytest.raises(ConversionError, match="sinusoidal encoding differs"):
         convert_authors_checkpoint(authors_checkpoint_file(tmp_path, "xl"), str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf")

@@ -17,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from switchhead import kernels
 from switchhead.kernels import cvmm_reference
-from switchhead import expert_ops, xl_positions
+from switchhead import expert_ops
+from switchhead import positions as position_ops
 from switchhead import modeling_switchhead as modeling
 from switchhead.expert_ops import EXPERT_IMPLEMENTATIONS, expert_projection_torch
 
@@ -509,14 +510,14 @@ def test_xl_decoding_does_not_project_every_distance():
     attention = model.model.layers[0].self_attn
     query = torch.randn(1, attention.num_heads, 1, attention.head_dim)
     with torch.no_grad():
-        few = xl_positions.xl_distance_scores(attention, query, 40)
+        few = position_ops.xl_distance_scores(attention, query, 40)
         many = torch.einsum("bhqd,khd->bhqk", query, attention.position_key_proj(
             modeling_sinusoidal(40, model.config.hidden_size)).view(40, attention.num_heads, -1)) * attention.scaling
     torch.testing.assert_close(few, many, rtol=1e-5, atol=1e-6)
 
 
 def modeling_sinusoidal(count, dim):
-    from switchhead.xl_positions import past_sinusoidal_encoding, sinusoidal_embedding
+    from switchhead.positions import past_sinusoidal_encoding, sinusoidal_embedding
 
     direct = sinusoidal_embedding(-torch.arange(count), dim)
     cached = past_sinusoidal_encoding(count, dim, torch.float32, torch.device("cpu"))
@@ -549,11 +550,11 @@ def test_compiled_xl_decoding_reads_the_encoding_table(variant, monkeypatch):
     capture = _capturing_backend(graphs)
 
     def step(keep_table: bool) -> set[str]:
-        monkeypatch.setattr(xl_positions, "_PAST_ENCODINGS", {})
+        monkeypatch.setattr(position_ops, "_PAST_ENCODINGS", {})
         cache.reset()
         prefill = _prefill(model, cache, ids, mask)  # eager: builds the table
         if not keep_table:
-            xl_positions._PAST_ENCODINGS.clear()
+            position_ops._PAST_ENCODINGS.clear()
         _, step_mask, token = _next_step(prefill, ids, mask)
         step_mask = torch.cat([step_mask, torch.zeros_like(token)], 1)  # the static cache's full length
         kwargs = dict(input_ids=token, attention_mask=step_mask, past_key_values=cache, use_cache=True,

@@ -87,7 +87,7 @@ def test_folder_is_push_to_hub_ready(hub_folder):
     # the copied code is this package's code, and imports nothing a bare torch + transformers install lacks
     package = Path(switchhead.__file__).parent
     copied = sorted(path.name for path in folder.glob("*.py"))  # the model, its configuration and their siblings
-    assert {"modeling_switchhead.py", "configuration_switchhead.py", "expert_ops.py", "xl_positions.py",
+    assert {"modeling_switchhead.py", "configuration_switchhead.py", "expert_ops.py", "positions.py",
             "tensor_parallel.py", "transformers_compat.py"} <= set(copied)
     for name in copied:
         assert (folder / name).read_text() == (package / name).read_text()

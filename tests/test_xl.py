@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
-from switchhead.xl_positions import sinusoidal_embedding
+from switchhead.positions import sinusoidal_embedding
 from padding import left_padded_batch, positions_from_mask
 
 XL_PRESETS = ["tiny-switchhead-xl", "tiny-dense-xl"]
@@ -112,7 +112,7 @@ def test_xl_layer_equals_slow_relative_position_loop_fp64(preset, overrides, imp
 
 
 def _memory_mask(model, x, memory_length):
-    from switchhead.xl_positions import create_xl_memory_mask
+    from switchhead.positions import create_xl_memory_mask
 
     return create_xl_memory_mask(model.config, x, None, memory_length)
 
