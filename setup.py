@@ -59,9 +59,9 @@ setup(
         "eval": ["lm-eval==0.4.13", "matplotlib", "jinja2"],
         "train": ["tensorboard"],
         "peft": ["peft==0.21.2"],
-        # transformers[serving]'s dependencies, pinned, plus the OpenAI client (switchhead serve, tests/test_serving.py)
+        # transformers[serving]'s dependencies, pinned, plus the OpenAI client (switchhead serve, tests/serving/test_serving.py)
         "serve": SERVE,
-        # quantised loading (switchhead.training.finetune.load_quantized, --quantize; tests/test_quantization.py)
+        # quantised loading (switchhead.training.finetune.load_quantized, --quantize; tests/model/test_quantization.py)
         "quant": ["bitsandbytes==0.50.2", "torchao==0.18.0"],
         "test": [*SERVE, "pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
                  "peft==0.21.2", "bitsandbytes==0.50.2", "torchao==0.18.0"],

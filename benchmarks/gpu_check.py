@@ -174,7 +174,7 @@ def triton_op(inputs, index, weight, gates, out_groups):
 
 def reference_op(inputs, index, weight, gates, out_groups):
     """The model's PyTorch path (the Hub file's `expert_projection_torch`, itself held against the simple einsum
-    twin in tests/test_fast_path.py). On a GPU it runs its "all_experts" formulation, whose memory stays near
+    twin in tests/model/test_expert_ops.py). On a GPU it runs its "all_experts" formulation, whose memory stays near
     G x N x d (the kernels' own PyTorch twin would materialise [G, N * R, d_out]: 34 GB in float64 for SwitchAll
     259M's sigma-MoE values at the paper's 32k tokens)."""
     from switchhead.expert_ops import expert_projection_torch

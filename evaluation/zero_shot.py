@@ -35,7 +35,7 @@ class TaskAlias:
     """A short name of `switchhead eval --tasks`: our lm-eval task(s), the lm-eval built-in it mirrors, the data."""
 
     tasks: tuple[str, ...]
-    lm_eval: str  # the built-in task whose definition ours repeats (tests/test_lm_eval_parity.py)
+    lm_eval: str  # the built-in task whose definition ours repeats (tests/evaluation/test_lm_eval_parity.py)
     data: str  # what is read, relative to the data folder
     deviation: str  # how our numbers differ from the built-in's, "" if they do not
 

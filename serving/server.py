@@ -53,7 +53,7 @@ logger = logging.getLogger("switchhead.serving")
 
 # `transformers serve` flags this entry point passes through (name -> default); see `transformers serve --help`.
 SERVE_DEFAULTS = {
-    "continuous_batching": True,  # exact for every SwitchHead variant (tests/test_continuous_batching.py)
+    "continuous_batching": True,  # exact for every SwitchHead variant (tests/serving/test_continuous_batching.py)
     "attn_implementation": None,
     "device": "cpu",
     "dtype": "auto",

@@ -38,22 +38,22 @@ def pytest_configure(config):
 # What a Transformers release change breaks: the tests `scripts/test.sh` runs again under every release of its
 # compatibility matrix, as `pytest -m compat`. An entry is a file, or a file and a test (all its parameters).
 COMPAT_SUBSET = (
-    "test_compat.py",  # the compatibility layer; each decoding step sees the whole cache, every variant
-    "test_modeling.py::test_cached_decoding_equals_uncached_and_full_forward",  # every variant, left padding
-    "test_modeling.py::test_save_and_reload_gives_identical_logits",
-    "test_modeling.py::test_saved_folder_loads_with_trust_remote_code_without_the_package",
-    "test_clean_env.py",  # trust_remote_code in a fresh environment with only torch, transformers, safetensors
-    "test_fast_path.py::test_static_cache_generation_equals_dynamic_cache",
-    "test_fast_path.py::test_static_cache_logits_equal_the_full_forward_with_left_padding",
-    "test_continuous_batching.py::test_generate_batch_equals_generate",
-    "test_continuous_batching.py::test_requests_arriving_while_others_decode",
-    "test_continuous_batching.py::test_xl_eager_paged",
-    "test_rope_scaling.py::test_cos_sin_match_transformers_rotary_for_every_type",
-    "test_rope_scaling.py::test_yarn_factor_4_at_three_times_the_context_greedy_cache_matches_full_forward",
-    "test_trainer.py::test_trainer_with_gradient_accumulation_lowers_loss_and_reloads",
-    "test_peft.py::test_lora_everywhere_trains_saves_adapter_only_reloads_and_merges",
-    "test_serving.py::test_completions_and_chat_equal_generate",  # `switchhead serve` in a subprocess
-    "test_transformers_conformance.py",  # Transformers' own common tests of the release, and their summary
+    "conformance/test_compat.py",  # the compatibility layer; each decoding step sees the whole cache, every variant
+    "model/test_modeling.py::test_cached_decoding_equals_uncached_and_full_forward",  # every variant, left padding
+    "model/test_modeling.py::test_save_and_reload_gives_identical_logits",
+    "model/test_modeling.py::test_saved_folder_loads_with_trust_remote_code_without_the_package",
+    "conformance/test_clean_env.py",  # trust_remote_code in a fresh environment with only torch, transformers, safetensors
+    "model/test_static_cache.py::test_static_cache_generation_equals_dynamic_cache",
+    "model/test_static_cache.py::test_static_cache_logits_equal_the_full_forward_with_left_padding",
+    "serving/test_continuous_batching.py::test_generate_batch_equals_generate",
+    "serving/test_continuous_batching.py::test_requests_arriving_while_others_decode",
+    "serving/test_continuous_batching.py::test_xl_eager_paged",
+    "model/test_rope_scaling.py::test_cos_sin_match_transformers_rotary_for_every_type",
+    "model/test_rope_scaling.py::test_yarn_factor_4_at_three_times_the_context_greedy_cache_matches_full_forward",
+    "training/test_trainer.py::test_trainer_with_gradient_accumulation_lowers_loss_and_reloads",
+    "training/test_peft.py::test_lora_everywhere_trains_saves_adapter_only_reloads_and_merges",
+    "serving/test_serving.py::test_completions_and_chat_equal_generate",  # `switchhead serve` in a subprocess
+    "conformance/test_transformers_conformance.py",  # Transformers' own common tests of the release, and their summary
 )
 
 

@@ -1,0 +1,144 @@
+"""The Triton CVMM kernels on the CPU through the Triton interpreter, held against the PyTorch twin.
+
+Run by `test_kernels.py::test_triton_kernels_under_interpreter` in a child process with TRITON_INTERPRET=1 (the
+flag must be set before Triton decorates the kernels, and must not leak into other tests). Small shapes, one
+autotune config, fp32 / fp16 only (the interpreter has no bf16 dot).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("run this file with TRITON_INTERPRET=1 (test_kernels.py does it in a child process)")
+
+from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
+from switchhead import kernels  # noqa: E402
+
+from helpers.cvmm_cases import USES, Case, random_case  # noqa: E402
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def _run(case: Case, backend: str, upstream_seed: int = 11):
+    with kernels.use_backend(backend):
+        out = kernels.cvmm(*case.args())
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(upstream_seed)).to(out.dtype)
+        grads = torch.autograd.grad(out, case.leaves(), upstream)
+    return out, grads
+
+
+def _assert_matches_reference(case: Case, dtype: torch.dtype):
+    """Triton in `dtype` against the float64 reference on the same values, forward and every gradient."""
+    low = case.as_dtype(dtype)
+    out, grads = _run(low, "triton")
+    want_out, want_grads = _run(case.as_dtype(torch.float64, torch.float64), "torch")
+    assert kernels.resolve_backend(low.inputs.device, dtype) == "triton"
+    assert out.dtype == dtype and out.shape == want_out.shape
+    torch.testing.assert_close(out.double(), want_out, **TOLERANCE[dtype])
+    for name, got, want in zip(("inputs", "weight", "gates"), grads, want_grads):
+        scale = want.abs().max().clamp_min(1.0)  # the sums over slots / tokens grow with the problem
+        torch.testing.assert_close(got.double() / scale, want / scale, **TOLERANCE[dtype], msg=lambda m: f"{name}: {m}")
+
+
+# seeded sweep: every use, odd sizes (not multiples of the 16-wide blocks), fp32 and fp16, atomic and
+# deterministic reductions, contiguous and transposed layouts
+SWEEP = [(use, seed) for use in sorted(USES) for seed in range(4)]
+
+
+@pytest.mark.parametrize("use, seed", SWEEP)
+def test_forward_and_gradients_match_reference(use, seed):
+    generator = torch.Generator().manual_seed(100 + seed)
+    draw = lambda low, high: int(torch.randint(low, high, (1,), generator=generator))  # noqa: E731
+    heads, experts = draw(1, 4), draw(2, 6)
+    case = random_case(generator, use, tokens=draw(1, 24), heads=heads, experts=experts, k=draw(1, experts + 1),
+                       d_in=draw(3, 40), d_out=draw(3, 40), strided=seed % 2 == 1)
+    kernels.set_deterministic(seed >= 2)
+    try:
+        _assert_matches_reference(case, torch.float16 if seed == 3 else torch.float32)
+    finally:
+        kernels.set_deterministic(None)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("single token", dict(use="value", tokens=1, heads=2, experts=4, k=2)),
+    ("empty experts", dict(use="output", tokens=9, heads=2, experts=6, k=2, used_experts=2)),
+    ("k equals E", dict(use="mlp_values", tokens=7, heads=1, experts=3, k=3)),
+    ("k equals E, all heads", dict(use="value", tokens=5, heads=2, experts=2, k=2)),
+    ("one expert block spans tiles", dict(use="mlp_keys", tokens=40, heads=1, experts=1, k=1)),
+])
+def test_edge_cases(name, kwargs):
+    case = random_case(torch.Generator().manual_seed(len(name)), d_in=20, d_out=18, **kwargs)
+    _assert_matches_reference(case, torch.float32)
+    if name == "empty experts":
+        _, (_, d_weight, _) = _run(case.as_dtype(torch.float32), "triton")
+        unused = [e for e in range(12) if e % 6 >= 2]
+        assert torch.count_nonzero(d_weight[unused]) == 0  # stored zeros, not left-over memory
+
+
+def test_no_tokens_gives_empty_results_and_zero_weight_grad():
+    case = random_case(torch.Generator().manual_seed(0), "value", tokens=0, heads=2, experts=3, k=2, d_in=5,
+                       d_out=4, dtype=torch.float32)
+    out, (d_inputs, d_weight, d_gates) = _run(case, "triton")
+    assert out.shape == (0, 2, 4) and d_inputs.shape == (0, 1, 5) and d_gates.shape == (0, 4)
+    assert torch.count_nonzero(d_weight) == 0
+
+
+def test_deterministic_mode_is_bitwise_reproducible_and_agrees_with_atomics():
+    case = random_case(torch.Generator().manual_seed(9), "output", tokens=12, heads=2, experts=3, k=2, d_in=17,
+                       d_out=19, dtype=torch.float32)
+    kernels.set_deterministic(True)
+    try:
+        first, second = _run(case, "triton"), _run(case, "triton")
+    finally:
+        kernels.set_deterministic(None)
+    atomic = _run(case, "triton")
+    for a, b, c in zip([first[0], *first[1]], [second[0], *second[1]], [atomic[0], *atomic[1]]):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("use", ["value", "mlp_keys"])
+def test_opcheck_on_triton_path(use):
+    case = random_case(torch.Generator().manual_seed(1), use, tokens=5, heads=2, experts=3, k=2, d_in=9, d_out=7,
+                       dtype=torch.float32)
+    with kernels.use_backend("triton"):
+        torch.library.opcheck(torch.ops.switchhead.cvmm_forward.default, case.args())
+
+
+@pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchhead-xl"])
+def test_model_forward_backward_triton_equals_reference(preset):
+    """Must-show 2: the whole model on the Triton path equals the PyTorch path (logits, loss, every gradient)."""
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 10))
+    results = {}
+    for backend in ("torch", "triton"):
+        with kernels.use_backend(backend):
+            out = model(input_ids=ids, labels=ids)
+            grads = torch.autograd.grad(out.loss, list(model.parameters()))
+        results[backend] = (out.logits, out.loss, grads)
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results["triton"], results["torch"]
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    names = [name for name, _ in model.named_parameters()]
+    assert any("experts" in n for n in names) and len(grads) == len(names)
+    for name, got, want in zip(names, grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_stride_zero_upstream_gradient_from_sum():
+    # out.sum() sends an expanded (all strides 0) gradient into the backward kernels
+    case = random_case(torch.Generator().manual_seed(4), "output", tokens=6, heads=2, experts=3, k=2, d_in=18,
+                       d_out=20, dtype=torch.float32)
+    grads = {}
+    for backend in ("triton", "torch"):
+        with kernels.use_backend(backend):
+            grads[backend] = torch.autograd.grad(kernels.cvmm(*case.args()).sum(), case.leaves())
+    for got, want in zip(grads["triton"], grads["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

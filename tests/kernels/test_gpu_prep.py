@@ -1,0 +1,269 @@
+"""The GPU session's scripts (issue #11), rehearsed on the CPU: gpu_check.py, bench_cvmm.py and bench_e2e.py with
+`--cpu-smoke` (Triton interpreted), the checker catching wrong kernels, and the adapter to the authors' kernel.
+
+No GPU figure comes from here: these tests only hold that the scripts run, check what they say, and write their
+reports, so that the few minutes of a lent GPU go to measuring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_cvmm  # noqa: E402
+import gpu_check  # noqa: E402
+
+from switchhead.expert_ops import expert_projection_torch  # noqa: E402
+
+
+def _run(script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("TRITON_INTERPRET", None)  # the scripts set it themselves for --cpu-smoke
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _problem(use: str, tokens: int = 6, heads: int = 2, k: int = 2, seed: int = 0) -> dict:
+    rows, slots, out_groups, gated = {"value": (1, heads * k, heads, True), "output": (heads, heads * k, 1, True),
+                                      "mlp_keys": (1, k, 1, False), "mlp_values": (k, k, 1, True)}[use]
+    groups = heads if use in ("value", "output") else 1
+    return dict(name=f"test/{use}", tokens=tokens, rows=rows, slots=slots, gated=gated, out_groups=out_groups,
+                experts=groups * 3, heads=groups, d_in=5, d_out=7, seed=seed)
+
+
+# ------------------------------------------------------------------------------------------------ the checker
+def _check(problem, fast):
+    tensors_and_index = bench_cvmm.make_inputs(problem, torch.device("cpu"), torch.float32,
+                                               torch.Generator().manual_seed(3))
+    inputs, index, weight, gates = tensors_and_index
+    return gpu_check.check_op_problem("sweep", problem, (inputs, weight, gates), index, fast,
+                                      expert_projection_torch, "cpu")
+
+
+@pytest.mark.parametrize("use", ["value", "output", "mlp_keys", "mlp_values"])
+def test_checker_passes_a_correct_op_in_every_precision_and_mode(use):
+    rows = _check(_problem(use), expert_projection_torch)
+    assert {(r["precision"], r["mode"]) for r in rows} == {(p, m) for p in ("fp32", "fp16")
+                                                           for m in ("atomic", "deterministic")}
+    assert all(r["status"] == "ok" for r in rows), rows
+    assert all(r["bitwise_repeatable"] for r in rows if r["mode"] == "deterministic")
+    names = set(rows[0]["errors"])
+    assert names == ({"output", "d_inputs", "d_weight"} | ({"d_gates"} if use != "mlp_keys" else set()))
+
+
+def _drop_last_slot(inputs, index, weight, gates, out_groups):
+    """A plausible kernel bug: the last slot of every token is skipped (its gate read as zero)."""
+    gates = gates.clone()
+    gates[:, -1] = 0
+    return expert_projection_torch(inputs, index, weight, gates, out_groups)
+
+
+def _wrong_row(inputs, index, weight, gates, out_groups):
+    """Another: slot s reads the input row of its neighbour token (an off-by-one in the row index)."""
+    return expert_projection_torch(inputs.roll(1, 0), index, weight, gates, out_groups)
+
+
+def _noisy(inputs, index, weight, gates, out_groups):
+    """Right within tolerance, but not the same twice: fails the deterministic mode's bitwise repeat."""
+    out = expert_projection_torch(inputs, index, weight, gates, out_groups)
+    jitter = 2 * torch.finfo(out.dtype).eps * out.detach().abs().max()  # a few ulps: inside every tolerance
+    return out + jitter * torch.rand_like(out)
+
+
+@pytest.mark.parametrize("bug", [_drop_last_slot, _wrong_row])
+def test_checker_flags_a_wrong_kernel(bug):
+    rows = _check(_problem("value"), bug)
+    assert rows and all(r["status"] == "mismatch" for r in rows)
+    assert min(r["worst_error"] for r in rows) > 10 * max(gpu_check.TOLERANCE.values())  # errors of order 1
+
+
+def test_checker_flags_a_kernel_that_is_not_repeatable_in_deterministic_mode():
+    rows = _check(_problem("output"), _noisy)
+    deterministic = [r for r in rows if r["mode"] == "deterministic"]
+    assert all(r["status"] == "mismatch" and r["bitwise_repeatable"] is False for r in deterministic)
+    assert all(r["status"] == "ok" for r in rows if r["mode"] == "atomic")
+
+
+def test_checker_reports_a_crashing_kernel_as_an_error():
+    def crash(*args):
+        raise RuntimeError("illegal memory access")
+
+    rows = _check(_problem("mlp_keys"), crash)
+    assert all(r["status"] == "error" and "illegal memory access" in r["error"] for r in rows)
+
+
+def test_relative_error_treats_non_finite_output_as_failure():
+    want = torch.ones(3)
+    assert gpu_check.relative_error(torch.tensor([1.0, float("nan"), 1.0]), want) == float("inf")
+    assert gpu_check.relative_error(torch.ones(2), want) == float("inf")  # a wrong shape
+    assert gpu_check.relative_error(torch.tensor([1.0, 1.5, 1.0]), want) == pytest.approx(0.5)
+
+
+def test_sweep_problems_cover_the_issue_ranges():
+    generator = torch.Generator().manual_seed(0)
+    problems = [gpu_check.random_problem(generator, i, 65536, gpu_check.SIZES, 2 ** 26) for i in range(320)]
+    tokens = [p["tokens"] for p in problems]
+    assert min(tokens) == 1 and max(tokens) > 8192
+    assert {p["name"].split("/")[1] for p in problems} == {"value", "output", "mlp_keys", "mlp_values"}
+    ks = {p["slots"] // p["heads"] if p["name"].endswith(("value", "output")) else p["slots"] for p in problems}
+    assert ks == {1, 2, 3, 4}
+    assert any(p["used_experts"] for p in problems) and any(p["strided"] for p in problems)
+    assert any(p["d_in"] % 16 and p["d_out"] % 16 for p in problems)  # odd sizes, not multiples of a block
+    assert all(p["tokens"] * p["slots"] * max(p["d_in"], p["d_out"]) <= 2 ** 26 for p in problems)
+
+
+def test_make_inputs_leaves_experts_empty_and_keeps_values_when_strided():
+    problem = dict(_problem("value", tokens=50), used_experts=2)
+    _, index, _, _ = bench_cvmm.make_inputs(problem, torch.device("cpu"), torch.float32,
+                                            torch.Generator().manual_seed(0))
+    assert set((index % 3).unique().tolist()) <= {0, 1}  # expert 2 of each head never picked
+    plain = bench_cvmm.make_inputs(dict(problem, strided=False), torch.device("cpu"), torch.float32,
+                                   torch.Generator().manual_seed(1))
+    strided = bench_cvmm.make_inputs(dict(problem, strided=True), torch.device("cpu"), torch.float32,
+                                     torch.Generator().manual_seed(1))
+    assert not strided[0].is_contiguous() and not strided[2].is_contiguous()
+    assert strided[0].shape == plain[0].shape and strided[2].shape == plain[2].shape
+
+
+# ------------------------------------------------------------------------------------------------ the scripts
+def test_gpu_check_cpu_smoke_runs_every_section(tmp_path):
+    result = _run("gpu_check.py", "--cpu-smoke", "--cases", "4", "--out-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [report_path] = tmp_path.glob("gpu_check_smoke_*.json")
+    report = json.loads(report_path.read_text())
+    sections = {r["section"] for r in report["results"]}
+    assert sections == {"paper", "sweep", "model", "compile"}
+    assert all(r["status"] == "ok" for r in report["results"])
+    op_rows = [r for r in report["results"] if r["section"] in ("paper", "sweep")]
+    assert {(r["precision"], r["mode"]) for r in op_rows} == {(p, m) for p in ("fp32", "fp16")
+                                                              for m in ("atomic", "deterministic")}
+    assert len([r for r in op_rows if r["section"] == "sweep"]) == 4 * 4
+    names = " ".join(r["name"] for r in report["results"])
+    for expected in ("triton vs torch", "cached vs uncached", "compiled training step", "static-cache generate",
+                     "flex_attention"):
+        assert expected in names
+    assert "Triton interpreter" in report["environment"]["device"]
+    assert report_path.with_suffix(".md").read_text().startswith("# GPU correctness check")
+
+
+def test_gpu_check_without_cuda_exits_2(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the full check would run")
+    result = _run("gpu_check.py", "--out-dir", str(tmp_path), timeout=300)
+    assert result.returncode == 2 and "--cpu-smoke" in result.stderr
+
+
+def test_bench_cvmm_cpu_smoke_checks_and_times_every_use(tmp_path):
+    out = tmp_path / "cvmm.json"
+    result = _run("bench_cvmm.py", "--cpu-smoke", "--out", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    checks = [r for r in report["results"] if r["mode"] == "check"]
+    assert {r["problem"].split("/")[1] for r in checks} == {"value", "output", "mlp_keys", "mlp_values"}
+    assert all(r["ok"] and r["backend"] == "triton" for r in checks)
+    timed = {(r["impl"], r["mode"]) for r in report["results"] if "ms" in r}
+    for impl in ("dense_mm", "cvmm", "cvmm_deterministic", "reference", "per_expert_loop"):
+        assert (impl, "forward+backward") in timed
+    assert "| problem |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_cvmm_rejects_a_missing_authors_kernel(tmp_path):
+    result = _run("bench_cvmm.py", "--authors-cvmm", str(tmp_path / "nowhere.py"), "--check-only", timeout=300)
+    assert result.returncode == 2 and "--authors-cvmm" in result.stderr
+
+
+def test_bench_e2e_cpu_smoke_reports_ratios(tmp_path):
+    result = _run("bench_e2e.py", "--cpu-smoke", "--only", "47m", "--out-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [path] = tmp_path.glob("e2e_smoke_*.json")
+    report = json.loads(path.read_text())
+    assert [p["pair"] for p in report["pairs"]] == ["47m-rope", "47m-xl"]
+    for pair in report["pairs"]:
+        assert set(pair["ratios"]) >= {"train_time", "prefill_time", "kv_cache_bytes", "decode_tok_s@b1"}
+        assert 0 < pair["ratios"]["kv_cache_bytes"] < 0.5  # SwitchHead caches 2 heads' K/V against 10
+        assert abs(pair["parameters"]["switchhead"] / pair["parameters"]["dense"] - 1) < 0.05  # parameter-matched
+    assert "## Ratios" in path.with_suffix(".md").read_text()
+
+
+def test_bench_e2e_rejects_an_unknown_pair(tmp_path):
+    result = _run("bench_e2e.py", "--cpu-smoke", "--only", "7b", "--out-dir", str(tmp_path), timeout=300)
+    assert result.returncode == 2 and "matches none" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------------ authors' kernel
+# A stand-in for the authors' switchhead/cvmm.py with the same interface and semantics, in plain PyTorch: for each
+# slot m (sorted by expert), input row sel_index[m] times keys[sel[m]] goes to output row out_index[m]; the
+# [*sel.shape, d_out] result is then contracted with reduction_weight over its last axis. (The adapter was also
+# run against the real file's forward under TRITON_INTERPRET=1 with one autotune config: errors <= 1e-6.)
+FAKE_AUTHORS = '''
+import dataclasses
+from typing import Optional
+import torch
+
+
+@dataclasses.dataclass
+class CVMMSel:
+    raw_sel: torch.Tensor
+    sel: torch.Tensor
+    sel_index: torch.Tensor
+    out_index: Optional[torch.Tensor] = None
+    reduction_weight: Optional[torch.Tensor] = None
+
+
+def cvmm(x, sel, keys):
+    x = x.flatten(end_dim=-2)
+    ids = sel.sel.flatten()
+    rows = []
+    for m in range(ids.numel()):
+        rows.append(x[sel.sel_index[m]] @ keys[ids[m]])
+    order = sel.out_index if sel.out_index is not None else sel.sel_index
+    out = torch.stack(rows).new_zeros(ids.numel(), keys.shape[2]).index_add(0, order, torch.stack(rows))
+    res = out.view(*sel.sel.shape, keys.shape[2])
+    if sel.reduction_weight is not None:
+        res = res.view(*sel.reduction_weight.shape, res.shape[-1])
+        res = (sel.reduction_weight.unsqueeze(-2).type_as(res) @ res).squeeze(-2)
+    return res
+'''
+
+
+@pytest.mark.parametrize("use", ["value", "output", "mlp_keys", "mlp_values"])
+def test_authors_adapter_maps_our_uses_onto_their_selection(tmp_path, use):
+    path = tmp_path / "cvmm.py"
+    path.write_text(FAKE_AUTHORS)
+    run = bench_cvmm.authors_projection(bench_cvmm.load_authors_cvmm(path))
+    problem = dict(_problem(use, tokens=5, heads=3, k=2), used_experts=None)
+    inputs, index, weight, gates = bench_cvmm.make_inputs(problem, torch.device("cpu"), torch.float64,
+                                                          torch.Generator().manual_seed(2))
+    if gates is not None:
+        gates = gates.double()
+    errors = bench_cvmm.check_against_reference(problem, inputs, index, weight, gates, run)
+    assert max(errors.values()) < 1e-5, errors  # the reference runs in fp32
+    assert len(errors) == (4 if gates is not None else 3)
+
+
+def test_load_authors_rejects_a_file_without_their_api(tmp_path):
+    path = tmp_path / "cvmm.py"
+    path.write_text("def something_else():\n    pass\n")
+    with pytest.raises(ValueError, match="CVMMSel"):
+        bench_cvmm.load_authors_cvmm(path)
+
+
+def test_gpu_run_sh_imports_this_checkout_without_installing_it(tmp_path):
+    """gpu_run.sh links the folders into a throw-away `switchhead` package (no pip on the GPU machine), records the
+    versions, and refuses an unknown stage with exit status 2."""
+    env = dict(os.environ, OUT=str(tmp_path), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_run.sh"), "nonsense"], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=BENCHMARKS.parent)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "unknown stage nonsense" in result.stderr
+    environment = (tmp_path / "environment.txt").read_text()
+    assert f"torch {torch.__version__}" in environment

@@ -1,0 +1,245 @@
+"""Transformers' experts implementations on SwitchAll / SwitchHead, and our CVMM ("cvmm") on stock MoE models.
+
+- SwitchAll's sigma-MoE MLP is a Transformers experts module: "eager", "batched_mm", "grouped_mm" and "cvmm" run
+  through `config._experts_implementation` / `from_pretrained(..., experts_implementation=...)` /
+  `set_experts_implementation(...)`, and agree (forward and every gradient) within 1e-5 in fp32.
+- SwitchHead attention's V/O experts follow the same switch with our formulations of it.
+- Importing switchhead registers "cvmm" for every MoE model: tiny random Mixtral, Qwen3-MoE, OLMoE (and GPT-OSS,
+  whose experts have biases, [in, out] weights and an interleaved custom gate) match their eager experts.
+"""
+
+import unittest.mock
+
+import pytest
+import torch
+from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+from transformers.integrations import moe
+
+import switchhead.expert_ops as expert_ops
+import switchhead.modeling_switchhead as modeling
+from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+from switchhead.experts import cvmm_experts_forward
+
+IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm", "cvmm"]
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _switchall(**overrides) -> SwitchHeadConfig:
+    fields = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                  num_attention_experts=4, num_attention_experts_per_tok=2, mlp_type="sigma_moe", num_mlp_experts=8,
+                  mlp_expert_size=16, num_mlp_experts_per_tok=3, max_position_embeddings=64, hidden_dropout=0.0)
+    fields.update(overrides)
+    return SwitchHeadConfig(**fields)
+
+
+def _forward_backward(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+def _assert_same(reference, other, label):
+    torch.testing.assert_close(other[0], reference[0], **TOL, msg=lambda m: f"{label} logits: {m}")
+    assert reference[1].keys() == other[1].keys()
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(other[1][name], grad, **TOL, msg=lambda m, n=name: f"{label} d {n}: {m}")
+
+
+@pytest.mark.parametrize("variant", ["switchall", "switchhead"])
+def test_every_implementation_matches_eager_forward_and_gradients(variant):
+    overrides = {} if variant == "switchall" else dict(mlp_type="dense", intermediate_size=48)
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(_switchall(**overrides)).eval()
+    ids = torch.randint(0, 101, (3, 40))
+    results = {}
+    for implementation in IMPLEMENTATIONS:
+        model.set_experts_implementation(implementation)
+        assert model.config._experts_implementation == implementation
+        results[implementation] = _forward_backward(model, ids)
+    for implementation in IMPLEMENTATIONS[1:]:
+        _assert_same(results["eager"], results[implementation], implementation)
+
+
+def test_the_chosen_implementation_is_what_runs():
+    """The MLP calls the registered function of the choice; the attention takes the matching formulation."""
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(_switchall()).eval()
+    ids = torch.randint(0, 101, (2, 12))
+    mocks = {name: unittest.mock.Mock(wraps=moe.ALL_EXPERTS_FUNCTIONS[name]) for name in ("batched_mm", "grouped_mm",
+                                                                                          "cvmm")}
+    formulations = []
+    torch_projection = expert_ops.expert_projection_torch
+
+    def spy(*args, implementation="auto", **kwargs):
+        formulations.append(implementation)
+        return torch_projection(*args, implementation=implementation, **kwargs)
+
+    def per_head(function):  # "auto" resolved to SwitchHead's per-head formulation (CPU: all of this model's V/O)
+        def run(*args):
+            formulations.append("per_head")
+            return function(*args)
+        return run
+
+    with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, mocks), \
+            unittest.mock.patch.object(expert_ops, "expert_projection_torch", spy), \
+            unittest.mock.patch.object(expert_ops, "head_expert_values", per_head(expert_ops.head_expert_values)), \
+            unittest.mock.patch.object(expert_ops, "head_expert_output", per_head(expert_ops.head_expert_output)):
+        for implementation, formulation in (("eager", "auto"), ("batched_mm", "batched"), ("grouped_mm", "grouped")):
+            model.set_experts_implementation(implementation)
+            formulations.clear()
+            with torch.no_grad():
+                model(ids)
+            layers = model.config.num_hidden_layers
+            # V and O of every layer in this formulation; the MLP's eager forward uses the default one
+            taken = formulations.count(formulation) + (formulations.count("per_head") if formulation == "auto" else 0)
+            assert taken >= 2 * layers, (implementation, formulations)
+            for name, mock in mocks.items():
+                assert mock.call_count == (layers if name == implementation else 0), (implementation, name)
+                mock.reset_mock()
+        model.set_experts_implementation("cvmm")
+        formulations.clear()
+        # the Triton route of the dispatcher (CPU tensors never take it)
+        with unittest.mock.patch.object(expert_ops._kernels, "cvmm", wraps=expert_ops._kernels.cvmm) as kernel:
+            with torch.no_grad():
+                model(ids)
+        assert mocks["cvmm"].call_count == model.config.num_hidden_layers
+        # attention V/O on our kernels, or (CPU tensors: no Triton) on the per-head formulation of the PyTorch path
+        assert kernel.call_count + formulations.count("per_head") == 2 * model.config.num_hidden_layers
+
+
+def test_choosing_through_config_and_from_pretrained(tmp_path):
+    config = _switchall(experts_implementation="batched_mm")
+    model = SwitchHeadForCausalLM(config)
+    assert model.config._experts_implementation == "batched_mm"
+    model.save_pretrained(tmp_path)
+    loaded = SwitchHeadForCausalLM.from_pretrained(tmp_path, experts_implementation="grouped_mm")
+    assert loaded.config._experts_implementation == "grouped_mm"
+    assert SwitchHeadForCausalLM.from_pretrained(tmp_path).config._experts_implementation == "cvmm"
+    with pytest.raises(ValueError, match="experts_implementation"):
+        model.set_experts_implementation("no_such_kernel")
+
+
+def test_default_is_cvmm_with_the_package_and_eager_without():
+    assert SwitchHeadForCausalLM(_switchall()).config._experts_implementation == "cvmm"
+    without = {name: fn for name, fn in moe.ALL_EXPERTS_FUNCTIONS._global_mapping.items() if name != "cvmm"}
+    with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, without, clear=True):
+        assert SwitchHeadForCausalLM(_switchall()).config._experts_implementation == "eager"
+
+
+def test_sigma_moe_mlp_is_an_experts_module_with_its_checkpoint_names():
+    model = SwitchHeadForCausalLM(_switchall())
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, modeling.SigmaMoeExperts)
+    assert (mlp.has_gate, mlp.has_bias, mlp.is_transposed) == (False, False, True)
+    assert mlp.up_proj is mlp.keys and mlp.down_proj is mlp.values
+    names = {name for name in model.state_dict() if ".mlp." in name and name.startswith("model.layers.0.")}
+    assert names == {"model.layers.0.mlp.keys", "model.layers.0.mlp.values", "model.layers.0.mlp.expert_selection.weight"}
+
+
+# ------------------------------------------------------------------------------------------------ stock MoE models
+def _mixtral():
+    return MixtralForCausalLM(MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=6,
+                                            num_experts_per_tok=2, max_position_embeddings=64))
+
+
+def _qwen3_moe():
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
+                                              moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+                                              decoder_sparse_step=1, max_position_embeddings=64))
+
+
+def _olmoe():
+    return OlmoeForCausalLM(OlmoeConfig(vocab_size=97, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+                                        num_experts_per_tok=2, max_position_embeddings=64))
+
+
+def _gpt_oss():  # experts with biases, [E, in, out] weights and an interleaved gate/up with a custom gate
+    return GptOssForCausalLM(GptOssConfig(vocab_size=97, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=64,
+                                          layer_types=["full_attention", "full_attention"]))
+
+
+STOCK = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe, "gpt_oss": _gpt_oss}
+
+
+@pytest.mark.parametrize("name", list(STOCK))
+def test_cvmm_runs_stock_moe_models_like_eager(name):
+    torch.manual_seed(0)
+    model = STOCK[name]().eval()
+    with torch.no_grad():  # biases start at zero: make them matter
+        for param_name, param in model.named_parameters():
+            if "experts" in param_name and param_name.endswith("_bias"):
+                param.normal_(std=0.1)
+    ids = torch.randint(0, 97, (2, 24))
+    model.set_experts_implementation("eager")
+    eager = _forward_backward(model, ids)
+    experts_calls = unittest.mock.Mock(wraps=cvmm_experts_forward)
+    with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, {"cvmm": experts_calls}):
+        model.set_experts_implementation("cvmm")
+        assert model.config._experts_implementation == "cvmm"
+        cvmm = _forward_backward(model, ids)
+    assert experts_calls.call_count == 2  # one experts module per layer ran on cvmm
+    _assert_same(eager, cvmm, f"{name} cvmm")
+
+
+def test_cvmm_refuses_expert_parallel_modules():
+    model = _mixtral()
+    experts = model.model.layers[0].mlp.experts
+    experts._is_expert_parallel = True
+    with pytest.raises(NotImplementedError, match="expert parallelism"):
+        cvmm_experts_forward(experts, torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+
+
+def test_experts_benchmark_smoke(tmp_path):
+    """benchmarks/bench_experts.py on a tiny shape: checks every implementation against eager, writes JSON + MD."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_experts
+
+    out = tmp_path / "experts.json"
+    assert bench_experts.main(["--hidden", "32", "--intermediate", "48", "--tokens", "4,24", "--reps", "1",
+                               "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {row["mode"] for row in report["results"]} == {"forward", "forward+backward"}
+    assert set(report["results"][0]["ms"]) == set(bench_experts.IMPLEMENTATIONS)
+    assert all(error < 1e-4 for errors in report["check"].values() for error in errors.values())
+    assert report["threads"] >= 1 and "load_before" in report
+    assert "| tokens | mode |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("implementation", ["batched_mm", "cvmm"])
+def test_training_step_compiles_fullgraph_with_the_switch_and_dynamic_rope(implementation):
+    """The experts dispatch (MLP and attention) and the dynamic RoPE trace into one graph (aot_eager: dynamo, fake
+    tensors and AOTAutograd without inductor's C++ build). "grouped_mm" is left out: fp32 `torch._grouped_mm` has
+    no meta kernel on CPU (bf16 only), which `expert_projection_torch`'s grouped formulation does not yet avoid."""
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(_switchall(rope_parameters={"rope_type": "dynamic", "factor": 2.0},
+                                             max_position_embeddings=8)).eval()
+    model.set_experts_implementation(implementation)
+    ids = torch.randint(0, 101, (2, 12))  # longer than max_position_embeddings: the dynamic base is in use
+
+    def loss_fn(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    torch._dynamo.reset()
+    eager_loss = loss_fn(ids)
+    compiled_loss = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(ids)
+    torch.testing.assert_close(compiled_loss, eager_loss, **TOL)
