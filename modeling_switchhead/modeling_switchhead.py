@@ -63,6 +63,7 @@ from .tensor_parallel import register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
     apply_partial_rotary,
+    check_xl_attention,
     check_xl_memory,
     create_xl_memory_mask,
     paged_key_distances,
@@ -235,12 +236,13 @@ class SwitchHeadAttentionBase(nn.Module):
                                                  paged=is_paged_call(cache, kwargs))
         if paged_distance is not None:  # continuous batching: requests packed, keys read from the paged cache
             attention_mask = xl_paged_attention_mask(self, query, attention_mask, paged_distance)
-        elif self.position_encoding == "xl":
-            extra["position_bias"] = xl_position_bias(self, query, key.shape[2], query_offset)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+        if paged_distance is None and self.position_encoding == "xl":
+            check_xl_attention(self.config._attn_implementation, attention_interface)
+            extra["position_bias"] = xl_position_bias(self, query, key.shape[2], query_offset)
         attended, probs = attention_interface(
             self,
             query,

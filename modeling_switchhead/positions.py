@@ -182,6 +182,27 @@ def past_sinusoidal_encoding(num_distances: int, dim: int, dtype: torch.dtype, d
     return table[:num_distances]
 
 
+# Attention implementations that add `position_bias` to the scores: the model's eager function, Transformers' sdpa
+# (as a float mask) and flex_attention (in its score_mod).
+XL_BIAS_ATTENTION = ("eager", "sdpa", "flex_attention")
+
+
+def check_xl_attention(implementation: str | None, attention_function) -> None:
+    """Refuse an attention function that would drop the XL position term and give wrong outputs silently.
+
+    vLLM's Transformers backend, for one, registers a function that takes q, k and v and ignores other keyword
+    arguments. A function registered under another name can declare that it adds `position_bias` to its scores
+    with `attention_function.adds_position_bias = True`.
+    """
+    if implementation in (None, *XL_BIAS_ATTENTION) or getattr(attention_function, "adds_position_bias", False):
+        return
+    raise ValueError(
+        f"position_encoding='xl' needs an attention implementation that adds the relative-position bias "
+        f"(`position_bias`) to the scores; {implementation!r} does not, so its outputs would ignore the positions. "
+        f"Use attn_implementation 'eager', 'sdpa' or 'flex_attention' (with vLLM, the switchhead plugin, not "
+        f"model_impl='transformers'), or mark a function that adds it with `adds_position_bias = True`."
+    )
+
 
 def xl_position_bias(attention: nn.Module, query: torch.Tensor, key_length: int, query_offset: int = 0) -> torch.Tensor:
     """The Transformer-XL position term for query i and key j, as an additive score bias `[B, H, Tq, Tk]`.

@@ -9,7 +9,8 @@ and returns the attended values as `[T, heads * head_dim]` (its own paged KV cac
 Here a recording attention function with the same signature and return shape stands in for vLLM's: every
 attention call of the RoPE variants must go through it, once per layer, with those kwargs, and the model output
 must equal the model's own eager forward. XL cannot run there: its relative-position bias is passed as
-`position_bias`, which vLLM's attention ignores (the test shows that the bias is what it would drop).
+`position_bias`, which vLLM's attention ignores, so the model refuses such a function instead of running without
+the position term.
 """
 
 from __future__ import annotations
@@ -75,11 +76,42 @@ def test_rope_attention_goes_through_the_registered_function(preset):
     torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
 
 
-def test_xl_needs_a_bias_vllm_would_drop():
+def _xl_base(name: str):
     config = SwitchHeadConfig.from_preset("tiny-switchhead-xl")
-    config._attn_implementation = NAME
-    base = AutoModel.from_config(config).eval()
+    config._attn_implementation = name
+    return AutoModel.from_config(config).eval()
+
+
+def _packed_call(base):
     with torch.no_grad():
-        base(input_ids=torch.randint(0, config.vocab_size, (1, 5)), use_cache=False,
-             attention_instances=dict.fromkeys(range(config.num_hidden_layers)), return_dict=False)
+        return base(input_ids=torch.randint(0, base.config.vocab_size, (1, 5)), use_cache=False,
+                    attention_instances=dict.fromkeys(range(base.config.num_hidden_layers)), return_dict=False)
+
+
+def test_xl_under_an_attention_function_that_drops_the_bias_is_refused():
+    base = _xl_base(NAME)
+    with pytest.raises(ValueError, match=f"position_bias.*{NAME}.*would ignore the positions"):
+        _packed_call(base)
+    assert not CALLS  # refused before any attention ran: no output without the position term
+
+
+def test_an_attention_function_marked_as_adding_the_bias_receives_it():
+    recording_attention.adds_position_bias = True
+    try:
+        _packed_call(_xl_base(NAME))
+    finally:
+        del recording_attention.adds_position_bias
     assert CALLS and all("position_bias" in call["extra"] for call in CALLS)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "flex_attention"])
+def test_xl_runs_under_the_implementations_that_add_the_bias(implementation):
+    config = SwitchHeadConfig.from_preset("tiny-switchhead-xl")
+    ids = torch.randint(0, config.vocab_size, (2, 7))
+    torch.manual_seed(0)
+    reference = SwitchHeadForCausalLM(config).eval()
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(config).eval()
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
