@@ -29,6 +29,9 @@ for name, folder in SUBPACKAGES.items():
                 package_dir[sub] = os.path.join(folder, rel)
                 packages.append(sub)
 
+# the documentation site (mkdocs.yml, tests/docs/test_docs.py)
+DOCS = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11",
+        "pymdown-extensions==13.1"]
 SERVE = ["fastapi==0.165.0", "uvicorn==0.54.0", "starlette==1.10.0", "openai==3.54.0", "pydantic==2.13.4",
          "rich==15.0.0"]
 
@@ -63,7 +66,8 @@ setup(
         "serve": SERVE,
         # quantised loading (switchhead.training.finetune.load_quantized, --quantize; tests/model/test_quantization.py)
         "quant": ["bitsandbytes==0.50.2", "torchao==0.18.0"],
-        "test": [*SERVE, "pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
+        "docs": DOCS,
+        "test": [*SERVE, *DOCS, "pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
                  "peft==0.21.2", "bitsandbytes==0.50.2", "torchao==0.18.0"],
     },
     entry_points={"console_scripts": ["switchhead=switchhead.cli:main"]},
