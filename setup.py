@@ -2,7 +2,9 @@
 
 modeling_switchhead/ -> switchhead, kernels/ -> switchhead.kernels, integrity/ -> switchhead.integrity,
 training/ -> switchhead.training, evaluation/ -> switchhead.evaluation, conversion/ -> switchhead.conversion,
-serving/ -> switchhead.serving, cli/ -> switchhead.cli. No top-level `kernels`, `evaluation` or `conversion`
+serving/ -> switchhead.serving, cli/ -> switchhead.cli, vllm_plugin/ -> switchhead.vllm (the vLLM model, registered
+through the `vllm.general_plugins` entry point; the folder is not named vllm/, which would shadow the real vllm
+package when run from the repository root). No top-level `kernels`, `evaluation` or `conversion`
 package is installed (those names belong to other PyPI projects).
 """
 
@@ -12,7 +14,7 @@ from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUBPACKAGES = {"kernels": "kernels", "integrity": "integrity", "training": "training", "evaluation": "evaluation",
-               "conversion": "conversion", "serving": "serving", "cli": "cli"}
+               "conversion": "conversion", "serving": "serving", "cli": "cli", "vllm": "vllm_plugin"}
 
 package_dir = {"switchhead": "modeling_switchhead"}
 packages = ["switchhead"]
@@ -70,5 +72,7 @@ setup(
         "test": [*SERVE, *DOCS, "pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
                  "peft==0.21.2", "bitsandbytes==0.50.2", "torchao==0.18.0"],
     },
-    entry_points={"console_scripts": ["switchhead=switchhead.cli:main"]},
+    entry_points={"console_scripts": ["switchhead=switchhead.cli:main"],
+                  # vLLM calls every general plugin in each process it starts (switchhead/vllm: ModelRegistry)
+                  "vllm.general_plugins": ["switchhead = switchhead.vllm:register"]},
 )
