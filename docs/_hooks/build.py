@@ -1,0 +1,255 @@
+"""mkdocs hooks of the switchhead documentation (`hooks:` in mkdocs.yml): what the pages read from the code and
+from the benchmark results at build time, so that no page keeps a copy of either.
+
+- API reference: griffe (mkdocstrings-python) reads the package's sources from a tree of links laid out as the
+  package installs (`switchhead` <- modeling_switchhead/, `switchhead.kernels` <- kernels/, ... from setup.py's
+  SUBPACKAGES), built in a temporary folder.
+- `<!-- generated: NAME -->` in a page is replaced by a table made from the code: `config-fields` (every field
+  of SwitchHeadConfig: type, default, the rule `_FIELD_RULES` holds for it, its docstring entry),
+  `config-checks` (the cross-field checks), `presets` (every preset, its shape and parameter count), `cli` (the
+  `--help` of every `switchhead` subcommand, from the real parser).
+- `<!-- include: benchmarks/results/NAME.md -->` is replaced by that results file, its headings two levels down and
+  its images pointing at the site's copy.
+- `<!-- ratio-table ... -->` is replaced by a table of SwitchHead / dense ratios read from the results' JSON files
+  (one row per line: `label | file | RoPE values | XL values | text...`; values are dotted paths into the JSON,
+  several joined by ` / `, `FILE:path` for another file).
+- benchmarks/results/*.md and *.png become the site's `results/` folder, CHANGELOG.md its `changelog.md` page.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import posixpath
+import re
+import tempfile
+from pathlib import Path
+
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File, Files
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+_MARKER = re.compile(r"<!--\s*generated:\s*([\w-]+)\s*-->")
+_INCLUDE = re.compile(r"<!--\s*include:\s*(\S+)\s*-->")
+_RATIOS = re.compile(r"<!--\s*ratio-table\s*\n(.*?)-->", re.S)
+_api_tree: tempfile.TemporaryDirectory | None = None
+
+
+# --------------------------------------------------------------------------------------------- the API sources
+def _subpackages() -> dict[str, str]:
+    """setup.py's SUBPACKAGES (import name under switchhead -> folder), read without running setup.py."""
+    tree = ast.parse((REPO / "setup.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SUBPACKAGES" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise RuntimeError("setup.py has no SUBPACKAGES mapping")
+
+
+def _build_api_tree() -> str:
+    """A folder holding `switchhead/` as it installs: links to modeling_switchhead's files and to each
+    subpackage folder that exists, for griffe to read statically."""
+    global _api_tree
+    _api_tree = tempfile.TemporaryDirectory(prefix="switchhead-docs-api-")
+    package = Path(_api_tree.name) / "switchhead"
+    package.mkdir()
+    for entry in (REPO / "modeling_switchhead").iterdir():
+        if entry.suffix == ".py":
+            (package / entry.name).symlink_to(entry)
+    for name, folder in _subpackages().items():
+        if (REPO / folder / "__init__.py").is_file():
+            (package / name).symlink_to(REPO / folder, target_is_directory=True)
+    return _api_tree.name
+
+
+@event_priority(100)  # before mkdocstrings creates its Python handler
+def on_config(config):
+    handlers = config.plugins["mkdocstrings"].config.handlers
+    python = handlers.setdefault("python", {})
+    python["paths"] = [_build_api_tree()]
+    return config
+
+
+def on_shutdown():
+    if _api_tree is not None:
+        _api_tree.cleanup()
+
+
+# ----------------------------------------------------------------------------- results and changelog as files
+def on_files(files: Files, config) -> Files:
+    for path in sorted(RESULTS.glob("*.png")) + sorted(RESULTS.glob("*.md")):
+        files.append(File.generated(config, f"results/{path.name}", abs_src_path=str(path)))
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    files.append(File.generated(config, "changelog.md", content=changelog))
+    return files
+
+
+# ------------------------------------------------------------------------------------------- generated tables
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _docstring_args(cls) -> dict[str, str]:
+    """The `Args:` entries of a Google-style class docstring, one line each."""
+    args, name, inside = {}, None, False
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        if line.strip() == "Args:":
+            inside = True
+            continue
+        if inside:
+            entry = re.match(r"^ {4}(\w+): (.*)$", line)
+            if entry:
+                name, args[entry.group(1)] = entry.group(1), entry.group(2)
+            elif line.startswith("        ") and name:
+                args[name] += " " + line.strip()
+            elif line.strip():
+                break
+    return args
+
+
+def _rule_text(rule, name: str) -> str:
+    """What a `_FIELD_RULES` rule accepts, in its own message's words ("must be >= 1")."""
+    text = (rule.out_of_range or rule.wrong_type).format(name=name, value="VALUE")
+    text = re.sub(r",? got 'VALUE'$", "", text)
+    return text[text.index("must"):] if "must" in text else text
+
+
+def _config_fields() -> str:
+    from switchhead import configuration_switchhead as module
+
+    cls = module.SwitchHeadConfig
+    own = cls.__dict__.get("__annotations__", {})  # the fields this class declares, not PreTrainedConfig's
+    described = _docstring_args(cls)
+    rows = ["| field | type | default | accepted values | meaning |", "|---|---|---|---|---|"]
+    for field in dataclasses.fields(cls):
+        if field.name not in own:
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else "(required)"
+        rule = module._FIELD_RULES.get(field.name)
+        accepted = _rule_text(rule, field.name) if rule else "see the cross-field checks below"
+        rows.append(f"| `{field.name}` | `{_cell(own[field.name])}` | `{default!r}` | {_cell(accepted)} | "
+                    f"{_cell(described.get(field.name, '-'))} |")
+    return "\n".join(rows)
+
+
+def _raised_messages(function) -> list[str]:
+    """The messages of a function's `raise ValueError(...)`, f-string fields shown as `{expression}`."""
+    def text(node) -> str:
+        if isinstance(node, ast.Constant):
+            return str(node.value)
+        if isinstance(node, ast.JoinedStr):
+            return "".join(text(part) for part in node.values)
+        if isinstance(node, ast.FormattedValue):
+            conversion = {-1: "", 114: "!r", 115: "!s", 97: "!a"}[node.conversion]
+            return "{" + ast.unparse(node.value) + conversion + "}"
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return text(node.left) + text(node.right)
+        return "{" + ast.unparse(node) + "}"
+
+    tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(function)))
+    return [text(node.exc.args[0]) for node in ast.walk(tree)
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args]
+
+
+def _config_checks() -> str:
+    from switchhead import configuration_switchhead as module
+
+    lines = []
+    for check in module._CROSS_FIELD_CHECKS:
+        title = check.__name__.strip("_").replace("_", " ")
+        doc = inspect.cleandoc(check.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+        lines.append(f"1. **{title}** (`{check.__name__}`)" + (f": {doc}" if doc else ""))
+        lines += [f"    - `{_cell(message)}`" for message in _raised_messages(check)]
+    return "\n".join(lines)
+
+
+def _presets() -> str:
+    import torch
+
+    from switchhead import PAPER_TRAINING, SwitchHeadConfig, SwitchHeadForCausalLM
+
+    rows = ["| preset | attention | positions | MLP | d | L | H | E | k | dh | parameters | paper training "
+            "(context, batch, lr, steps, clip) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in SwitchHeadConfig.preset_names():
+        config = SwitchHeadConfig.from_preset(name)
+        with torch.device("meta"):  # counts parameters without allocating them
+            count = sum(p.numel() for p in SwitchHeadForCausalLM(config).parameters())
+        moe = config.attention_type == "switchhead"
+        mlp = (f"sigma-MoE {config.num_mlp_experts}x{config.mlp_expert_size}, k={config.num_mlp_experts_per_tok}"
+               if config.mlp_type == "sigma_moe" else f"dense {config.intermediate_size}")
+        training = PAPER_TRAINING.get(name)
+        paper = (f"{training['context']}, {training['batch_size']}, {training['learning_rate']:g}, "
+                 f"{training['steps']:,}, {training['grad_clip']:g}" if training else "-")
+        rows.append(f"| `{name}` | {config.attention_type} | {config.position_encoding} | {mlp} | "
+                    f"{config.hidden_size} | {config.num_hidden_layers} | {config.num_attention_heads} | "
+                    f"{config.num_attention_experts if moe else '-'} | "
+                    f"{config.num_attention_experts_per_tok if moe else '-'} | {config.head_dim} | "
+                    f"{count / 1e6:.2f}M | {paper} |")
+    return "\n".join(rows)
+
+
+def _cli() -> str:
+    from switchhead.cli import build_parser
+
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "110"  # argparse wraps the help to this width
+    try:
+        parser = build_parser()
+        subcommands = parser._subparsers._group_actions[0].choices
+        parts = []
+        for name, sub in subcommands.items():
+            parts.append(f"## switchhead {name}\n\n```text\n{sub.format_help().rstrip()}\n```\n")
+    finally:
+        if previous is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = previous
+    return "\n".join(parts)
+
+
+GENERATORS = {"config-fields": _config_fields, "config-checks": _config_checks, "presets": _presets, "cli": _cli}
+
+
+def _generate(name: str) -> str:
+    if name not in GENERATORS:
+        raise ValueError(f"unknown generated table {name!r}; one of {', '.join(GENERATORS)}")
+    return GENERATORS[name]()
+
+
+def _include(target: str, page_uri: str) -> str:
+    path = (REPO / target).resolve()
+    if path.parent != RESULTS or path.suffix != ".md" or not path.is_file():
+        raise ValueError(f"include: {target!r} is not a file of benchmarks/results/*.md")
+    text = path.read_text(encoding="utf-8")
+    text = re.sub(r"^(#+) ", lambda m: "#" * min(len(m.group(1)) + 2, 6) + " ", text, flags=re.M)
+    results = posixpath.relpath("results", posixpath.dirname(page_uri) or ".")
+    return re.sub(r"\]\(([\w.-]+\.(?:png|md))\)", lambda m: f"]({results}/{m.group(1)})", text)
+
+
+def _json_value(spec: str, default_file: str):
+    file, _, path = spec.rpartition(":") if ":" in spec else (default_file, "", spec)
+    value = json.loads((RESULTS / (file or default_file)).read_text(encoding="utf-8"))
+    for key in path.strip().split("."):
+        value = value[key]
+    return value
+
+
+def _ratio_table(body: str) -> str:
+    lines = [line.strip() for line in body.strip().splitlines() if line.strip()]
+    header = [cell.strip() for cell in lines[0].removeprefix("columns:").split("|")]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for line in lines[1:]:
+        label, file, *cells = [cell.strip() for cell in line.split("|")]
+        values = [" / ".join(f"{_json_value(spec, file):.2f}" for spec in cell.split(" / ")) for cell in cells[:2]]
+        rows.append("| " + " | ".join([label, *values, *cells[2:]]) + " |")
+    return "\n".join(rows)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    uri = page.file.src_uri
+    markdown = _MARKER.sub(lambda m: _generate(m.group(1)), markdown)
+    markdown = _INCLUDE.sub(lambda m: _include(m.group(1), uri), markdown)
+    return _RATIOS.sub(lambda m: _ratio_table(m.group(1)), markdown)
