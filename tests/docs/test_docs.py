@@ -36,8 +36,8 @@ README_DRAFT = DOCS / "_readme_draft.md"
 
 
 def documentation_files() -> list[Path]:
-    """README.md and every Markdown file under docs/ (the README draft included)."""
-    return [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+    """README.md and every Markdown file under docs/, the README draft last (its examples repeat the pages')."""
+    return [REPO / "README.md", *sorted(DOCS.rglob("*.md"), key=lambda path: (path == README_DRAFT, path))]
 
 
 def fenced_blocks(path: Path):
