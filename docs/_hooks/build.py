@@ -130,7 +130,7 @@ def _config_fields() -> str:
         default = field.default if field.default is not dataclasses.MISSING else "(required)"
         rule = module._FIELD_RULES.get(field.name)
         accepted = _rule_text(rule, field.name) if rule else "see the cross-field checks below"
-        rows.append(f"| `{field.name}` | `{_cell(own[field.name])}` | `{default!r}` | {_cell(accepted)} | "
+        rows.append(f"| `{field.name}` | {_cell(own[field.name])} | `{default!r}` | {_cell(accepted)} | "
                     f"{_cell(described.get(field.name, '-'))} |")
     return "\n".join(rows)
 
