@@ -1,16 +1,21 @@
-"""`switchhead serve CHECKPOINT`: check the arguments, then run `switchhead.serving.serve` (Transformers' server).
+"""`switchhead serve CHECKPOINT`: check the arguments, then run `switchhead.serving.serve` (Transformers' server),
+or with `--engine vllm` vLLM's OpenAI-compatible server (`vllm serve`, our model from the `switchhead.vllm` plugin).
 
 Refused in one line (exit code 2) before the server starts: a folder without config.json, a name that is neither
 a folder nor a Hub id, an '@' in the path (the server reads it as a revision), a port out of range or taken,
-paged-cache sizes below 1, weights that do not fit config.json, missing serving dependencies.
+paged-cache sizes below 1, weights that do not fit config.json, missing serving dependencies; with `--engine vllm`:
+vLLM not installed, options only Transformers' server has, `--vllm-args` that do not parse.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
+import shlex
 import socket
+import sys
 
 from . import fail
 
@@ -40,7 +45,57 @@ def register(subparsers) -> None:
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None, help="tokens per batch at most")
     parser.add_argument("--cb-max-memory-percent", type=float, default=None,
                         help="share of free accelerator memory for the paged cache (0-1)")
+    parser.add_argument("--engine", choices=ENGINES, default="transformers",
+                        help="transformers (default: Transformers' server) or vllm (vLLM's server with the "
+                             "switchhead.vllm plugin; needs vLLM installed, e.g. `bash scripts/vllm.sh`)")
+    parser.add_argument("--vllm-args", default="",
+                        help="with --engine vllm: more `vllm serve` options, one quoted string "
+                             "(e.g. \"--max-model-len 1024 --max-num-seqs 64\")")
     parser.set_defaults(handler=run)
+
+
+ENGINES = ("transformers", "vllm")
+# options of Transformers' server that `vllm serve` has no equivalent for: refused with --engine vllm, not ignored
+TRANSFORMERS_ONLY = {"continuous_batching": ("--no-continuous-batching", True), "attn_implementation": (None, None),
+                     "cb_block_size": (None, None), "cb_num_blocks": (None, None), "cb_max_batch_tokens": (None, None),
+                     "cb_max_memory_percent": (None, None), "enable_cors": (None, False)}
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_command(args) -> list[str]:
+    """The `vllm serve` command line for these arguments (the `vllm` console script's module, this Python)."""
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.checkpoint, "--host", args.host,
+               "--port", str(args.port), "--dtype", args.dtype]
+    if args.trust_remote_code:
+        command.append("--trust-remote-code")
+    if args.default_seed is not None:
+        command += ["--seed", str(args.default_seed)]
+    try:
+        command += shlex.split(args.vllm_args)
+    except ValueError as error:
+        fail(f"--vllm-args does not parse ({error}): give the options as one quoted string")
+    return command
+
+
+def run_vllm(args) -> int:
+    """Replace this process by `vllm serve` (signals and the exit code are vLLM's own)."""
+    for name, (flag, default) in TRANSFORMERS_ONLY.items():
+        if getattr(args, name) != default:
+            fail(f"{flag or '--' + name.replace('_', '-')} is an option of Transformers' server; with --engine vllm "
+                 f"give vLLM's options with --vllm-args")
+    if not vllm_available():
+        fail("--engine vllm needs vLLM, which is not installed in this environment: `bash scripts/vllm.sh` builds "
+             ".venv-vllm with it (then .venv-vllm/bin/switchhead serve ... --engine vllm); the default "
+             "--engine transformers needs no vLLM")
+    command = vllm_command(args)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": args.log_level.upper()}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(command[0], command, env)
+    return 0  # not reached
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
@@ -48,6 +103,9 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$
 
 def run(args) -> int:
     checkpoint = args.checkpoint
+    if args.engine == "vllm" and args.device not in ("cpu", "auto"):
+        fail(f"--device {args.device} is not passed to vLLM, which picks its own platform; leave --device out "
+             f"with --engine vllm")
     if os.path.exists(checkpoint):
         if not os.path.isfile(os.path.join(checkpoint, "config.json")):
             fail(f"{checkpoint!r} has no config.json; pass a save_pretrained folder or a Hub model id")
@@ -77,6 +135,8 @@ def run(args) -> int:
             probe.bind((args.host, args.port))
         except OSError as error:
             fail(f"cannot listen on {args.host}:{args.port} ({error.strerror}); pick another --port or --host")
+    if args.engine == "vllm":
+        return run_vllm(args)
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():

