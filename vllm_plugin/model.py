@@ -210,6 +210,7 @@ class SwitchHeadForCausalLM(nn.Module):
         parameters = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            name = _current_name(name, parameters)
             if name not in parameters:
                 if self.config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # tied: the embedding is the output layer
@@ -224,6 +225,26 @@ class SwitchHeadForCausalLM(nn.Module):
                 parameter.copy_(tensor)
             loaded.add(name)
         return loaded
+
+
+def _renamed_keys() -> dict[str, str]:
+    """Tensor names older releases of the package saved under -> today's (`switchhead.checkpoint_format`, where this
+    release of the package has renamings)."""
+    try:
+        from switchhead.checkpoint_format import RENAMED_KEYS
+    except ImportError:
+        return {}
+    return dict(RENAMED_KEYS)
+
+
+def _current_name(name: str, parameters: dict) -> str:
+    """A checkpoint tensor's name as this model's parameter: itself, or the renamed one of an older checkpoint."""
+    if name in parameters:
+        return name
+    for old, new in _renamed_keys().items():
+        if name.endswith("." + old) and name[: -len(old)] + new in parameters:
+            return name[: -len(old)] + new
+    return name
 
 
 def _join(prefix: str, name: str) -> str:

@@ -251,3 +251,15 @@ def test_support_table_matches_the_presets():
     for name in ("c4-262m-switchhead-xl", "enwik8-41m-switchhead-xl", "c4-262m-dense-xl"):
         with pytest.raises(ValueError, match="not covered"):
             check_supported(SwitchHeadConfig.from_preset(name))
+
+
+def test_older_tensor_names_map_to_todays(monkeypatch):
+    """A tensor saved under a name the package has since renamed (switchhead.checkpoint_format.RENAMED_KEYS, where
+    this release has renamings) loads into today's parameter."""
+    from switchhead.vllm import model as vllm_model
+
+    monkeypatch.setattr(vllm_model, "_renamed_keys", lambda: {"mlp.keys": "mlp.expert_keys"})
+    parameters = dict.fromkeys(["model.layers.0.mlp.expert_keys", "model.layers.0.mlp.values"])
+    assert vllm_model._current_name("model.layers.0.mlp.keys", parameters) == "model.layers.0.mlp.expert_keys"
+    assert vllm_model._current_name("model.layers.0.mlp.values", parameters) == "model.layers.0.mlp.values"
+    assert vllm_model._current_name("model.layers.0.mlp.other", parameters) == "model.layers.0.mlp.other"
