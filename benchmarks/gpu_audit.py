@@ -1,7 +1,7 @@
 """Compile audit of the CVMM Triton kernels for Ampere (sm_80), Hopper (sm_90) and Blackwell (sm_100), no GPU needed.
 
-    python benchmarks/gpu_audit.py                    # every launch x config x architecture (tens of minutes)
-    python benchmarks/gpu_audit.py --quick            # a representative subset, sm_90 only (under a minute)
+    python benchmarks/gpu_audit.py                    # every launch x config x architecture
+    python benchmarks/gpu_audit.py --quick            # a representative subset, sm_90 only (the test's)
     python benchmarks/gpu_audit.py --authors-cvmm PATH/TO/their/switchhead/cvmm.py   # + the authors' kernel
     python benchmarks/gpu_audit.py --kernels OLD/cvmm_triton.py --name gpu_audit_before   # another version
 
@@ -65,9 +65,9 @@ REGISTER_UNIT = 256  # registers are given to a warp in blocks of 256
 SHARED_UNIT = 128  # shared memory is given to a block in units of 128 bytes ...
 SHARED_RESERVED = 1024  # ... plus 1 KB the system keeps per block (compute capability 8.0 and later)
 
-# NVIDIA's published H100 SXM figures (H100 Tensor Core GPU datasheet): dense tensor-core throughput (the datasheet
-# prints twice these, "with sparsity") and HBM3 bandwidth.
-H100_SXM = dict(bf16_dense_tflops=989.4, tf32_dense_tflops=494.7, hbm_tb_per_s=3.35)
+# NVIDIA's published H100 SXM figures (H100 Tensor Core GPU datasheet): BF16 tensor core 1,979 TFLOP/s "with
+# sparsity", so half that dense, and 3.35 TB/s of HBM3 bandwidth.
+H100_SXM = dict(bf16_dense_tflops=1979 / 2, hbm_tb_per_s=3.35)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (dtype, fp32 matmul precision) of every mode the dispatcher has: fp32 IEEE ("highest") and TF32 ("high")
@@ -153,14 +153,20 @@ class _Recorder:
 @contextlib.contextmanager
 def recording(module, names: tuple[str, ...], sink: list, label: dict, multiprocessors: int | None = None):
     """Replace `module`'s kernels by recorders; `multiprocessors` stands in for the GPU's count where the module
-    asks for one (`_multiprocessors`, which sizes the weight gradient's split)."""
+    asks for one, which sizes the weight gradient's split: through `_multiprocessors`, or (earlier versions) read
+    inline from `torch.cuda.get_device_properties` by `_weight_grad_split`, which is then given a CUDA device and
+    that count."""
     backend = make_backend(GPUTarget("cuda", 90, 32))
     saved = {name: getattr(module, name) for name in names}
     counter = getattr(module, "_multiprocessors", None)
+    split = getattr(module, "_weight_grad_split", None)
     for name in names:
         setattr(module, name, _Recorder(name, saved[name], sink, label, backend))
-    if counter is not None and multiprocessors is not None:
-        module._multiprocessors = lambda device: multiprocessors
+    if multiprocessors is not None:
+        if counter is not None:
+            module._multiprocessors = lambda device: multiprocessors
+        elif split is not None:
+            module._weight_grad_split = lambda device, *sizes: _split_on_cuda(split, multiprocessors, *sizes)
     try:
         yield
     finally:
@@ -168,6 +174,20 @@ def recording(module, names: tuple[str, ...], sink: list, label: dict, multiproc
             setattr(module, name, kernel)
         if counter is not None:
             module._multiprocessors = counter
+        if split is not None:
+            module._weight_grad_split = split
+
+
+def _split_on_cuda(split, multiprocessors: int, *sizes: int) -> int:
+    """`split(device, *sizes)` as on a CUDA GPU with `multiprocessors` (no GPU is touched: only its properties are
+    asked for)."""
+    properties = torch.cuda.get_device_properties
+    torch.cuda.get_device_properties = lambda device=None: type("Properties", (), dict(
+        multi_processor_count=multiprocessors))()
+    try:
+        return split(torch.device("cuda", 0), *sizes)
+    finally:
+        torch.cuda.get_device_properties = properties
 
 
 def drive_dispatcher(module, problem: dict, dtype_name: str, precision: str, deterministic: bool) -> None:
@@ -523,15 +543,25 @@ def totals_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def comparison_table(before: list[dict], after: list[dict]) -> list[str]:
-    """Per kernel and architecture, before and after: compiles, how many spill, the most and all spill stores."""
-    lines = ["| kernel | arch | before: spilling / compiles | before: STL max, total | before: registers | "
+def comparison_table(before: dict, after: dict) -> list[str]:
+    """Per kernel and architecture, before and after, on the shapes and architectures both audits compiled:
+    compiles, how many spill, the most and all spill stores, the register range."""
+    shapes = {p["name"] for p in before["problems"]} & {p["name"] for p in after["problems"]}
+    archs = set(before["archs"]) & set(after["archs"])
+
+    def common(report):
+        return [r for r in report["rows"] if r["family"] == "ours" and r["arch"] in archs
+                and any(label["problem"] in shapes for label in r["labels"])]
+
+    old, new = common(before), common(after)
+    lines = [f"On the {len(shapes)} shapes both audits compiled. Before: {before['kernels']}; after: "
+             f"{after['kernels']}.", "",
+             "| kernel | arch | before: spilling / compiles | before: STL max, total | before: registers | "
              "after: spilling / compiles | after: STL max, total | after: registers |", "|---" * 8 + "|"]
-    keys = sorted({(r["kernel"], r["arch"]) for r in before + after if r["family"] == "ours"})
-    for kernel, arch in keys:
+    for kernel, arch in sorted({(r["kernel"], r["arch"]) for r in old + new}):
         cells = []
-        for rows in (before, after):
-            s = _stats([r for r in rows if r["family"] == "ours" and r["kernel"] == kernel and r["arch"] == arch])
+        for rows in (old, new):
+            s = _stats([r for r in rows if r["kernel"] == kernel and r["arch"] == arch])
             cells += [f"{s['spilling']} / {s['compiles']}", f"{s['stl_max']}, {s['stl_total']}",
                       f"{s['regs_min']}-{s['regs_max']}"]
         lines.append(f"| {kernel} | sm_{arch} | " + " | ".join(cells) + " |")
@@ -539,11 +569,13 @@ def comparison_table(before: list[dict], after: list[dict]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ roofline
-def matmuls_of(problem: dict, split: int) -> list[dict]:
+def matmuls_of(problem: dict, split: int, dgate_tile: int = 32) -> list[dict]:
     """The three matmuls of one CVMM layer (forward; backward d inputs with d gates; backward d weight), each with
-    its sizes in the kernel's terms and the HBM bytes it must move at least (bf16 operands, fp32 gates, int64 slot
-    indices; an fp32 atomics buffer costs its zero fill and the conversion pass; split weight-gradient partials
-    their fp32 write and read back)."""
+    its sizes in the kernel's terms and the HBM bytes the dispatcher's atomic mode moves at least: bf16 operands read
+    once, fp32 gates, int64 slot indices; an fp32 atomics buffer costs its zero fill (4 bytes an element), the
+    atomics' result (4) and the conversion pass (4 read, 2 written); d gates' fp32 partial sums (one row per column
+    tile of `dgate_tile`, the row kernel's narrowest BLOCK_N) their zero fill, write and read; split weight-gradient
+    partials their fp32 write and read back, then the sum (4 written, 4 read, 2 written)."""
     n, rows, slots, g = problem["tokens"], problem["rows"], problem["slots"], problem["experts"]
     m, d_in, d_out = n * slots, problem["d_in"], problem["d_out"]
     groups = problem["out_groups"] if problem["gated"] else slots
@@ -551,22 +583,27 @@ def matmuls_of(problem: dict, split: int) -> list[dict]:
     inputs, grads, weights = 2 * n * rows * d_in, 2 * n * groups * d_out, 2 * g * d_in * d_out
 
     def result(count: int, shared: bool) -> int:
-        return count * (4 + 4 + 2 if shared else 2)
+        return count * (4 + 4 + 4 + 2 if shared else 2)
 
-    return [
+    dgates = 3 * 4 * math.ceil(d_in / dgate_tile) * m if problem["gated"] else 0
+
+    dense = 2 * (m * d_in + d_in * d_out + m * d_out)  # a dense layer's matmuls with m rows touch these once
+    matmuls = [
         dict(matmul="forward", kernel="_gathered_expert_matmul", m=m, k=d_in, n=d_out,
              hbm=inputs + weights + gates + indices + result(n * groups * d_out, slots // groups > 1)),
         dict(matmul="d inputs", kernel="_gathered_expert_matmul", m=m, k=d_out, n=d_in,
-             hbm=grads + weights + gates + indices + (inputs if problem["gated"] else 0)
+             hbm=grads + weights + gates + indices + (inputs + dgates if problem["gated"] else 0)
              + result(n * rows * d_in, slots // rows > 1)),
         dict(matmul="d weight", kernel="_expert_weight_grad", m=g * d_in, k=m // g, n=d_out,
-             hbm=inputs + grads + gates + indices // 2 + (weights * (4 * split + 1) if split > 1 else weights)),
+             hbm=inputs + grads + gates + indices // 2 + (weights * (4 * split + 5) if split > 1 else weights)),
     ]
+    return [dict(matmul, dense_bytes=dense, split=split) for matmul in matmuls]
 
 
 def issued_work(matmul: dict, blocks: dict, problem: dict) -> tuple[int, int]:
     """(FLOPs the tiles issue, bytes the tiles read) for one matmul at one tile: whole blocks (padded columns and
-    reduction steps) and, in the row kernel, one pass per expert of every block that spans an expert boundary."""
+    reduction steps; each share of a split weight gradient padded on its own) and, in the row kernel, one pass per
+    expert of every block that spans an expert boundary."""
     def padded(size: int, block: int) -> int:
         return math.ceil(size / block) * block
 
@@ -579,25 +616,47 @@ def issued_work(matmul: dict, blocks: dict, problem: dict) -> tuple[int, int]:
                 2 * passes * column_tiles * (bm + bn) * padded(matmul["k"], bk))
     bk, bn, bm = blocks["BLOCK_K"], blocks["BLOCK_N"], blocks["BLOCK_M"]
     programs = g * math.ceil(problem["d_in"] / bk) * math.ceil(matmul["n"] / bn)
-    return (2 * programs * bk * bn * padded(matmul["k"], bm), 2 * programs * (bk + bn) * padded(matmul["k"], bm))
+    depth = matmul["split"] * padded(math.ceil(matmul["k"] / matmul["split"]), bm)
+    return 2 * programs * bk * bn * depth, 2 * programs * (bk + bn) * depth
+
+
+def matmul_of_row(row: dict) -> str | None:
+    """Which of a layer's matmuls a compile of our kernels is: the weight gradient, or the row kernel with W as
+    stored (unit column stride: the forward) or transposed (backward d inputs)."""
+    if row["kernel"] == "_expert_weight_grad":
+        return "d weight"
+    if row["kernel"] == "_gathered_expert_matmul":
+        return "forward" if row["signature"].get("stride_wn") == "constexpr" else "d inputs"
+    return None
+
+
+def clean_tiles(rows: list[dict], problem: str, matmul: str) -> list[dict]:
+    """One row for each config that compiles without a spill store for every sm_90 bf16 launch (atomic mode) the
+    dispatcher makes for `matmul` of `problem`: the tiles the prediction may use."""
+    launches = [r for r in rows if r["family"] == "ours" and r["arch"] == 90 and matmul_of_row(r) == matmul
+                and any(label["problem"] == problem and label["dtype"] == "bf16" and not label["deterministic"]
+                        for label in r["labels"])]
+    by_tile = collections.defaultdict(list)
+    for row in launches:
+        by_tile[tile_of(row)].append(row)
+    return [group[0] for group in by_tile.values() if all("error" not in r and r["spill_stores"] == 0 for r in group)]
 
 
 def roofline(problems: list[dict], rows: list[dict], split_of) -> tuple[list[dict], list[str]]:
     """A prediction for an H100 SXM from its published dense bf16 throughput and HBM bandwidth: for each paper shape
-    and matmul, at the clean sm_90 bf16 tile that predicts best, the time bound max(issued FLOPs / peak, HBM bytes /
-    bandwidth) against the same bound for a dense matmul of the same useful FLOPs ([slots, d_in] x [d_in, d_out],
-    every byte read once, no padding)."""
+    and matmul, at the tile that predicts best among those that compile for that launch on sm_90 in bf16 without a
+    spill, the time bound max(issued FLOPs / peak, HBM bytes / bandwidth) against the same bound for a dense matmul
+    of the same useful FLOPs ([tokens x slots, d_in] x [d_in, d_out], every byte read once, no padding)."""
     peak, bandwidth = H100_SXM["bf16_dense_tflops"] * 1e12, H100_SXM["hbm_tb_per_s"] * 1e12
-    clean = [r for r in rows if r["family"] == "ours" and r["arch"] == 90 and "error" not in r
-             and r["spill_stores"] == 0 and any(label["dtype"] == "bf16" for label in r["labels"])]
-    results = []
+    dgate_tile = min((r["config"]["constants"]["BLOCK_N"] for r in rows
+                      if r["kernel"] == "_gathered_expert_matmul"), default=32)
+    results, missing = [], []
     for problem in problems:
-        for matmul in matmuls_of(problem, split_of(problem)):
+        for matmul in matmuls_of(problem, split_of(problem), dgate_tile):
             flops = 2 * matmul["m"] * matmul["k"] * matmul["n"]
-            dense_bytes = 2 * (matmul["m"] * matmul["k"] + matmul["k"] * matmul["n"] + matmul["m"] * matmul["n"])
-            dense_time = max(flops / peak, dense_bytes / bandwidth)
+            dense_time = max(flops / peak, matmul["dense_bytes"] / bandwidth)
             best = None
-            for row in [r for r in clean if r["kernel"] == matmul["kernel"]]:
+            for row in clean_tiles(rows, problem["name"], matmul["matmul"]):
                 issued, tile_bytes = issued_work(matmul, row["config"]["constants"], problem)
                 time_bound = max(issued / peak, matmul["hbm"] / bandwidth)
                 candidate = dict(problem=problem["name"], matmul=matmul["matmul"], tile=tile_of(row), flops=flops,
@@ -611,23 +670,44 @@ def roofline(problems: list[dict], rows: list[dict], split_of) -> tuple[list[dic
                     best = candidate
             if best is not None:
                 results.append(best)
-    lines = [f"H100 SXM, NVIDIA's published figures: {H100_SXM['bf16_dense_tflops']} TFLOP/s dense bf16 tensor core, "
-             f"{H100_SXM['hbm_tb_per_s']} TB/s HBM3 (ridge point {peak / bandwidth:.0f} FLOP/byte). This is a "
+            else:
+                missing.append((problem["name"], matmul["matmul"]))
+    if not results:
+        return [], ["No config of our kernels compiles for sm_90 in bf16 without spilling: no prediction."]
+    reuse = sorted(r["tile_intensity"] for r in results)
+    lines = [f"H100 SXM, NVIDIA's published figures: {H100_SXM['bf16_dense_tflops']:.1f} TFLOP/s dense bf16 tensor "
+             f"core, {H100_SXM['hbm_tb_per_s']} TB/s HBM3 (ridge point {peak / bandwidth:.0f} FLOP/byte). This is a "
              "prediction from the compiled tiles and those two numbers, not a measurement: it assumes the tensor "
-             "cores run at peak whenever the bytes allow, and ignores L2 bandwidth, latency the pipeline does not "
-             "hide, atomics, launch overhead and the host-side sums.", "",
-             "Useful GFLOP: 2 x slots x d_in x d_out. MMA efficiency: useful / issued (whole tiles, padded columns and "
-             "reduction steps, one pass per expert for blocks at an expert boundary). Tile FLOP/byte: issued FLOPs per "
-             "byte the tiles load (the reuse a tile gives; L2 serves the repeats). HBM FLOP/byte: useful FLOPs per "
-             "compulsory HBM byte. SASS check: the MMA instructions in the compiled loop body do the tile's work.", "",
-             "| shape | matmul | best clean tile | useful GFLOP | MMA efficiency | tile FLOP/byte | HBM FLOP/byte | "
-             "bound | predicted us | dense us | fraction of dense | SASS check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "cores run at peak whenever HBM allows, and leaves out L2 bandwidth (NVIDIA publishes none; at peak, "
+             f"tiles of {reuse[-1]:.0f} down to {reuse[0]:.0f} FLOP/byte would pull {peak / reuse[-1] / 1e12:.0f} "
+             f"to {peak / reuse[0] / 1e12:.0f} TB/s from L2), latency the pipeline does not hide, the atomics' "
+             "read-modify-writes, launch overhead and the host-side sums. The dense comparator is bench_cvmm's: one "
+             "[tokens x slots, d_in] x [d_in, d_out] matmul of the same FLOPs, whose left operand is larger than "
+             "the inputs CVMM reads (slots share input rows), so a fraction above 1 is possible.", "",
+             "Forward + backward per shape (the three matmuls; the issue's target is >= 0.8 of dense):", "",
+             "| shape | predicted us | dense us | fraction of dense |", "|---|---|---|---|"]
+    for name in dict.fromkeys(r["problem"] for r in results):
+        mine = [r for r in results if r["problem"] == name]
+        lacking = [matmul for problem, matmul in missing if problem == name]
+        if lacking:
+            lines.append(f"| {name} | no clean tile for {', '.join(lacking)} | | |")
+            continue
+        ours, dense = sum(r["time_us"] for r in mine), sum(r["dense_time_us"] for r in mine)
+        lines.append(f"| {name} | {ours:.1f} | {dense:.1f} | {dense / ours:.2f} |")
+    if missing:
+        lines += ["", f"{len(missing)} of {len(missing) + len(results)} matmuls have no tile that compiles for all "
+                  "their sm_90 bf16 launches without a spill: " + "; ".join(f"{p} {m}" for p, m in missing) + "."]
+    lines += ["", "Per matmul. Useful GFLOP: 2 x tokens x slots x d_in x d_out. MMA efficiency: useful / issued "
+              "(whole tiles, padded columns and reduction steps, one pass per expert for blocks at an expert "
+              "boundary). Tile FLOP/byte: issued FLOPs per byte the tiles load (the reuse a tile gives; L2 serves the "
+              "repeats). HBM FLOP/byte: useful FLOPs per compulsory HBM byte. SASS check: the MMA instructions in the "
+              "compiled loop body do the tile's work.", "",
+              "| shape | matmul | best clean tile | useful GFLOP | MMA efficiency | tile FLOP/byte | HBM FLOP/byte | "
+              "bound | predicted us | dense us | fraction of dense | SASS check |", "|---" * 12 + "|"]
     for r in results:
         lines.append(f"| {r['problem']} | {r['matmul']} | {r['tile']} | {r['flops'] / 1e9:.2f} | "
                      f"{r['mma_efficiency']:.2f} | {r['tile_intensity']:.0f} | {r['hbm_intensity']:.0f} | "
-                     f"{r['bound']} | "
-                     f"{r['time_us']:.1f} | {r['dense_time_us']:.1f} | {r['fraction_of_dense']:.2f} | "
+                     f"{r['bound']} | {r['time_us']:.1f} | {r['dense_time_us']:.1f} | {r['fraction_of_dense']:.2f} | "
                      f"{r['sass_mma_per_k_step']} |")
     return results, lines
 
@@ -682,14 +762,14 @@ def markdown(report: dict, compare: dict | None, roofline_lines: list[str]) -> s
     rows = report["rows"]
     ours = [r for r in rows if r["family"] == "ours"]
     targets = ", ".join(f"sm_{a} ({ARCHS[a]['gpu']})" for a in report["archs"])
+    authors = "; the authors' cvmm_kernel (their switchhead/cvmm.py) as a control" if report["authors_cvmm"] else ""
     lines = [f"# GPU compile audit: {report['name']}", "",
-             f"Machine {report['machine']['machine']} ({report['machine']['device']}), no GPU; triton "
-             f"{report['triton']}, {report['ptxas']}; kernels from {report['kernels']}; architectures "
-             f"{targets}"
-             f"{'; quick subset' if report['quick'] else ''}. Every launch the dispatcher makes on "
-             f"{len(report['problems'])} shapes in every dtype and mode ({report['units']} distinct compilations) x "
-             "every autotune config x architecture. STL/LDL: spill stores/loads in the SASS; occupancy: resident "
-             "warps / 64 that registers and shared memory allow.", "", "## Totals", ""]
+             f"Compiled on {report['machine']['device']} (host {report['machine']['machine']}), no GPU; triton "
+             f"{report['triton']} and the ptxas in its wheel ({report['ptxas']}); kernels from {report['kernels']}"
+             f"{authors}; targets {targets}{'; quick subset' if report['quick'] else ''}. Every launch the "
+             f"dispatcher makes on {len(report['problems'])} shapes in every dtype and mode ({report['units']} "
+             "distinct compilations) x every autotune config x architecture. STL/LDL: spill stores/loads in the "
+             "SASS; occupancy: resident warps / 64 that registers and shared memory allow.", "", "## Totals", ""]
     lines += totals_table(rows)
     lines += ["", "## Our kernels by config", ""] + config_table(ours)
     lines += ["", "## Our kernels by combination (worst over configs and shapes)", ""] + combination_table(ours)
@@ -697,7 +777,7 @@ def markdown(report: dict, compare: dict | None, roofline_lines: list[str]) -> s
     if controls:
         lines += ["", "## Controls by config", ""] + config_table(controls)
     if compare is not None:
-        lines += ["", f"## Before ({compare['kernels']}) and after", ""] + comparison_table(compare["rows"], rows)
+        lines += ["", "## Before and after", ""] + comparison_table(compare, report)
     if roofline_lines:
         lines += ["", "## Roofline prediction (H100 SXM, bf16)", ""] + roofline_lines
     errors = [r for r in rows if "error" in r]
@@ -712,6 +792,15 @@ def tool_version(tool: str) -> str:
     return output.splitlines()[-1] if output else f"{tool} (version unknown)"
 
 
+def write_report(report: dict, compare: dict | None, roofline_lines: list[str], folder: Path) -> None:
+    """The Markdown of `report` (its JSON is written already) into `folder`, and on stdout."""
+    path = folder / f"{report['name']}.md"
+    text = markdown(report, compare, roofline_lines)
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path.with_suffix('.json')} and {path.name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a representative subset on sm_90: the first and last "
@@ -722,14 +811,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the cvmm_triton.py to audit (default: this checkout's kernels/cvmm_triton.py)")
     parser.add_argument("--authors-cvmm", type=Path, default=None,
                         help="path of the authors' switchhead/cvmm.py, to audit their cvmm_kernel beside ours")
-    parser.add_argument("--compare", type=Path, default=None, help="an earlier audit's JSON, shown beside this one")
+    parser.add_argument("--only", default="", help="audit only the shapes whose name contains one of these "
+                        "comma-separated texts (e.g. 47m,odd: the six uses at the 47M sizes and the odd shape)")
+    parser.add_argument("--compare", type=Path, default=None, help="an earlier audit's JSON, shown beside this one "
+                        "(on the shapes and architectures both audited)")
+    parser.add_argument("--render", type=Path, default=None, help="compile nothing: write the Markdown of this "
+                        "earlier audit's JSON again (with --compare: beside that one)")
     parser.add_argument("--name", default=None, help="result file name (default: gpu_audit, gpu_audit_quick)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes")
     args = parser.parse_args(argv)
     kernels_path = (args.kernels or HERE.parent / "kernels" / "cvmm_triton.py").resolve()
     for option, path in (("--kernels", args.kernels), ("--authors-cvmm", args.authors_cvmm),
-                         ("--compare", args.compare)):
+                         ("--compare", args.compare), ("--render", args.render)):
         if path is not None and not path.is_file():
             print(f"gpu_audit: error: {option} {path} is not a file", file=sys.stderr)
             return 2
@@ -746,8 +840,34 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_audit: error: the kernels were loaded for Triton's interpreter; unset TRITON_INTERPRET",
               file=sys.stderr)
         return 2
-    paper = paper_problems()
-    problems = paper + off_paper_problems()
+    compare = json.loads(args.compare.read_text()) if args.compare else None
+
+    def h100_split(problem: dict) -> int:  # the weight gradient's split on an H100's 132 multiprocessors
+        if not hasattr(module, "_weight_grad_split"):
+            return 1
+        with recording(module, (), [], {}, ARCHS[90]["multiprocessors"]):
+            return module._weight_grad_split(torch.device("meta"), problem["experts"], problem["d_in"],
+                                             problem["d_out"])
+
+    if args.render is not None:
+        report = json.loads(args.render.read_text())
+        report["arch_limits"] = {int(a): limits for a, limits in report["arch_limits"].items()}
+        paper_names = {p["name"] for p in paper_problems()}
+        paper = [p for p in report["problems"] if p["name"] in paper_names]
+        _, roofline_lines = (roofline(paper, report["rows"], h100_split) if 90 in report["archs"]
+                             and not report["quick"] else ([], []))
+        write_report(report, compare, roofline_lines, args.render.parent)
+        return 0
+
+    wanted = [text for text in args.only.split(",") if text] or [""]
+    paper = [p for p in paper_problems() if any(text in p["name"] for text in wanted)]
+    problems = paper + [p for p in off_paper_problems() if any(text in p["name"] for text in wanted)]
+    if args.quick and args.only:
+        print("gpu_audit: error: --quick has its own shapes; leave out --only", file=sys.stderr)
+        return 2
+    if not problems:
+        print(f"gpu_audit: error: --only {args.only!r} matches no shape", file=sys.stderr)
+        return 2
     tasks = []
     units_count = 0
     for arch in archs:
@@ -786,14 +906,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from machine import describe
 
-    compare = json.loads(args.compare.read_text()) if args.compare else None
-    def h100_split(problem: dict) -> int:  # the weight gradient's split on an H100's 132 multiprocessors
-        if not hasattr(module, "_multiprocessors"):
-            return 1
-        with recording(module, (), [], {}, ARCHS[90]["multiprocessors"]):
-            return module._weight_grad_split(torch.device("meta"), problem["experts"], problem["d_in"],
-                                             problem["d_out"])
-
     predictions, roofline_lines = roofline(paper, rows, h100_split) if 90 in archs and not args.quick else ([], [])
     report = dict(name=name, machine=describe(torch.device("cpu")), triton=triton.__version__,
                   ptxas=tool_version("ptxas"), cuobjdump=tool_version("cuobjdump"),
@@ -802,12 +914,8 @@ def main(argv: list[str] | None = None) -> int:
                   archs=archs, arch_limits={a: ARCHS[a] for a in archs}, quick=args.quick, problems=problems,
                   units=units_count, h100_sxm=H100_SXM, roofline=predictions, rows=rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"{name}.json"
-    path.write_text(json.dumps(report, indent=1, default=str))
-    text = markdown(report, compare, roofline_lines)
-    path.with_suffix(".md").write_text(text)
-    print(text)
-    print(f"wrote {path} and {path.with_suffix('.md').name}")
+    (args.out_dir / f"{name}.json").write_text(json.dumps(report, indent=1, default=str))
+    write_report(report, compare, roofline_lines, args.out_dir)
     ours = [r for r in rows if r["family"] == "ours"]
     failed = [r for r in ours if "error" in r or r["spill_stores"] > 0]
     return 1 if failed else 0

@@ -189,3 +189,54 @@ def test_read_sass_counts_spills_mma_and_load_width():
 def test_missing_authors_file_exits_2(tmp_path, capsys):
     assert gpu_audit.main(["--quick", "--authors-cvmm", str(tmp_path / "nowhere.py")]) == 2
     assert "--authors-cvmm" in capsys.readouterr().err
+
+
+def test_only_takes_comma_separated_shape_names_and_refuses_one_that_matches_nothing(tmp_path, capsys):
+    assert gpu_audit.main(["--only", "no-such-shape,nor-this", "--out-dir", str(tmp_path)]) == 2
+    assert "matches no shape" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_earlier_kernel_file_that_reads_the_multiprocessor_count_inline_gets_the_targets_count():
+    # the kernels before issue #30 asked torch.cuda for the count inside _weight_grad_split; the audit (and its
+    # "before" table) must size the weight gradient's split for the target GPU, not for the meta device's 4
+    module = type(sys)("earlier_kernels")
+    exec("import torch\n"
+         "def _weight_grad_split(device, experts, d_in, d_out):\n"
+         "    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 4\n"
+         "    return sms * 1000 + experts\n", module.__dict__)
+    with gpu_audit.recording(module, (), [], {}, gpu_audit.ARCHS[90]["multiprocessors"]):
+        assert module._weight_grad_split(__import__("torch").device("meta"), 10, 412, 76) == 132010
+    assert module._weight_grad_split(__import__("torch").device("meta"), 10, 412, 76) == 4010  # restored
+
+
+def test_the_before_and_after_table_keeps_to_the_shapes_and_architectures_both_audits_compiled():
+    def row(kernel, arch, problem, spills, registers):
+        return dict(kernel=kernel, family="ours", arch=arch, labels=[dict(problem=problem)], spill_stores=spills,
+                    registers=registers, stack=0, shared=0, fits=True, occupancy=0.25, mma={})
+
+    before = dict(kernels="old.py", archs=[80, 90], problems=[dict(name="a")],
+                  rows=[row("k", 90, "a", 100, 255), row("k", 80, "a", 50, 255)])
+    after = dict(kernels="new.py", archs=[90, 100], problems=[dict(name="a"), dict(name="b")],
+                 rows=[row("k", 90, "a", 0, 168), row("k", 90, "b", 7, 200), row("k", 100, "a", 0, 100)])
+    lines = gpu_audit.comparison_table(before, after)
+    assert lines[0].startswith("On the 1 shapes both audits compiled")
+    body = [line for line in lines if line.startswith("| k ")]
+    assert body == ["| k | sm_90 | 1 / 1 | 100, 100 | 255-255 | 0 / 1 | 0, 0 | 168-168 |"]
+
+
+def test_the_roofline_counts_the_dense_comparators_bytes_once_per_matmul_and_pads_split_shares():
+    problem = dict(name="p", tokens=1024, rows=1, slots=4, gated=True, out_groups=2, experts=8, heads=2, d_in=100,
+                   d_out=64)
+    matmuls = gpu_audit.matmuls_of(problem, split=3)
+    m = 1024 * 4
+    assert [mm["dense_bytes"] for mm in matmuls] == [2 * (m * 100 + 100 * 64 + m * 64)] * 3
+    weight = matmuls[2]
+    assert (weight["m"], weight["k"], weight["n"], weight["split"]) == (8 * 100, m // 8, 64, 3)
+    # 512 slots an expert in 3 shares of 171, each padded to 176 (BLOCK_M 16): 528 deep, 2 x 64 x 64 columns/rows
+    flops, tile_bytes = gpu_audit.issued_work(weight, dict(BLOCK_K=64, BLOCK_N=64, BLOCK_M=16), problem)
+    programs = 8 * 2 * 1
+    assert flops == 2 * programs * 64 * 64 * 528 and tile_bytes == 2 * programs * (64 + 64) * 528
+    # no clean sm_90 bf16 row: no prediction rather than a table of nothing
+    assert gpu_audit.roofline([problem], [], lambda p: 1) == ([], [
+        "No config of our kernels compiles for sm_90 in bf16 without spilling: no prediction."])
