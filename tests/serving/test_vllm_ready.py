@@ -1,4 +1,5 @@
-"""vLLM readiness (vLLM itself cannot be installed here): the contract of vLLM's Transformers backend.
+"""The contract of vLLM's Transformers backend (`model_impl="transformers"`), checked without vLLM installed; the
+native plugin (switchhead.vllm) is tested with vLLM itself in test_vllm.py and test_vllm_serve.py.
 
 vLLM's Transformers backend builds the base model with `AutoModel.from_config`, sets `_attn_implementation` to its
 own name registered in `ALL_ATTENTION_FUNCTIONS`, and calls the base model with the packed tokens of a step as one
