@@ -1,7 +1,7 @@
 """switchhead: SwitchHead (MoE attention) and SwitchAll language models for Hugging Face Transformers.
 
-Importing the package registers the model with AutoConfig, AutoModel and AutoModelForCausalLM, and marks the
-classes so that `save_pretrained` writes an `auto_map` and copies the model files: a saved folder then loads
+Importing the package registers the model with AutoConfig, AutoModel, AutoModelForCausalLM and the task-head Auto
+classes (sequence and token classification, question answering), and marks the classes so that `save_pretrained` writes an `auto_map` and copies the model files: a saved folder then loads
 with `trust_remote_code=True` where this package is not installed. It also registers our CVMM kernels as the
 Transformers experts implementation "cvmm" (`switchhead.experts`), usable by any MoE model.
 """
@@ -28,11 +28,21 @@ for _logger in _noisy_loggers:
     _logger.addFilter(_noise)
 try:
     # Transformers' modeling utilities import its quantizers, which import torchao when it is installed
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForQuestionAnswering,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
     from .configuration_switchhead import PAPER_TRAINING, PRESETS, SwitchHeadConfig
     from .modeling_switchhead import (
         SwitchHeadForCausalLM,
+        SwitchHeadForQuestionAnswering,
+        SwitchHeadForSequenceClassification,
+        SwitchHeadForTokenClassification,
         SwitchHeadModel,
         SwitchHeadPreTrainedModel,
         expert_projection,
@@ -46,11 +56,15 @@ finally:
 __version__ = "0.1.0"
 
 AutoConfig.register(SwitchHeadConfig.model_type, SwitchHeadConfig, exist_ok=True)
-AutoModel.register(SwitchHeadConfig, SwitchHeadModel, exist_ok=True)
-AutoModelForCausalLM.register(SwitchHeadConfig, SwitchHeadForCausalLM, exist_ok=True)
+_AUTO_CLASSES = {AutoModel: SwitchHeadModel, AutoModelForCausalLM: SwitchHeadForCausalLM,
+                 AutoModelForSequenceClassification: SwitchHeadForSequenceClassification,
+                 AutoModelForTokenClassification: SwitchHeadForTokenClassification,
+                 AutoModelForQuestionAnswering: SwitchHeadForQuestionAnswering}
 SwitchHeadConfig.register_for_auto_class()
-SwitchHeadModel.register_for_auto_class("AutoModel")
-SwitchHeadForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+for _auto_class, _model_class in _AUTO_CLASSES.items():
+    _auto_class.register(SwitchHeadConfig, _model_class, exist_ok=True)
+    _model_class.register_for_auto_class(_auto_class.__name__)
+del _auto_class, _model_class
 
 # our CVMM as Transformers' experts implementation "cvmm", for this model and every other MoE model
 from . import experts as _experts  # noqa: E402 - after the registrations above, which it does not need
@@ -61,6 +75,9 @@ __all__ = [
     "SwitchHeadConfig",
     "SwitchHeadModel",
     "SwitchHeadForCausalLM",
+    "SwitchHeadForSequenceClassification",
+    "SwitchHeadForTokenClassification",
+    "SwitchHeadForQuestionAnswering",
     "SwitchHeadPreTrainedModel",
     "PRESETS",
     "PAPER_TRAINING",

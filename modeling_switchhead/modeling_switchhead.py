@@ -42,12 +42,14 @@ from .transformers_compat import (  # first: it checks the installed Transformer
 )
 
 try:
+    from transformers import AutoModel
     from transformers import initialization as init
     from transformers.cache_utils import Cache, DynamicCache
     from transformers.generation import GenerationMixin
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
     from transformers.masking_utils import create_causal_mask
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
+    from transformers.modeling_layers import GenericForTokenClassification, GradientCheckpointingLayer
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
     from transformers.processing_utils import Unpack
@@ -493,6 +495,9 @@ AUTO_MAP = {
     "AutoConfig": "configuration_switchhead.SwitchHeadConfig",
     "AutoModel": "modeling_switchhead.SwitchHeadModel",
     "AutoModelForCausalLM": "modeling_switchhead.SwitchHeadForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_switchhead.SwitchHeadForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_switchhead.SwitchHeadForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_switchhead.SwitchHeadForQuestionAnswering",
 }
 
 
@@ -522,10 +527,11 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
         return super().get_correct_experts_implementation(requested_experts)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, with an `auto_map` for all three Auto classes.
+        """`PreTrainedModel.save_pretrained`, with an `auto_map` for every Auto class of `AUTO_MAP`.
 
         Transformers records only the saved class; we add the others so that one folder serves AutoConfig,
-        AutoModel and AutoModelForCausalLM with `trust_remote_code=True` (the model files are copied beside it).
+        AutoModel, AutoModelForCausalLM and the task heads with `trust_remote_code=True` (the model files are
+        copied beside it): a causal LM's folder loads as a classifier with a new head, and back.
         """
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         return super().save_pretrained(save_directory, *args, **kwargs)
@@ -864,17 +870,30 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = [
-    "SwitchHeadPreTrainedModel",
-    "SwitchHeadModel",
-    "SwitchHeadForCausalLM",
-    "SwitchHeadAttention",
-    "MultiHeadAttention",
-    "SigmaMoeMLP",
-    "ExpertSelection",
-    "expert_projection",
-    "expert_projection_torch",
-    "sigma_moe_entropy_loss",
-    "SwitchHeadModelOutputWithPast",
-    "SwitchHeadCausalLMOutputWithPast",
-]
+# ==================================================================================================== task heads
+class TaskHead:
+    """Transformers' generic heads (as for Llama and Mixtral) build their body with `AutoModel.from_config`: point it
+    at the decoder stack for this config's class (a folder's copy of the code loads its own config class)."""
+
+    def __init__(self, config: SwitchHeadConfig):
+        AutoModel.register(type(config), SwitchHeadModel, exist_ok=True)
+        super().__init__(config)
+
+
+class SwitchHeadForSequenceClassification(TaskHead, GenericForSequenceClassification, SwitchHeadPreTrainedModel):
+    """A score per label from the last non-padding token's hidden state (`config.pad_token_id` marks padding)."""
+
+
+class SwitchHeadForTokenClassification(TaskHead, GenericForTokenClassification, SwitchHeadPreTrainedModel):
+    """A score per label for every token."""
+
+
+class SwitchHeadForQuestionAnswering(TaskHead, GenericForQuestionAnswering, SwitchHeadPreTrainedModel):
+    """Span start and end logits for every token (extractive question answering)."""
+
+
+__all__ = ["SwitchHeadPreTrainedModel", "SwitchHeadModel", "SwitchHeadForCausalLM",
+           "SwitchHeadForSequenceClassification", "SwitchHeadForTokenClassification",
+           "SwitchHeadForQuestionAnswering", "SwitchHeadAttention", "MultiHeadAttention", "SigmaMoeMLP",
+           "ExpertSelection", "expert_projection", "expert_projection_torch", "sigma_moe_entropy_loss",
+           "SwitchHeadModelOutputWithPast", "SwitchHeadCausalLMOutputWithPast"]

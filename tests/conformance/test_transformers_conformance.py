@@ -23,7 +23,14 @@ import torch
 
 from transformers.models.auto import modeling_auto
 
-from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel
+from switchhead import (
+    SwitchHeadConfig,
+    SwitchHeadForCausalLM,
+    SwitchHeadForQuestionAnswering,
+    SwitchHeadForSequenceClassification,
+    SwitchHeadForTokenClassification,
+    SwitchHeadModel,
+)
 from helpers.transformers_suite import load_common_tests
 
 test_modeling_common, test_configuration_common, STAND_INS = load_common_tests()
@@ -113,6 +120,11 @@ SKIP_KINDS: list[tuple[str, str, str]] = [
     (NOT_APPLICABLE, r"(SwitchHead|Dense|SwitchHeadXL)ConformanceTest::test_eager_matches_batched_and_grouped_"
                      r"inference_.*$", r"^\[switchhead skip list\] not applicable: no MLP experts"),
     (NOT_APPLICABLE, r"DenseConformanceTest::test_output_router_logits_from_config$", r"has no expert routers"),
+    # Transformers' generic task heads (modeling_layers.py, `from __future__ import annotations`) carry their
+    # `**kwargs: Unpack[TransformersKwargs]` as a string, which this test's `_can_output_attn` cannot read (Llama's and
+    # Mixtral's heads skip it the same way); it reaches the heads after comparing the base model and the causal LM
+    (NOT_APPLICABLE, r".*::test_eager_matches_sdpa_inference_24_fp32_pad_left_output_attentions$",
+     r"^Model does not support output_attentions$"),
 ]
 # Feature skips another issue is removing right now: reported apart, not failed on (remove an entry when it lands)
 PENDING_FEATURE_SKIPS: list[tuple[str, str, str]] = []
@@ -317,16 +329,24 @@ class _SwitchHeadCommonTest(SwitchHeadGenerationChecks, ModelTesterMixin):
     # upstream runs this check only for models whose file carries a 2023+ copyright line; ours has none, run it
     test_can_init_all_missing_weights_before_2023 = True
     variant_skips: dict[str, str] = {}  # common test -> reason, for this variant only
-    all_model_classes = (SwitchHeadModel, SwitchHeadForCausalLM)
+    all_model_classes = (SwitchHeadModel, SwitchHeadForCausalLM, SwitchHeadForSequenceClassification,
+                         SwitchHeadForTokenClassification, SwitchHeadForQuestionAnswering)
 
     @classmethod
     def setUpClass(cls):
-        # The common tests find a model's role (base model, causal LM: which one gets labels, which one is trained)
-        # in Transformers' name tables, where an in-library model is listed. List ours there for this class only.
+        # The common tests find a model's role (base model, causal LM, task head: which one gets which labels, which
+        # one is trained) in Transformers' name tables, where an in-library model is listed. List ours there for this
+        # class only.
         super().setUpClass()
         cls._name_tables = contextlib.ExitStack()
         for table, name in ((modeling_auto.MODEL_MAPPING_NAMES, "SwitchHeadModel"),
-                            (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "SwitchHeadForCausalLM")):
+                            (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "SwitchHeadForCausalLM"),
+                            (modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+                             "SwitchHeadForSequenceClassification"),
+                            (modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+                             "SwitchHeadForTokenClassification"),
+                            (modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+                             "SwitchHeadForQuestionAnswering")):
             cls._name_tables.enter_context(unittest.mock.patch.dict(table, {SwitchHeadConfig.model_type: name}))
 
     @classmethod
