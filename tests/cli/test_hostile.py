@@ -149,7 +149,7 @@ def open_stream(server: HostileServer, body: dict) -> socket.socket:
 
 
 def sigterm(server: HostileServer, what: str, bound: float = 8.0) -> None:
-    """SIGTERM the server: it must exit 0 within `bound` seconds (the measured time is printed, see README)."""
+    """SIGTERM the server: it must exit 0 within `bound` seconds (the measured time is printed, see docs/reliability.md)."""
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=15) == 0

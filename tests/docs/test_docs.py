@@ -8,7 +8,7 @@
   offline, in a fresh folder, in a process of its own (tests/docs/examples_runner.py).
 - Every `switchhead ...` command line shown (shell code blocks, parsed in full; inline code, its options) is
   accepted by the real parser of that subcommand (`switchhead.cli.build_parser`): parsed, not run.
-- Relative links of README.md (and of docs/_readme_draft.md, the README to be) point at files that exist.
+- Relative links of README.md point at files that exist.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ DOCS = REPO / "docs"
 RUNNABLE = "<!-- runnable -->"
 EXAMPLE_TIMEOUT = 240  # seconds per example (a tiny Trainer run is the slowest, a few seconds alone)
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
-README_DRAFT = DOCS / "_readme_draft.md"
 
 
 def documentation_files() -> list[Path]:
-    """README.md and every Markdown file under docs/, the README draft last (its examples repeat the pages')."""
-    return [REPO / "README.md", *sorted(DOCS.rglob("*.md"), key=lambda path: (path == README_DRAFT, path))]
+    """Every Markdown file under docs/, then README.md (whose quickstart repeats the home page's)."""
+    return [*sorted(DOCS.rglob("*.md"), key=str), REPO / "README.md"]
 
 
 def fenced_blocks(path: Path):
@@ -61,7 +60,7 @@ def fenced_blocks(path: Path):
 
 
 def runnable_examples() -> list[dict]:
-    """The runnable examples, each once (the README draft repeats the home page's quickstart)."""
+    """The runnable examples, each once (the README repeats the home page's quickstart)."""
     examples, seen = [], set()
     for path in documentation_files():
         for language, line, code, runnable in fenced_blocks(path):
@@ -268,11 +267,9 @@ def test_inline_command_uses_only_options_of_its_subcommand(where, argv, parser)
 
 
 # ---------------------------------------------------------------------------------------------- the README
-@pytest.mark.parametrize("document", ["README.md", "docs/_readme_draft.md"])
-def test_readme_links_point_at_files_that_exist(document):
+def test_readme_links_point_at_files_that_exist():
+    document = "README.md"
     path = REPO / document
-    if not path.exists():
-        pytest.skip(f"{document} is not in this checkout")
     text = re.sub(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
     missing = []
     for target in re.findall(r"\]\(([^)\s]+)\)", text):

@@ -109,7 +109,7 @@ def test_head_dim_is_derived_only_when_it_divides_exactly():
 
 
 def config_trial_counts() -> tuple[int, int]:
-    """(refused, accepted) over every trial; the README's Reliability section quotes these numbers."""
+    """(refused, accepted) over every trial; docs/reliability.md quotes these numbers."""
     refused = accepted = 0
     for name, value in TRIALS:
         try:

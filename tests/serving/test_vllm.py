@@ -240,7 +240,7 @@ def test_dynamic_rope_past_its_exact_length_is_refused(tmp_path):
 
 
 def test_support_table_matches_the_presets():
-    """The head sizes the README states: padded to vLLM's CPU sizes, XL folded where it fits in 512."""
+    """The head sizes docs/serving.md states: padded to vLLM's CPU sizes, XL folded where it fits in 512."""
     from switchhead.vllm.support import CPU_HEAD_SIZES, check_supported, head_size_for
 
     sizes = {name: head_size_for(SwitchHeadConfig.from_preset(name), CPU_HEAD_SIZES)

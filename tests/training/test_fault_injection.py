@@ -3,7 +3,7 @@ is being written, and restarted each time (`--resume` when a checkpoint exists, 
 before the first one). The final weights must equal an uninterrupted run's bitwise, and the log its losses.
 
 The default suite injects a few kills; `pytest -m slow tests/training/test_fault_injection.py -s` injects at least 20 and
-prints the tally quoted in the README's Reliability section. Data: WikiText-2's validation text from
+prints the tally quoted in docs/reliability.md. Data: WikiText-2's validation text from
 ../shared/data, with a tokenizer trained on it once per module.
 """
 
