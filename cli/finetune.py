@@ -4,9 +4,9 @@
     switchhead finetune runs/wt2 --data my.txt --output-dir out --target-modules q_proj,k_proj \\
         --target-parameters value_experts,output_experts --merge
 
-By default every projection is adapted: q/k (and XL's position keys), the dense baseline's v/o, the dense MLP and
-lm_head through `target_modules`; SwitchHead's value/output experts and the sigma-MoE keys/values through
-`target_parameters`. The output folder holds the adapter only (load it with `switchhead.training.finetune.load_lora`
+By default every projection is adapted (`switchhead.training.finetune.lora_targets`): q/k (and XL's position keys),
+the dense baseline's v/o, the dense MLP and lm_head through `target_modules`; SwitchHead's value/output experts and
+the sigma-MoE expert_keys/expert_values through `target_parameters`. The output folder holds the adapter only (load it with `switchhead.training.finetune.load_lora`
 or `PeftModel.from_pretrained(..., config=...)`), the tokenizer and `finetune.json`; `--merge` also writes the
 merged plain model to OUTPUT/merged.
 """

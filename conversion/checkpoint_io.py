@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+from switchhead.checkpoint_format import rename_old_keys
 
 
 class ConversionError(ValueError):
@@ -112,7 +113,8 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], config: SwitchHeadConfig
 
 
 def load_hf_folder(folder: str) -> tuple[SwitchHeadConfig, dict[str, torch.Tensor]]:
-    """Config and tensors of a `save_pretrained` folder, read from its safetensors files (sharded or not)."""
+    """Config and tensors of a `save_pretrained` folder, read from its safetensors files (sharded or not), under
+    today's names (a folder of an earlier release may hold the sigma-MoE tensors as `mlp.keys` / `mlp.values`)."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ConversionError(f"{folder} is not a saved model folder (it has no config.json)")
     config = SwitchHeadConfig.from_pretrained(folder)
@@ -127,6 +129,7 @@ def load_hf_folder(folder: str) -> tuple[SwitchHeadConfig, dict[str, torch.Tenso
     state_dict: dict[str, torch.Tensor] = {}
     for name in files:
         state_dict.update(load_file(os.path.join(folder, name)))
+    rename_old_keys(state_dict)
     return config, state_dict
 
 

@@ -1,8 +1,9 @@
 """switchhead: SwitchHead (MoE attention) and SwitchAll language models for Hugging Face Transformers.
 
 Importing the package registers the model with AutoConfig, AutoModel, AutoModelForCausalLM and the task-head Auto
-classes (sequence and token classification, question answering), and marks the classes so that `save_pretrained` writes an `auto_map` and copies the model files: a saved folder then loads
-with `trust_remote_code=True` where this package is not installed. It also registers our CVMM kernels as the
+classes (sequence and token classification, question answering), and marks the classes so that `save_pretrained`
+writes an `auto_map` and copies the model files: a saved folder then loads with `trust_remote_code=True` where this
+package is not installed. It also registers our CVMM kernels as the
 Transformers experts implementation "cvmm" (`switchhead.experts`), usable by any MoE model.
 """
 

@@ -113,9 +113,9 @@ class SwitchHeadConfig(PreTrainedConfig):
         colwise or o_proj rowwise). Feed-forward: the dense one up_proj colwise, down_proj rowwise; the
         sigma-MoE one is split along each expert's hidden size S (exact for an element-wise activation:
         `act(x K[:, S_r]) V[S_r, :]` summed over the processes' slices S_r), with its router replicated so the
-        top-k stays global: `keys` `[E, d, S]` on its last dim ("rowwise"'s placement), `values` `[E, S, d]` on
-        dim 1 ("colwise"'s), and the module "switchhead_sigma_moe" (modeling file: Transformers' "moe_tp_experts"
-        around the experts call, after the router). The causal LM adds `lm_head` (`colwise_gather_output`) and
+        top-k stays global: `expert_keys` `[E, d, S]` on its last dim ("rowwise"'s placement), `expert_values`
+        `[E, S, d]` on dim 1 ("colwise"'s), and the module "switchhead_sigma_moe" (modeling file: Transformers'
+        "moe_tp_experts" around the experts call, after the router). The causal LM adds `lm_head` (`colwise_gather_output`) and
         Transformers adds `embed_tokens` (`embedding_rowwise`).
         """
         attention = "layers.*.self_attn"
@@ -140,7 +140,7 @@ class SwitchHeadConfig(PreTrainedConfig):
         if self.mlp_type == "dense":
             plan.update({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
         else:
-            plan.update({"layers.*.mlp.keys": "rowwise", "layers.*.mlp.values": "colwise",
+            plan.update({"layers.*.mlp.expert_keys": "rowwise", "layers.*.mlp.expert_values": "colwise",
                          "layers.*.mlp": "switchhead_sigma_moe"})
         return plan
 

@@ -16,8 +16,9 @@ the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper'
 The file is Hub-ready: it imports only torch, transformers and its siblings, which a saved folder carries too:
 `configuration_switchhead.py`, `expert_ops.py` (the expert projection: PyTorch formulations, and the package's
 Triton kernels where installed), `positions.py` (RoPE, Transformer-XL positions and paged-cache helpers),
-`tensor_parallel.py` (the styles of `base_model_tp_plan`) and `transformers_compat.py` (what differs between the
-supported Transformers releases).
+`tensor_parallel.py` (the styles of `base_model_tp_plan`), `checkpoint_format.py` (a saved folder's `auto_map`, and
+the tensor names of earlier releases) and `transformers_compat.py` (what differs between the supported Transformers
+releases).
 """
 
 # No `from __future__ import annotations` here: Transformers reads the `**kwargs: Unpack[TransformersKwargs]`
@@ -59,6 +60,7 @@ try:
 except ImportError as error:  # a release too old (or too new) for this file: say which to install
     raise incompatible_release(error) from error
 
+from .checkpoint_format import SavedFolderMixin, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
 from .expert_ops import expert_projection, expert_projection_for, expert_projection_torch, formulation_for, relu
 from .tensor_parallel import register_styles
@@ -394,32 +396,37 @@ class SigmaMoeExperts(nn.Module):
     `model.set_experts_implementation(...)`): "eager" is this forward (the PyTorch formulations of
     `expert_projection_torch`), "batched_mm" / "grouped_mm" Transformers' functions, "cvmm" our kernels (registered
     when the switchhead package is imported). The flags say what those functions need to know: no gated (GLU)
-    projection, no biases, and weights stored `[experts, in, out]` (is_transposed): `keys` `[E, d, S]` is their
-    up projection, `values` `[E, S, d]` their down projection (checkpoint names stay `keys` / `values`).
+    projection, no biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
+    their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints saved under the earlier names
+    `keys` / `values` load (`checkpoint_format.py`).
     """
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
         d, experts, size = config.hidden_size, config.num_mlp_experts, config.mlp_expert_size
         self.num_experts = experts
-        self.keys = nn.Parameter(torch.empty(experts, d, size))  # [E, d, S]
-        self.values = nn.Parameter(torch.empty(experts, size, d))  # [E, S, d]
+        self.expert_keys = nn.Parameter(torch.empty(experts, d, size))  # [E, d, S]
+        self.expert_values = nn.Parameter(torch.empty(experts, size, d))  # [E, S, d]
         self.act_fn = _ACTIVATIONS[config.hidden_act]
 
     @property
     def up_proj(self) -> torch.Tensor:  # the name Transformers' experts functions read
-        return self.keys
+        return self.expert_keys
 
     @property
     def down_proj(self) -> torch.Tensor:
-        return self.values
+        return self.expert_values
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        rename_old_keys(state_dict, prefix)  # `load_state_dict` of a state dict saved before the rename
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
         """hidden_states `[N, d]`, top_k_index `[N, k]` (experts), top_k_weights `[N, k]` (gates) -> `[N, d]`."""
         tokens = hidden_states.unsqueeze(1)
-        inner = self.act_fn(expert_projection_torch(tokens, top_k_index, self.keys))  # [N, k, S]
-        out = expert_projection_torch(inner, top_k_index, self.values, top_k_weights, out_groups=1)
+        inner = self.act_fn(expert_projection_torch(tokens, top_k_index, self.expert_keys))  # [N, k, S]
+        out = expert_projection_torch(inner, top_k_index, self.expert_values, top_k_weights, out_groups=1)
         return out.view(hidden_states.shape)
 
 
@@ -429,7 +436,7 @@ class SigmaMoeMLP(SigmaMoeExperts):
     The router (`expert_selection`) picks each token's experts; the experts run as `SigmaMoeExperts` says.
     """
 
-    is_transposed = True  # keys [E, d, S] and values [E, S, d] are [experts, in, out]
+    is_transposed = True  # expert_keys [E, d, S] and expert_values [E, S, d] are [experts, in, out]
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__(config)
@@ -491,17 +498,10 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
-AUTO_MAP = {
-    "AutoConfig": "configuration_switchhead.SwitchHeadConfig",
-    "AutoModel": "modeling_switchhead.SwitchHeadModel",
-    "AutoModelForCausalLM": "modeling_switchhead.SwitchHeadForCausalLM",
-    "AutoModelForSequenceClassification": "modeling_switchhead.SwitchHeadForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling_switchhead.SwitchHeadForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling_switchhead.SwitchHeadForQuestionAnswering",
-}
+class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
+    """`save_pretrained` lists every Auto class in `auto_map`; `from_pretrained` also reads tensor names of earlier
+    releases (`checkpoint_format.py`)."""
 
-
-class SwitchHeadPreTrainedModel(PreTrainedModel):
     config_class = SwitchHeadConfig
     config: SwitchHeadConfig
     base_model_prefix = "model"
@@ -526,16 +526,6 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
             requested_experts = "cvmm" if "cvmm" in ALL_EXPERTS_FUNCTIONS else "eager"
         return super().get_correct_experts_implementation(requested_experts)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, with an `auto_map` for every Auto class of `AUTO_MAP`.
-
-        Transformers records only the saved class; we add the others so that one folder serves AutoConfig,
-        AutoModel, AutoModelForCausalLM and the task heads with `trust_remote_code=True` (the model files are
-        copied beside it): a causal LM's folder loads as a classifier with a new head, and back.
-        """
-        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """The paper's initialisation, scaled by `config.init_scale` (default sqrt(2 / num_hidden_layers))."""
@@ -557,9 +547,9 @@ class SwitchHeadPreTrainedModel(PreTrainedModel):
             if module.output_gate is not None:  # a selection matrix in the reference: rows renormalised
                 _init_selection(module.output_gate, std=scale / math.sqrt(d))
         elif isinstance(module, SigmaMoeMLP):
-            experts, size = module.keys.shape[0], module.keys.shape[2]
-            init.normal_(module.keys, std=scale / math.sqrt(d))
-            init.normal_(module.values, std=scale / math.sqrt(experts * size))
+            experts, size = module.expert_keys.shape[0], module.expert_keys.shape[2]
+            init.normal_(module.expert_keys, std=scale / math.sqrt(d))
+            init.normal_(module.expert_values, std=scale / math.sqrt(experts * size))
             _init_selection(module.expert_selection.weight, std=scale / math.sqrt(d))
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, std=1.0 / math.sqrt(d))

@@ -111,9 +111,9 @@ if TensorParallelLayer is not None:
 
         The router (`expert_selection`) stays replicated and outside: every process picks the same global top-k
         and gets the router's full gradient (the entropy regulariser's included, counted once). The experts call
-        runs on this process's slice of each expert's hidden size (`keys` / `values` sharded by the plan), its
-        input and gates sum their gradients over processes, and its output (a partial sum over the slices) is
-        all-reduced: `MoeExpertsParallel`'s transforms, around `run_experts` instead of the whole `forward`.
+        runs on this process's slice of each expert's hidden size (`expert_keys` / `expert_values` sharded by the
+        plan), its input and gates sum their gradients over processes, and its output (a partial sum over the slices)
+        is all-reduced: `MoeExpertsParallel`'s transforms, around `run_experts` instead of the whole `forward`.
         """
 
         def install_forward(self, module, mesh):

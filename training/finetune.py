@@ -1,22 +1,25 @@
 """LoRA fine-tuning of SwitchHead, SwitchAll and dense models with PEFT, through the Transformers `Trainer`.
 
-What LoRA can reach (`default_lora_targets`):
+What LoRA can reach (`lora_targets`, the keyword arguments of PEFT's `LoraConfig`):
 
 - dense projections, through `target_modules`: `q_proj`, `k_proj`, `position_key_proj` (XL), the dense baseline's
   `v_proj` / `o_proj`, the dense MLP's `up_proj` / `down_proj`, and `lm_head`;
 - the expert tensors, through `target_parameters`: SwitchHead's `value_experts` `[H*E, d, dh]` and
-  `output_experts` `[H*E, dh, d]`, and the sigma-MoE MLP's `keys` `[E, d, S]` and `values` `[E, S, d]`. Each
-  expert gets its own rank-r update. The modules holding them say `is_transposed = True` (`[experts, in, out]`),
-  the flag PEFT reads for this orientation.
+  `output_experts` `[H*E, dh, d]`, and the sigma-MoE MLP's `expert_keys` `[E, d, S]` and `expert_values`
+  `[E, S, d]`. Each expert gets its own rank-r update. The modules holding them say `is_transposed = True`
+  (`[experts, in, out]`), the flag PEFT reads for this orientation.
 
-Two catches, and their fixes. PEFT applies a `target_parameters` update through `torch.nn.utils.parametrize`, which keeps
-its parametrizations in a `ModuleDict`, and a `ModuleDict` refuses the names `keys` and `values` (they are its
-methods). So the sigma-MoE tensors go through `ExpertParamWrapper`, a `ParamWrapper` that swaps `W + dW` in for the
-duration of the forward instead; `lora_config` registers it (PEFT's custom-module hook), and `load_lora` passes that
-config to `PeftModel.from_pretrained`. And PEFT's `merge_and_unload` skips modules inside a tuner layer, so the
-LoRA on `q_proj`/`k_proj` of an attention layer whose experts are adapted too would stay unmerged; the same wrapper
-(registered for `SwitchHeadAttention` as well) unloads those children. SwitchHead's attention experts alone work
-with PEFT's own wrapper as well (tested equal).
+Stock PEFT reaches all of them (a `target_modules` list copied from a Llama recipe reaches only `q_proj` / `k_proj`
+of SwitchHead, whose value and output projections are expert tensors):
+
+    from peft import LoraConfig, get_peft_model
+    from switchhead.training.finetune import lora_targets
+    model = get_peft_model(model, LoraConfig(r=8, **lora_targets(model)))
+
+One catch of PEFT 0.21: `merge_and_unload` skips LoRA layers inside a module that is itself wrapped, so the LoRA on
+`q_proj` / `k_proj` of an attention layer whose experts are adapted too stays unmerged (and still active) after one
+call; a second call merges it. `apply_lora` / `load_lora` register `AttentionParamWrapper` for SwitchHead attention
+(PEFT's custom-module hook), which unloads those children in the same call.
 
     from switchhead.training.finetune import apply_lora, load_lora
     model = apply_lora(AutoModelForCausalLM.from_pretrained("runs/wt2"), r=8)   # a PeftModel
@@ -26,6 +29,8 @@ with PEFT's own wrapper as well (tested equal).
     plain = model.merge_and_unload()                                              # a SwitchHeadForCausalLM again
 
 `save_embedding_layers=False`: PEFT otherwise also saves the full `lm_head` weight whenever `lm_head` is a target.
+Adapters saved before the sigma-MoE tensors were renamed (`target_parameters` `keys` / `values`) load with
+`load_lora`, which reads those names as today's.
 Quantised bases: `load_quantized` (bitsandbytes / torchao on the dense projections; experts stay full precision).
 
 CLI: `switchhead finetune MODEL_DIR --data ... --output-dir ... [--quantize bnb-nf4]`.
@@ -33,7 +38,6 @@ CLI: `switchhead finetune MODEL_DIR --data ... --output-dir ... [--quantize bnb-
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -42,9 +46,10 @@ from dataclasses import dataclass
 import torch
 
 from switchhead import SwitchHeadConfig
+from switchhead.checkpoint_format import RENAMED_MLP_PARAMETERS
 
 DENSE_MODULES = ("q_proj", "k_proj", "position_key_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head")
-EXPERT_PARAMETERS = ("value_experts", "output_experts", "keys", "values")
+EXPERT_PARAMETERS = ("value_experts", "output_experts", "expert_keys", "expert_values")
 
 
 class FinetuneError(ValueError):
@@ -74,46 +79,33 @@ def default_lora_targets(config: SwitchHeadConfig) -> tuple[list[str], list[str]
     if config.mlp_type == "dense":
         modules += ["up_proj", "down_proj"]
     else:
-        parameters += ["keys", "values"]
+        parameters += ["expert_keys", "expert_values"]
     return modules, parameters
 
 
-def _expert_param_wrapper_class():
+def lora_targets(model_or_config) -> dict[str, list[str]]:
+    """`target_modules` and `target_parameters` covering every projection of a SwitchHead model (or config), as the
+    keyword arguments of PEFT's `LoraConfig`: `LoraConfig(r=8, **lora_targets(model))`."""
+    modules, parameters = default_lora_targets(getattr(model_or_config, "config", model_or_config))
+    return {"target_modules": modules, "target_parameters": parameters}
+
+
+def _attention_param_wrapper_class():
     from peft.tuners.lora.layer import ParamWrapper
 
-    class ExpertParamWrapper(ParamWrapper):
-        """PEFT's `ParamWrapper` without `nn.utils.parametrize`: while the wrapped module runs, its parameter is
-        replaced by `W + sum of the active adapters' deltas` (a plain tensor, so gradients reach W's LoRA factors),
-        then restored. Needed for parameters named like `ModuleDict` methods (`keys`, `values`)."""
-
-        @contextlib.contextmanager
-        def _activate_lora(self, active_adapters):
-            adapters = [name for name in (active_adapters or []) if name in self.lora_A]
-            if not adapters:
-                yield
-                return
-            base = self.get_base_layer()
-            name = self.parameter_name
-            original = base._parameters[name]
-            delta = sum(self.get_delta_weight(adapter) for adapter in adapters)
-            del base._parameters[name]
-            object.__setattr__(base, name, original + delta.to(original.dtype))
-            try:
-                yield
-            finally:
-                object.__delattr__(base, name)
-                base._parameters[name] = original
+    class AttentionParamWrapper(ParamWrapper):
+        """PEFT's `ParamWrapper` whose unload also unloads (and merges) the LoRA layers inside the wrapped module:
+        PEFT's `merge_and_unload` skips modules inside a tuner layer, so the LoRA on `q_proj` / `k_proj` of an
+        attention layer whose experts are adapted too would stay behind."""
 
         def unload_and_optionally_merge_module(self, merge, safe_merge, adapter_names):
             base = super().unload_and_optionally_merge_module(merge, safe_merge, adapter_names)
-            # PEFT's unload skips modules inside a tuner layer, so LoRA on a child of this module (q_proj inside an
-            # attention whose experts are adapted too) would stay behind: unload (and merge) those here.
             _unload_children(base, merge, safe_merge, adapter_names)
             return base
 
     # PEFT recognises parameter wrappers (to nest them, one per parameter of a module) by the class name
-    ExpertParamWrapper.__name__ = "ParamWrapper"
-    return ExpertParamWrapper
+    AttentionParamWrapper.__name__ = "ParamWrapper"
+    return AttentionParamWrapper
 
 
 def _unload_children(module, merge: bool, safe_merge: bool, adapter_names) -> None:
@@ -136,33 +128,33 @@ def _unload_children(module, merge: bool, safe_merge: bool, adapter_names) -> No
 _WRAPPER = None
 
 
-def expert_param_wrapper():
-    """The `ExpertParamWrapper` class (built on first use, so that importing this module does not need PEFT)."""
+def attention_param_wrapper():
+    """The `AttentionParamWrapper` class (built on first use, so that importing this module does not need PEFT)."""
     global _WRAPPER
     if _WRAPPER is None:
         _require_peft()
-        _WRAPPER = _expert_param_wrapper_class()
+        _WRAPPER = _attention_param_wrapper_class()
     return _WRAPPER
 
 
 def register_switchhead_modules(lora_config):
-    """Register `ExpertParamWrapper` for the modules holding expert tensors on a `LoraConfig` (in place)."""
-    from switchhead.modeling_switchhead import SigmaMoeMLP, SwitchHeadAttention
+    """Register `AttentionParamWrapper` for SwitchHead attention on a `LoraConfig` (in place)."""
+    from switchhead.modeling_switchhead import SwitchHeadAttention
 
-    lora_config._register_custom_module({SigmaMoeMLP: expert_param_wrapper(),
-                                         SwitchHeadAttention: expert_param_wrapper()})
+    lora_config._register_custom_module({SwitchHeadAttention: attention_param_wrapper()})
     return lora_config
 
 
 def lora_config(config: SwitchHeadConfig, r: int = 8, lora_alpha: float | None = None,
                 target_modules: list[str] | None = None, target_parameters: list[str] | None = None, **kwargs):
-    """A PEFT `LoraConfig` for a causal LM of `config`, targeting everything by default (`default_lora_targets`).
+    """A PEFT `LoraConfig` for a causal LM of `config`, targeting everything by default (`lora_targets`).
 
     Names not in the architecture are refused (PEFT would otherwise fail later, or silently adapt nothing).
     `lora_dropout` must stay 0 when expert tensors are targeted (PEFT cannot factor dropout out of a weight update).
     """
     peft = _require_peft()
-    default_modules, default_parameters = default_lora_targets(config)
+    defaults = lora_targets(config)
+    default_modules, default_parameters = defaults["target_modules"], defaults["target_parameters"]
     modules = list(default_modules if target_modules is None else target_modules)
     parameters = list(default_parameters if target_parameters is None else target_parameters)
     for name in modules:
@@ -201,11 +193,14 @@ def apply_lora(model, r: int = 8, lora_alpha: float | None = None, target_module
 
 
 def load_lora(model, adapter_dir: str, is_trainable: bool = False, adapter_name: str = "default"):
-    """`PeftModel.from_pretrained` for an adapter saved from `apply_lora` (re-registers the sigma-MoE wrapper)."""
+    """`PeftModel.from_pretrained` for an adapter saved from `apply_lora` (re-registers the attention wrapper; the
+    sigma-MoE tensors' names before their rename are read as today's)."""
     peft = _require_peft()
     if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
         raise FinetuneError(f"{adapter_dir} has no adapter_config.json: not a saved LoRA adapter")
     config = register_switchhead_modules(peft.LoraConfig.from_pretrained(adapter_dir))
+    if config.target_parameters:  # the adapter's tensors are named by module, so only the targets change
+        config.target_parameters = [RENAMED_MLP_PARAMETERS.get(name, name) for name in config.target_parameters]
     return peft.PeftModel.from_pretrained(model, adapter_dir, adapter_name=adapter_name, is_trainable=is_trainable,
                                           config=config)
 
@@ -420,5 +415,5 @@ def _take_characters(documents: list[str], characters: int) -> list[str]:
 
 __all__ = ["DENSE_MODULES", "EXPERT_PARAMETERS", "FinetuneError", "FinetuneResult", "QUANTIZATIONS", "apply_lora",
            "load_quantized", "quantization_config",
-           "default_lora_targets", "expert_param_wrapper", "finetune", "load_lora", "lora_config",
+           "attention_param_wrapper", "default_lora_targets", "finetune", "load_lora", "lora_config", "lora_targets",
            "register_switchhead_modules"]

@@ -75,6 +75,9 @@ def test_folder_is_push_to_hub_ready(hub_folder):
         "AutoConfig": "configuration_switchhead.SwitchHeadConfig",
         "AutoModel": "modeling_switchhead.SwitchHeadModel",
         "AutoModelForCausalLM": "modeling_switchhead.SwitchHeadForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_switchhead.SwitchHeadForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_switchhead.SwitchHeadForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_switchhead.SwitchHeadForQuestionAnswering",
     }
     generation = GenerationConfig.from_pretrained(folder)
     assert generation.eos_token_id == generation.pad_token_id == 50256
@@ -88,7 +91,7 @@ def test_folder_is_push_to_hub_ready(hub_folder):
     package = Path(switchhead.__file__).parent
     copied = sorted(path.name for path in folder.glob("*.py"))  # the model, its configuration and their siblings
     assert {"modeling_switchhead.py", "configuration_switchhead.py", "expert_ops.py", "positions.py",
-            "tensor_parallel.py", "transformers_compat.py"} <= set(copied)
+            "tensor_parallel.py", "checkpoint_format.py", "transformers_compat.py"} <= set(copied)
     for name in copied:
         assert (folder / name).read_text() == (package / name).read_text()
         for node in ast.walk(ast.parse((folder / name).read_text())):

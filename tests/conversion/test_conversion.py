@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import types
 
@@ -307,9 +308,29 @@ def test_sharded_output_with_dtype_conversion_loads_back(tmp_path):
     _, tensors = load_hf_folder(str(tmp_path / "hf"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     expected = authors_model_state("switchall")["unique_layers.1.pkm.keys"].to(torch.bfloat16)
-    assert torch.equal(tensors["model.layers.1.mlp.keys"], expected)
+    assert torch.equal(tensors["model.layers.1.mlp.expert_keys"], expected)
     model = SwitchHeadForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    assert model.model.layers[1].mlp.keys.dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.expert_keys.dtype == torch.bfloat16
+
+
+def test_folder_saved_under_the_old_sigma_moe_names_exports_as_under_todays(tmp_path):
+    """A folder of a release before the rename (`mlp.keys` / `mlp.values` on disk) exports to the authors' format
+    with the same tensors as the same model saved under today's names (`mlp.expert_keys` / `mlp.expert_values`)."""
+    from safetensors.torch import load_file, save_file
+
+    _random_model("tiny-switchall").save_pretrained(tmp_path / "today")
+    shutil.copytree(tmp_path / "today", tmp_path / "old")
+    tensors = load_file(str(tmp_path / "today" / "model.safetensors"))
+    old = {key.replace("mlp.expert_keys", "mlp.keys").replace("mlp.expert_values", "mlp.values"): tensor
+           for key, tensor in tensors.items()}
+    assert "model.layers.0.mlp.keys" in old
+    save_file(old, str(tmp_path / "old" / "model.safetensors"), metadata={"format": "pt"})
+    assert load_hf_folder(str(tmp_path / "old"))[1].keys() == tensors.keys()  # read under today's names
+    for name in ("today", "old"):
+        export_authors_checkpoint(str(tmp_path / name), str(tmp_path / f"{name}.pth"))
+    today, old = (torch.load(tmp_path / f"{name}.pth", weights_only=True)["model"] for name in ("today", "old"))
+    assert today.keys() == old.keys() and all(torch.equal(today[key], old[key]) for key in today)
+    assert torch.equal(today["unique_layers.1.pkm.values"], tensors["model.layers.1.mlp.expert_values"])
 
 
 # ================================================================================== must-show 3

@@ -22,7 +22,7 @@ SHARED_DATA = Path(os.environ.get("SWITCHHEAD_SHARED_DATA", REPO_ROOT.parent / "
 GPT2_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt2"
 # files a user's Hub repository needs so that `from_pretrained(repo, trust_remote_code=True)` works anywhere
 HUB_FILES = ("config.json", "generation_config.json", "model.safetensors", "configuration_switchhead.py",
-             "modeling_switchhead.py", "expert_ops.py", "positions.py", "tensor_parallel.py",
+             "modeling_switchhead.py", "expert_ops.py", "positions.py", "tensor_parallel.py", "checkpoint_format.py",
              "transformers_compat.py", "tokenizer.json", "tokenizer_config.json")
 
 

@@ -142,9 +142,10 @@ def test_sigma_moe_mlp_is_an_experts_module_with_its_checkpoint_names():
     mlp = model.model.layers[0].mlp
     assert isinstance(mlp, modeling.SigmaMoeExperts)
     assert (mlp.has_gate, mlp.has_bias, mlp.is_transposed) == (False, False, True)
-    assert mlp.up_proj is mlp.keys and mlp.down_proj is mlp.values
+    assert mlp.up_proj is mlp.expert_keys and mlp.down_proj is mlp.expert_values
     names = {name for name in model.state_dict() if ".mlp." in name and name.startswith("model.layers.0.")}
-    assert names == {"model.layers.0.mlp.keys", "model.layers.0.mlp.values", "model.layers.0.mlp.expert_selection.weight"}
+    assert names == {"model.layers.0.mlp.expert_keys", "model.layers.0.mlp.expert_values",
+                     "model.layers.0.mlp.expert_selection.weight"}
 
 
 # ------------------------------------------------------------------------------------------------ stock MoE models

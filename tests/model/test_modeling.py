@@ -174,6 +174,9 @@ def test_save_and_reload_gives_identical_logits(preset, tmp_path):
         "AutoConfig": "configuration_switchhead.SwitchHeadConfig",
         "AutoModel": "modeling_switchhead.SwitchHeadModel",
         "AutoModelForCausalLM": "modeling_switchhead.SwitchHeadForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_switchhead.SwitchHeadForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_switchhead.SwitchHeadForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_switchhead.SwitchHeadForQuestionAnswering",
     }
     assert (tmp_path / "modeling_switchhead.py").is_file() and (tmp_path / "configuration_switchhead.py").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

@@ -18,7 +18,7 @@ from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
 from switchhead.training.finetune import apply_lora, load_quantized  # noqa: E402
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
-FULL_PRECISION = ("value_experts", "output_experts", "keys", "values", "selection", "output_gate")
+FULL_PRECISION = ("value_experts", "output_experts", "expert_keys", "expert_values", "selection", "output_gate")
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_expert_tensors_and_routers_stay_full_precision_and_unchanged(folders, k
 def test_qlora_trains_adapters_on_an_nf4_base_including_the_expert_tensors(folders):
     model = apply_lora(load_quantized(folders["tiny-switchall"], "bnb-nf4"), r=4)
     wrapped = {m.parameter_name for m in model.modules() if hasattr(m, "parameter_name")}
-    assert wrapped == {"value_experts", "output_experts", "keys", "values"}
+    assert wrapped == {"value_experts", "output_experts", "expert_keys", "expert_values"}
     assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)

@@ -91,8 +91,8 @@ def expected_shards(config: SwitchHeadConfig) -> dict[str, list[int]]:
         shards[f"{layer}.mlp.up_proj.weight"] = [config.intermediate_size // 2, d]
         shards[f"{layer}.mlp.down_proj.weight"] = [d, config.intermediate_size // 2]
     else:  # each expert's hidden size split
-        shards[f"{layer}.mlp.keys"] = [config.num_mlp_experts, d, config.mlp_expert_size // 2]
-        shards[f"{layer}.mlp.values"] = [config.num_mlp_experts, config.mlp_expert_size // 2, d]
+        shards[f"{layer}.mlp.expert_keys"] = [config.num_mlp_experts, d, config.mlp_expert_size // 2]
+        shards[f"{layer}.mlp.expert_values"] = [config.num_mlp_experts, config.mlp_expert_size // 2, d]
     return shards
 
 

@@ -1,4 +1,5 @@
-"""LoRA with PEFT on every variant: dense projections (target_modules) and expert tensors (target_parameters).
+"""LoRA with PEFT on every variant: dense projections (target_modules) and expert tensors (target_parameters),
+through our `apply_lora` / `load_lora` and through stock PEFT given `lora_targets(model)`.
 
 Adapters start non-zero (`init_lora_weights=False`) so that every check below sees them act.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +27,10 @@ from switchhead.training.finetune import (  # noqa: E402
     default_lora_targets,
     load_lora,
     lora_config,
+    lora_targets,
 )
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 PRESETS = ["tiny-switchhead", "tiny-switchall", "tiny-dense", "tiny-switchhead-xl", "tiny-dense-xl",
            "tiny-switchall+xl"]
@@ -120,17 +125,59 @@ def test_expert_lora_equals_a_model_with_each_expert_updated_by_hand(preset):
     torch.testing.assert_close(_logits(model, ids), _logits(reference, ids), atol=1e-5, rtol=0)
 
 
-def test_attention_experts_work_with_peft_own_wrapper_too():
-    """Without our registration (plain `LoraConfig` + `get_peft_model`), SwitchHead's experts adapt the same way."""
+def _tuner_layers(model) -> list[str]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_stock_peft_with_lora_targets_adapts_every_expert_saves_reloads_and_merges(preset, tmp_path):
+    """No wrapper or hook of ours: `LoraConfig(**lora_targets(model))`, `get_peft_model`, `save_pretrained`,
+    `PeftModel.from_pretrained`, `merge_and_unload`, as a PEFT user writes them."""
     from peft import LoraConfig, get_peft_model
 
     ids = _ids(4)
-    plain = get_peft_model(_base("tiny-switchhead"), LoraConfig(
-        r=2, lora_alpha=4, target_parameters=["value_experts", "output_experts"], init_lora_weights=False))
-    ours = apply_lora(_base("tiny-switchhead"), r=2, lora_alpha=4, target_modules=[],
-                      target_parameters=["value_experts", "output_experts"])
-    ours.load_state_dict(plain.state_dict())
-    torch.testing.assert_close(_logits(ours, ids), _logits(plain, ids), atol=1e-6, rtol=0)
+    base = _base(preset)
+    base_logits = _logits(base, ids)
+    targets = lora_targets(base)
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **targets))
+    wrapped = [(type(m).__name__, m.parameter_name) for m in model.modules() if hasattr(m, "parameter_name")]
+    assert {name for _, name in wrapped} == set(targets["target_parameters"])  # every kind of expert tensor ...
+    assert len(wrapped) == len(targets["target_parameters"]) * base.config.num_hidden_layers  # ... in every layer
+    assert {kind for kind, _ in wrapped} <= {"ParamWrapper"}  # PEFT's own
+    assert set(targets["target_parameters"]) >= ({"expert_keys", "expert_values"} if "switchall" in preset else set())
+    adapted = _logits(model, ids)
+    assert (adapted - base_logits).abs().max() > 1e-3
+
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(_base(preset), tmp_path / "adapter")
+    assert torch.equal(_logits(reloaded, ids), adapted)
+
+    merged = reloaded.merge_and_unload()
+    # PEFT 0.21 skips LoRA layers inside a module it has wrapped itself: q_proj / k_proj of an attention layer whose
+    # experts are adapted stay (active, unmerged) until a second call
+    leftover = _tuner_layers(merged)
+    assert all(".self_attn." in name for name in leftover), leftover
+    if leftover:
+        merged = reloaded.merge_and_unload()
+    assert not _tuner_layers(merged)
+    assert type(merged) is SwitchHeadForCausalLM
+    assert merged.state_dict().keys() == _base(preset).state_dict().keys()
+    torch.testing.assert_close(_logits(merged, ids), adapted, atol=1e-5, rtol=0)
+
+
+def test_adapter_saved_before_the_rename_loads_with_identical_logits():
+    """An adapter of `apply_lora` from before the sigma-MoE tensors were renamed (`target_parameters` `keys` /
+    `values`; tests/fixtures/pre_rename_adapter/make.py), on a base folder saved under the old names too."""
+    folder = FIXTURES / "pre_rename_adapter"
+    assert {"keys", "values"} <= set(json.loads((folder / "adapter_config.json").read_text())["target_parameters"])
+    base = SwitchHeadForCausalLM.from_pretrained(FIXTURES / "pre_redesign" / "switchall", dtype=torch.float32)
+    model = load_lora(base, str(folder))
+    assert {m.parameter_name for m in model.modules() if hasattr(m, "parameter_name")} == \
+        {"value_experts", "output_experts", "expert_keys", "expert_values"}
+    expected = load_file(str(folder / "expected.safetensors"))
+    torch.testing.assert_close(_logits(model, expected["input_ids"]), expected["logits"], atol=1e-6, rtol=0)
 
 
 def test_lora_config_refuses_targets_the_model_does_not_have():

@@ -1,0 +1,140 @@
+"""SwitchAll's sigma-MoE experts are `expert_keys` / `expert_values` (they were `keys` / `values`, names that torch
+parametrizations, and so PEFT's `target_parameters`, cannot take). Every checkpoint saved under the old names loads
+with identical logits: through `from_pretrained` (the package's classes, a task head, the folder's own copy of the
+code), after a save of the loaded model, and through `load_state_dict`.
+
+The folders saved by a release before the rename are tests/fixtures/pre_redesign (run by
+tests/conformance/test_pre_redesign_checkpoints.py); here a folder of today's model is rewritten under the old names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn.utils import parametrize
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+from helpers.clean_venv import clean_venv, run_checked
+
+OLD_NAMES = {"expert_keys": "keys", "expert_values": "values"}
+IDS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+def _model(preset: str = "tiny-switchall") -> SwitchHeadForCausalLM:
+    torch.manual_seed(0)
+    name, _, xl = preset.partition("+")
+    config = SwitchHeadConfig.from_preset(name, vocab_size=96, **({"position_encoding": "xl"} if xl else {}))
+    return SwitchHeadForCausalLM(config).eval()
+
+
+def _logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=ids, use_cache=False).logits
+
+
+def _old_names(key: str) -> str:
+    prefix, _, name = key.rpartition(".")
+    return f"{prefix}.{OLD_NAMES[name]}" if ".mlp." in key + "." and name in OLD_NAMES else key
+
+
+def _save_under_old_names(model, folder) -> None:
+    """`save_pretrained`, then the weights rewritten under the names a release before the rename wrote."""
+    model.save_pretrained(folder)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    assert any(key.endswith("mlp.expert_keys") for key in tensors)  # today's names on disk
+    save_file({_old_names(key): tensor for key, tensor in tensors.items()}, os.path.join(folder, "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchall+xl"])
+def test_folder_under_old_names_loads_with_identical_logits(preset, tmp_path):
+    model = _model(preset)
+    _save_under_old_names(model, tmp_path / "old")
+    assert any(key.endswith("mlp.keys") for key in load_file(tmp_path / "old" / "model.safetensors"))
+    for loader in (SwitchHeadForCausalLM, AutoModelForCausalLM):
+        reloaded, info = loader.from_pretrained(tmp_path / "old", output_loading_info=True)
+        assert not any(info.values()), info
+        assert torch.equal(_logits(reloaded), _logits(model))
+    # a task head takes the body from the same folder
+    classifier, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "old", num_labels=2,
+                                                                          output_loading_info=True)
+    assert set(info["missing_keys"]) == {"score.weight"}
+    assert torch.equal(classifier.model.layers[1].mlp.expert_values, model.model.layers[1].mlp.expert_values)
+
+
+def test_a_loaded_old_folder_saves_and_loads_again(tmp_path):
+    model = _model()
+    _save_under_old_names(model, tmp_path / "old")
+    loaded = SwitchHeadForCausalLM.from_pretrained(tmp_path / "old")
+    # Transformers saves in the format it loaded (`save_original_format`): the old names again; or today's on request
+    loaded.save_pretrained(tmp_path / "again")
+    loaded.save_pretrained(tmp_path / "today", save_original_format=False)
+    assert any(key.endswith("mlp.keys") for key in load_file(tmp_path / "again" / "model.safetensors"))
+    assert any(key.endswith("mlp.expert_keys") for key in load_file(tmp_path / "today" / "model.safetensors"))
+    for folder in ("again", "today"):
+        reloaded, info = SwitchHeadForCausalLM.from_pretrained(tmp_path / folder, output_loading_info=True)
+        assert not any(info.values()), info
+        assert torch.equal(_logits(reloaded), _logits(model)), folder
+
+
+def test_load_state_dict_takes_old_names(tmp_path):
+    model = _model()
+    old = {_old_names(key): tensor for key, tensor in model.state_dict().items()}
+    assert "model.layers.0.mlp.keys" in old
+    fresh = _model("tiny-switchall")
+    with torch.no_grad():
+        for parameter in fresh.parameters():
+            parameter.zero_()
+    assert fresh.load_state_dict(old, strict=True) is not None  # no missing or unexpected key
+    assert torch.equal(_logits(fresh), _logits(model))
+    # a module on its own takes its own old names too
+    mlp = fresh.model.layers[0].mlp
+    mlp.load_state_dict({"keys": torch.ones_like(mlp.expert_keys), "values": mlp.expert_values.detach().clone(),
+                         "expert_selection.weight": mlp.expert_selection.weight.detach().clone()})
+    assert torch.equal(mlp.expert_keys, torch.ones_like(mlp.expert_keys))
+
+
+def test_sigma_moe_experts_take_a_torch_parametrization():
+    """What PEFT's `target_parameters` does: `register_parametrization` on each expert tensor (it failed for the old
+    names with "attribute 'keys' already exists")."""
+
+    class Doubled(torch.nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    model = _model()
+    expected = [2 * layer.mlp.expert_keys.detach().clone() for layer in model.model.layers]
+    for layer in model.model.layers:
+        parametrize.register_parametrization(layer.mlp, "expert_keys", Doubled())
+        parametrize.register_parametrization(layer.mlp, "expert_values", Doubled())
+    for layer, keys in zip(model.model.layers, expected):
+        assert torch.equal(layer.mlp.expert_keys, keys)
+        assert layer.mlp.up_proj is not None and torch.equal(layer.mlp.up_proj, keys)  # Transformers' experts name
+    assert torch.isfinite(_logits(model)).all()
+
+
+CLEAN_SCRIPT = """
+import importlib.util, json, sys
+import torch
+from transformers import AutoModelForCausalLM
+assert importlib.util.find_spec("switchhead") is None, "switchhead must not be importable here"
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+with torch.no_grad():
+    print(json.dumps(model(input_ids=torch.tensor(json.loads(sys.argv[2])), use_cache=False).logits.tolist()))
+"""
+
+
+def test_folder_under_old_names_loads_with_its_own_code_without_the_package(tmp_path):
+    model = _model()
+    _save_under_old_names(model, tmp_path / "old")  # today's code copied beside weights under the old names
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "HF_", "VIRTUAL_ENV"))}
+    env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1")
+    result = run_checked([str(clean_venv()), "-c", CLEAN_SCRIPT, str(tmp_path / "old"), str(IDS.tolist())],
+                         env=env, cwd=tmp_path)
+    logits = torch.tensor(json.loads(result.stdout.strip().splitlines()[-1]))
+    torch.testing.assert_close(logits, _logits(model), rtol=0, atol=1e-6)
