@@ -1,4 +1,4 @@
-"""The folder layout is the architecture: kernels <- model <- training / evaluation / conversion / serving <- cli.
+"""The layout is the architecture: kernels <- model <- training / evaluation / conversion / serving / vllm <- cli.
 
 Every import of `switchhead.<part>` (absolute, or relative inside a folder) is read from the source with `ast`, and
 an import that points the wrong way fails the test with the file and line.
@@ -11,7 +11,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"modeling_switchhead": "model", "kernels": "kernels", "training": "training", "evaluation": "evaluation",
-           "conversion": "conversion", "serving": "serving", "integrity": "integrity", "cli": "cli"}
+           "conversion": "conversion", "serving": "serving", "vllm_plugin": "vllm", "integrity": "integrity",
+           "cli": "cli"}
+# the part of `switchhead.<name>`: each folder's import name is its part's name (vllm_plugin/ -> switchhead.vllm)
+PARTS = {part for part in FOLDERS.values() if part != "model"}
 # what each part may import from switchhead (besides itself)
 ALLOWED = {
     "kernels": set(),
@@ -21,6 +24,7 @@ ALLOWED = {
     "evaluation": {"model", "kernels", "integrity"},
     "conversion": {"model", "kernels", "integrity"},
     "serving": {"model", "kernels", "integrity"},
+    "vllm": {"model", "kernels"},
     "cli": {"model", "kernels", "integrity", "training", "evaluation", "conversion", "serving"},
 }
 MODEL_MODULES = {path.stem for path in (ROOT / "modeling_switchhead").glob("*.py")}
@@ -33,7 +37,7 @@ def part_of(module: str) -> str | None:
         return None
     if len(names) == 1 or names[1] in MODEL_MODULES:
         return "model"
-    return FOLDERS.get(names[1], "model")
+    return names[1] if names[1] in PARTS else "model"
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
