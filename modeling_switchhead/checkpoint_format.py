@@ -1,25 +1,29 @@
-"""What a saved folder holds besides today's tensors: the `auto_map` of every Auto class, and the tensor names
-older releases saved under.
+"""What a saved folder holds besides the model's tensors as it names them: the `auto_map` of every Auto class, and
+the checkpoint names of tensors renamed since.
 
-`SavedFolderMixin` is a base of `SwitchHeadPreTrainedModel`:
+- `SavedFolderMixin.save_pretrained` (a base of `SwitchHeadPreTrainedModel`) writes an `auto_map` for every Auto
+  class of `AUTO_MAP` (Transformers records only the saved class), so that one folder serves AutoConfig, AutoModel,
+  AutoModelForCausalLM and the task heads with `trust_remote_code=True`: a causal LM's folder loads as a classifier
+  with a new head, and back.
+- `register_renamed_keys` registers `RENAMED_KEYS` with Transformers' conversion mapping for the model type
+  "switchhead" (the model file calls it on import, in this package and in a folder's copy of the code alike).
+  `from_pretrained` then reads a tensor saved under its old name into today's parameter, and `save_pretrained` writes
+  the old name, as Transformers does for its own models' checkpoint formats (`save_original_format=False` writes
+  today's names; both load). Saved folders therefore keep the names every release wrote, and an older release's code
+  loads them. That code, run next to this package, is not disturbed by the registration: where a renamed key is not
+  a parameter of the model and the saved one is, Transformers keeps the saved key. (Transformers 5.17 to 5.24 no
+  longer read a class's `_checkpoint_conversion_mapping`; this registry is what they read.)
+- `rename_old_keys` does the renaming for `torch.nn.Module.load_state_dict` (training checkpoints, conversions).
 
-- `save_pretrained` writes an `auto_map` for every Auto class of `AUTO_MAP` (Transformers records only the saved
-  class), so that one folder serves AutoConfig, AutoModel, AutoModelForCausalLM and the task heads with
-  `trust_remote_code=True`: a causal LM's folder loads as a classifier with a new head, and back.
-- `from_pretrained` reads tensors saved under an older name (`RENAMED_KEYS`) as today's, through Transformers'
-  `key_mapping` (what a caller passes as `key_mapping` is applied too). Transformers keeps the renaming it used for
-  the next `save_pretrained` of that model (`save_original_format`), so a folder loaded under old names is saved
-  under them again; a model built or loaded under today's names saves today's names.
-
-The renaming is passed by the class itself rather than registered with `register_checkpoint_conversion_mapping`:
-that registry is keyed by model type and class name, which an older folder's own copy of the code shares, so a
-registered renaming would also rename the tensors that old code expects (a folder's code and this package can run
-in one process). Transformers 5.17 to 5.24 no longer read a class's `_checkpoint_conversion_mapping`.
-
-`rename_old_keys` does the same for `torch.nn.Module.load_state_dict` (training checkpoints, conversions).
-
-Part of the Hub-ready model: this file imports nothing outside the standard library; the model imports it.
+Part of the Hub-ready model: this file imports only transformers (and the standard library); the model imports it.
 """
+
+# Renamed parameters of the sigma-MoE MLP (SwitchAll): checkpoint name -> parameter name. `keys` / `values` could
+# not take torch parametrizations (PEFT's LoRA on `target_parameters`): those keep a `ModuleDict`, whose `keys()` /
+# `values()` methods collide with the names.
+RENAMED_MLP_PARAMETERS = {"keys": "expert_keys", "values": "expert_values"}
+# the same as Transformers' renaming patterns on full checkpoint keys (`model.layers.{i}.mlp.keys`)
+RENAMED_KEYS = {f"mlp.{old}": f"mlp.{new}" for old, new in RENAMED_MLP_PARAMETERS.items()}
 
 AUTO_MAP = {
     "AutoConfig": "configuration_switchhead.SwitchHeadConfig",
@@ -30,12 +34,14 @@ AUTO_MAP = {
     "AutoModelForQuestionAnswering": "modeling_switchhead.SwitchHeadForQuestionAnswering",
 }
 
-# Renamed parameters of the sigma-MoE MLP (SwitchAll): old name -> today's. `keys` / `values` could not take
-# torch parametrizations (PEFT's LoRA on `target_parameters`): those keep a `ModuleDict`, whose `keys()` / `values()`
-# methods collide with the names.
-RENAMED_MLP_PARAMETERS = {"keys": "expert_keys", "values": "expert_values"}
-# the same as Transformers key-mapping patterns on full checkpoint keys (`layers.{i}.mlp.keys`)
-RENAMED_KEYS = {f"mlp.{old}": f"mlp.{new}" for old, new in RENAMED_MLP_PARAMETERS.items()}
+
+def register_renamed_keys(model_type: str = "switchhead") -> None:
+    """Register `RENAMED_KEYS` as `model_type`'s checkpoint conversion mapping (replacing an earlier registration)."""
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renamings = [WeightRenaming(source_patterns=old, target_patterns=new) for old, new in RENAMED_KEYS.items()]
+    register_checkpoint_conversion_mapping(model_type, renamings, overwrite=True)
 
 
 def rename_old_keys(state_dict: dict, prefix: str = "") -> None:
@@ -50,11 +56,7 @@ def rename_old_keys(state_dict: dict, prefix: str = "") -> None:
 
 
 class SavedFolderMixin:
-    """`save_pretrained` with every Auto class in `auto_map`; `from_pretrained` that reads older tensor names."""
-
-    @classmethod
-    def from_pretrained(cls, *args, key_mapping: dict[str, str] | None = None, **kwargs):
-        return super().from_pretrained(*args, key_mapping={**RENAMED_KEYS, **(key_mapping or {})}, **kwargs)
+    """`save_pretrained` with every Auto class of `AUTO_MAP` in the config's `auto_map`."""
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}

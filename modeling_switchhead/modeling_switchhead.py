@@ -60,7 +60,7 @@ try:
 except ImportError as error:  # a release too old (or too new) for this file: say which to install
     raise incompatible_release(error) from error
 
-from .checkpoint_format import SavedFolderMixin, rename_old_keys
+from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
 from .expert_ops import expert_projection, expert_projection_for, expert_projection_torch, formulation_for, relu
 from .tensor_parallel import register_styles
@@ -76,6 +76,7 @@ from .positions import (
 )
 
 register_styles()  # the tensor-parallel styles that `base_model_tp_plan` names
+register_renamed_keys(SwitchHeadConfig.model_type)  # checkpoint names of renamed tensors (checkpoint_format.py)
 
 
 # ==================================================================================================== routers
@@ -397,8 +398,8 @@ class SigmaMoeExperts(nn.Module):
     `expert_projection_torch`), "batched_mm" / "grouped_mm" Transformers' functions, "cvmm" our kernels (registered
     when the switchhead package is imported). The flags say what those functions need to know: no gated (GLU)
     projection, no biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
-    their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints saved under the earlier names
-    `keys` / `values` load (`checkpoint_format.py`).
+    their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them `mlp.keys` /
+    `mlp.values`, as every release has (`checkpoint_format.py`).
     """
 
     def __init__(self, config: SwitchHeadConfig):
@@ -499,8 +500,7 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
 
 
 class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
-    """`save_pretrained` lists every Auto class in `auto_map`; `from_pretrained` also reads tensor names of earlier
-    releases (`checkpoint_format.py`)."""
+    """`save_pretrained` lists every Auto class in `auto_map` (`checkpoint_format.py`)."""
 
     config_class = SwitchHeadConfig
     config: SwitchHeadConfig

@@ -58,6 +58,11 @@ SKIP_BF16_EAGER_SDPA = ("sigma-gated top-k routing: bf16 rounding differences be
 SKIP_NO_MLP_EXPERTS = ("not applicable: no MLP experts (Transformers' experts functions are MLP-shaped; attention "
                        "V/O experts follow experts_implementation in our formulations, see "
                        "tests/model/test_experts_implementation.py)")
+# The checkpoint renaming registered for the model type (checkpoint_format.py) renames sigma-MoE tensors only; a model
+# with a dense MLP saves its tensors under their own names, which this test takes as "no key mapping performed". The
+# SwitchAll variant runs it, and every variant runs test_can_load_from_already_mapped_keys.
+SKIP_NO_RENAMED_TENSORS = ("not applicable: a dense MLP, no tensor the registered checkpoint renaming (sigma-MoE "
+                           "mlp.keys / mlp.values) renames; the SwitchAll variant runs this test")
 
 
 def _skipper(reason: str):
@@ -110,10 +115,8 @@ SKIP_KINDS: list[tuple[str, str, str]] = [
     # Transformers 5.24's form of the same test: no module of this model must stay in float32
     (NOT_APPLICABLE, r".*::test_keep_in_fp32_modules_strict_also_hardcode_fp32$",
      r"No `_keep_in_fp32_modules_strict` defined"),
-    (NOT_APPLICABLE, r".*::test_(reverse_loading_mapping|can_load_from_already_mapped_keys)$",
-     # no renaming registered with Transformers: the one rename (sigma-MoE `keys` / `values`) is the classes' own
-     # `key_mapping` (checkpoint_format.py; a registered one would also rename an older folder's own code's tensors)
-     r"^No conversion found for"),
+    (NOT_APPLICABLE, r"(SwitchHead|Dense|SwitchHeadXL)ConformanceTest::test_reverse_loading_mapping$",
+     r"^\[switchhead skip list\] not applicable: a dense MLP"),
     (NOT_APPLICABLE, r"SwitchHeadXLConformanceTest::test_model_rope_scaling_(frequencies|from_config_.*)$",
      r"(no standardized RoPE module|not applicable: the XL variant)"),
     (NOT_APPLICABLE, r".*::test_eager_matches_sdpa_inference_.*_bf16_.*$", r"sigma-gated top-k routing"),
@@ -368,7 +371,8 @@ class _SwitchHeadCommonTest(SwitchHeadGenerationChecks, ModelTesterMixin):
 @apply_skips
 class SwitchHeadConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
     variant = "switchhead"
-    variant_skips = {"test_eager_matches_batched_and_grouped_inference": SKIP_NO_MLP_EXPERTS}
+    variant_skips = {"test_eager_matches_batched_and_grouped_inference": SKIP_NO_MLP_EXPERTS,
+                     "test_reverse_loading_mapping": SKIP_NO_RENAMED_TENSORS}
 
 
 @apply_skips
@@ -396,6 +400,7 @@ class DenseConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
             "the dense baseline has no expert routers, so router_logits is empty whatever the flag says"
         ),
         "test_eager_matches_batched_and_grouped_inference": SKIP_NO_MLP_EXPERTS,
+        "test_reverse_loading_mapping": SKIP_NO_RENAMED_TENSORS,
     }
 
 
@@ -408,6 +413,7 @@ class SwitchHeadXLConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
             "scaled rope_type with an error; the RoPE variants run this test)"
         ),
         "test_eager_matches_batched_and_grouped_inference": SKIP_NO_MLP_EXPERTS,
+        "test_reverse_loading_mapping": SKIP_NO_RENAMED_TENSORS,
     }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 import types
 
@@ -313,24 +312,24 @@ def test_sharded_output_with_dtype_conversion_loads_back(tmp_path):
     assert model.model.layers[1].mlp.expert_keys.dtype == torch.bfloat16
 
 
-def test_folder_saved_under_the_old_sigma_moe_names_exports_as_under_todays(tmp_path):
-    """A folder of a release before the rename (`mlp.keys` / `mlp.values` on disk) exports to the authors' format
-    with the same tensors as the same model saved under today's names (`mlp.expert_keys` / `mlp.expert_values`)."""
-    from safetensors.torch import load_file, save_file
+def test_folders_under_either_sigma_moe_name_export_the_same(tmp_path):
+    """`save_pretrained` writes the sigma-MoE tensors as `mlp.keys` / `mlp.values` (their checkpoint names in every
+    release); with `save_original_format=False`, as `mlp.expert_keys` / `mlp.expert_values` (the parameters' names).
+    Both folders read under the parameters' names and export the same authors' checkpoint."""
+    from safetensors.torch import load_file
 
-    _random_model("tiny-switchall").save_pretrained(tmp_path / "today")
-    shutil.copytree(tmp_path / "today", tmp_path / "old")
-    tensors = load_file(str(tmp_path / "today" / "model.safetensors"))
-    old = {key.replace("mlp.expert_keys", "mlp.keys").replace("mlp.expert_values", "mlp.values"): tensor
-           for key, tensor in tensors.items()}
-    assert "model.layers.0.mlp.keys" in old
-    save_file(old, str(tmp_path / "old" / "model.safetensors"), metadata={"format": "pt"})
-    assert load_hf_folder(str(tmp_path / "old"))[1].keys() == tensors.keys()  # read under today's names
-    for name in ("today", "old"):
+    model = _random_model("tiny-switchall")
+    model.save_pretrained(tmp_path / "checkpoint_names")
+    model.save_pretrained(tmp_path / "parameter_names", save_original_format=False)
+    assert "model.layers.0.mlp.keys" in load_file(str(tmp_path / "checkpoint_names" / "model.safetensors"))
+    assert "model.layers.0.mlp.expert_keys" in load_file(str(tmp_path / "parameter_names" / "model.safetensors"))
+    read = {name: load_hf_folder(str(tmp_path / name))[1] for name in ("checkpoint_names", "parameter_names")}
+    assert read["checkpoint_names"].keys() == read["parameter_names"].keys() == model.state_dict().keys()
+    for name in read:
         export_authors_checkpoint(str(tmp_path / name), str(tmp_path / f"{name}.pth"))
-    today, old = (torch.load(tmp_path / f"{name}.pth", weights_only=True)["model"] for name in ("today", "old"))
-    assert today.keys() == old.keys() and all(torch.equal(today[key], old[key]) for key in today)
-    assert torch.equal(today["unique_layers.1.pkm.values"], tensors["model.layers.1.mlp.expert_values"])
+    first, second = (torch.load(tmp_path / f"{name}.pth", weights_only=True)["model"] for name in read)
+    assert first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+    assert torch.equal(first["unique_layers.1.pkm.values"], model.model.layers[1].mlp.expert_values.detach())
 
 
 # ================================================================================== must-show 3

@@ -1,10 +1,11 @@
-"""SwitchAll's sigma-MoE experts are `expert_keys` / `expert_values` (they were `keys` / `values`, names that torch
-parametrizations, and so PEFT's `target_parameters`, cannot take). Every checkpoint saved under the old names loads
-with identical logits: through `from_pretrained` (the package's classes, a task head, the folder's own copy of the
-code), after a save of the loaded model, and through `load_state_dict`.
+"""SwitchAll's sigma-MoE experts are the parameters `expert_keys` / `expert_values` (they were `keys` / `values`,
+names that torch parametrizations, and so PEFT's `target_parameters`, cannot take). Checkpoints keep the names
+`mlp.keys` / `mlp.values` (Transformers' conversion mapping, registered by the model file): folders of every release
+load with identical logits, through `from_pretrained` (the package's classes, a task head, the folder's own copy of
+the code) and `load_state_dict`; folders saved with `save_original_format=False` (today's names) load too.
 
 The folders saved by a release before the rename are tests/fixtures/pre_redesign (run by
-tests/conformance/test_pre_redesign_checkpoints.py); here a folder of today's model is rewritten under the old names.
+tests/conformance/test_pre_redesign_checkpoints.py, with the old code beside this package too).
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.nn.utils import parametrize
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from helpers.clean_venv import clean_venv, run_checked
 
-OLD_NAMES = {"expert_keys": "keys", "expert_values": "values"}
+OLD_NAMES = {"expert_keys": "keys", "expert_values": "values"}  # parameter name -> checkpoint name
 IDS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
@@ -43,19 +44,16 @@ def _old_names(key: str) -> str:
 
 
 def _save_under_old_names(model, folder) -> None:
-    """`save_pretrained`, then the weights rewritten under the names a release before the rename wrote."""
+    """`save_pretrained`, which writes the sigma-MoE tensors under the checkpoint names every release wrote."""
     model.save_pretrained(folder)
-    tensors = load_file(os.path.join(folder, "model.safetensors"))
-    assert any(key.endswith("mlp.expert_keys") for key in tensors)  # today's names on disk
-    save_file({_old_names(key): tensor for key, tensor in tensors.items()}, os.path.join(folder, "model.safetensors"),
-              metadata={"format": "pt"})
+    keys = load_file(os.path.join(folder, "model.safetensors")).keys()
+    assert "model.layers.0.mlp.keys" in keys and not any("expert_keys" in key for key in keys)
 
 
 @pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchall+xl"])
 def test_folder_under_old_names_loads_with_identical_logits(preset, tmp_path):
     model = _model(preset)
     _save_under_old_names(model, tmp_path / "old")
-    assert any(key.endswith("mlp.keys") for key in load_file(tmp_path / "old" / "model.safetensors"))
     for loader in (SwitchHeadForCausalLM, AutoModelForCausalLM):
         reloaded, info = loader.from_pretrained(tmp_path / "old", output_loading_info=True)
         assert not any(info.values()), info
@@ -67,19 +65,16 @@ def test_folder_under_old_names_loads_with_identical_logits(preset, tmp_path):
     assert torch.equal(classifier.model.layers[1].mlp.expert_values, model.model.layers[1].mlp.expert_values)
 
 
-def test_a_loaded_old_folder_saves_and_loads_again(tmp_path):
+def test_folder_under_todays_names_loads(tmp_path):
     model = _model()
-    _save_under_old_names(model, tmp_path / "old")
-    loaded = SwitchHeadForCausalLM.from_pretrained(tmp_path / "old")
-    # Transformers saves in the format it loaded (`save_original_format`): the old names again; or today's on request
-    loaded.save_pretrained(tmp_path / "again")
-    loaded.save_pretrained(tmp_path / "today", save_original_format=False)
-    assert any(key.endswith("mlp.keys") for key in load_file(tmp_path / "again" / "model.safetensors"))
-    assert any(key.endswith("mlp.expert_keys") for key in load_file(tmp_path / "today" / "model.safetensors"))
-    for folder in ("again", "today"):
-        reloaded, info = SwitchHeadForCausalLM.from_pretrained(tmp_path / folder, output_loading_info=True)
-        assert not any(info.values()), info
-        assert torch.equal(_logits(reloaded), _logits(model)), folder
+    model.save_pretrained(tmp_path / "today", save_original_format=False)
+    assert "model.layers.0.mlp.expert_keys" in load_file(tmp_path / "today" / "model.safetensors")
+    loaded, info = SwitchHeadForCausalLM.from_pretrained(tmp_path / "today", output_loading_info=True)
+    assert not any(info.values()), info
+    assert torch.equal(_logits(loaded), _logits(model))
+    loaded.save_pretrained(tmp_path / "again")  # Transformers saves a loaded model in the format it was loaded from
+    assert "model.layers.0.mlp.expert_keys" in load_file(tmp_path / "again" / "model.safetensors")
+    assert torch.equal(_logits(SwitchHeadForCausalLM.from_pretrained(tmp_path / "again")), _logits(model))
 
 
 def test_load_state_dict_takes_old_names(tmp_path):
@@ -131,7 +126,7 @@ with torch.no_grad():
 
 def test_folder_under_old_names_loads_with_its_own_code_without_the_package(tmp_path):
     model = _model()
-    _save_under_old_names(model, tmp_path / "old")  # today's code copied beside weights under the old names
+    _save_under_old_names(model, tmp_path / "old")  # today's code copied beside the weights
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "HF_", "VIRTUAL_ENV"))}
     env.update(HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1")
     result = run_checked([str(clean_venv()), "-c", CLEAN_SCRIPT, str(tmp_path / "old"), str(IDS.tolist())],
