@@ -70,7 +70,7 @@ setup(
         "quant": ["bitsandbytes==0.50.2", "torchao==0.18.0"],
         "docs": DOCS,
         "test": [*SERVE, *DOCS, "pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
-                 "peft==0.21.2", "bitsandbytes==0.50.2", "torchao==0.18.0"],
+                 "peft==0.21.2", "bitsandbytes==0.50.2", "torchao==0.18.0", "trl==1.16.0", "onnx==1.23.2", "onnxscript==0.7.2", "onnxruntime==1.32.0"],
     },
     entry_points={"console_scripts": ["switchhead=switchhead.cli:main"],
                   # vLLM calls every general plugin in each process it starts (switchhead/vllm: ModelRegistry)
