@@ -4,9 +4,9 @@
     python -m switchhead.cli COMMAND   # the same (what `accelerate launch -m switchhead.cli train` runs)
 
 One module per command group registers its subcommands with `register(subparsers)`: `train`, `finetune`,
-`evaluate` (eval, flops, card, publish), `convert` (convert, upcycle), `generate`, `serve`. Each handler checks its
-arguments, calls the application package (switchhead.training, .evaluation, .conversion, .serving) and returns an
-exit code. This package sits on top: it imports them, none of them imports it.
+`evaluate` (eval, flops, card, publish), `convert` (convert, upcycle), `generate`, `serve`, `export`. Each handler
+checks its arguments, calls the application package (switchhead.training, .evaluation, .conversion, .serving) and
+returns an exit code. This package sits on top: it imports them, none of them imports it.
 
 The error contract: bad input ends with exit code 2 and one line `switchhead <command>: error: <reason>` on
 stderr (`fail(...)` or `raise CliError(...)`, and the expected exceptions of `expected_errors`); anything else
@@ -25,7 +25,8 @@ import sys
 # is not installed is left out
 COMMANDS = (("switchhead.cli.train", "switchhead.training"), ("switchhead.cli.evaluate", "switchhead.evaluation"),
             ("switchhead.cli.convert", "switchhead.conversion"), ("switchhead.cli.generate", "switchhead"),
-            ("switchhead.cli.serve", "switchhead.serving"), ("switchhead.cli.finetune", "switchhead.training"))
+            ("switchhead.cli.serve", "switchhead.serving"), ("switchhead.cli.finetune", "switchhead.training"),
+            ("switchhead.cli.export", "switchhead.conversion"))
 
 
 class UsageError(Exception):

@@ -115,8 +115,8 @@ class SwitchHeadConfig(PreTrainedConfig):
         `act(x K[:, S_r]) V[S_r, :]` summed over the processes' slices S_r), with its router replicated so the
         top-k stays global: `expert_keys` `[E, d, S]` on its last dim ("rowwise"'s placement), `expert_values`
         `[E, S, d]` on dim 1 ("colwise"'s), and the module "switchhead_sigma_moe" (modeling file: Transformers'
-        "moe_tp_experts" around the experts call, after the router). The causal LM adds `lm_head` (`colwise_gather_output`) and
-        Transformers adds `embed_tokens` (`embedding_rowwise`).
+        "moe_tp_experts" around the experts call, after the router). The causal LM adds `lm_head`
+        (`colwise_gather_output`) and Transformers adds `embed_tokens` (`embedding_rowwise`).
         """
         attention = "layers.*.self_attn"
         plan = {f"{attention}.q_proj": "colwise", f"{attention}.k_proj": "colwise"}

@@ -27,10 +27,12 @@ Formulations (`FORMULATIONS`), all giving the same result:
   every expert of a head with no index arithmetic, with custom autograd functions that keep what their backward
   needs and no more.
 
-`choose_expert_implementation` is the one rule behind "auto". `expert_projection` runs the Triton kernels where they
-run (CUDA tensors, or `TRITON_INTERPRET=1`), else `expert_projection_torch`. No formulation syncs with the host, so
-the op compiles with `torch.compile(fullgraph=True)`; an expert id outside `[0, G)` raises IndexError from an
-`index_select`.
+`choose_expert_implementation` is the one rule behind "auto". Under `torch.export` with a symbolic token count (a
+dynamic batch or length), "auto" is "all_experts" for every size: a choice by size would specialise the exported
+graph to the example's size, and "all_experts" runs any size with the same ops. `expert_projection` runs the Triton
+kernels where they run (CUDA tensors, or `TRITON_INTERPRET=1`), else `expert_projection_torch`. No formulation
+syncs with the host, so the op compiles with `torch.compile(fullgraph=True)`; an expert id outside `[0, G)` raises
+IndexError from an `index_select`.
 
 Part of the Hub-ready model: this file imports only torch, and uses `switchhead.kernels` when it is importable.
 """
@@ -80,10 +82,13 @@ def choose_expert_implementation(tokens: int, slots: int, rows: int, out_groups:
     (N * S <= 512, where the grouped path's sorting and copying cost more than the extra products); else
     "grouped". With grouped routing and gates (`out_groups` given), "per_head" replaces "batched" and
     "all_experts": the same work as "all_experts" in fewer ops. "grouped" needs `torch._grouped_mm`
-    (`_grouped_mm_usable`) and runs as "all_experts" otherwise.
+    (`_grouped_mm_usable`) and runs as "all_experts" otherwise. Exporting with a symbolic token count: "all_experts"
+    (one graph for every size; "per_head" and "batched" are size-dependent choices and "grouped" does not export).
     """
     if implementation not in EXPERT_IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(EXPERT_IMPLEMENTATIONS)}; got {implementation!r}")
+    if implementation == "auto" and isinstance(tokens, torch.SymInt) and torch.compiler.is_exporting():
+        implementation = "all_experts"
     if implementation == "auto":
         mixed = min(rows, out_groups or slots) * num_experts  # products per token of "all_experts"
         if tokens * slots <= _FEW_SLOTS:

@@ -259,9 +259,13 @@ class SwitchHeadAttentionBase(nn.Module):
             **extra,
             **kwargs,
         )  # attended: [B, T, H, dh]
+        # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's CPU kernel (whose
+        # transposed output is contiguous already, so `.contiguous()` recorded nothing) by one whose output is not
+        if torch.compiler.is_exporting():
+            attended = attended.clone(memory_format=torch.contiguous_format)
         if routed is None:
-            return self.project_output(attended.view(heads_shape), hidden_states), probs
-        return self.project_output(attended.view(heads_shape), hidden_states, routed[1]), probs
+            return self.project_output(attended.reshape(heads_shape), hidden_states), probs
+        return self.project_output(attended.reshape(heads_shape), hidden_states, routed[1]), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
@@ -311,7 +315,7 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         and a training step must not depend on how its batch is split over processes), with expert dropout, and
         where the projections would not take the per-head formulation. The routers are still called (on the
         logits), so their hooks run: recorded `router_logits` are the same either way."""
-        if not self.joint_routing or hidden_states.shape[:-1].numel() != 1:
+        if not self.joint_routing or math.prod(hidden_states.shape[:-1]) != 1:  # symbolic sizes: no specialisation
             return None
         values, output = self.value_selection, self.output_selection
         if self.training and values.expert_dropout > 0:

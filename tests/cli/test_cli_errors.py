@@ -11,7 +11,7 @@ from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.cli import build_parser, main
 from switchhead.integrity import write_manifest
 
-COVERED = ("train", "eval", "flops", "card", "publish", "convert", "generate", "finetune", "serve")
+COVERED = ("train", "eval", "flops", "card", "publish", "convert", "generate", "finetune", "export", "serve")
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +144,10 @@ CASES = [
      "exceeds the model width (hidden_size 64)"),
     ("finetune", ["MODEL", "--data", "TEXT", "--output-dir", "NEW", "--alpha", "0"], "LoRA alpha must be"),
     ("finetune", ["MISSING", "--data", "TEXT", "--output-dir", "NEW"], "no config.json"),
+    # export (refused before the model is loaded)
+    ("export", ["MISSING", "NEW"], "no config.json"),
+    ("export", ["MODEL", "FILE"], "already exists; pass --overwrite"),
+    ("export", ["MODEL", "EMPTY"], "is a folder"),
     # serve (refused before anything listens)
     ("serve", ["MISSING"], "neither an existing folder"),
     ("serve", ["WRONG"], "but config.json makes it"),

@@ -118,6 +118,39 @@ def test_auto_picks_by_problem_size():
         choose(1, 4, 1, 2, 10, x, w, "fast")
 
 
+@pytest.mark.parametrize("use", ["value", "output", "mlp_keys", "mlp_values"])
+def test_auto_under_torch_export_with_a_dynamic_token_count_is_one_graph_for_every_size(use):
+    """A size-based choice would specialise the exported graph to the example's token count (torch.export refuses
+    a dynamic dimension that the code fixed); under export "auto" is "all_experts" for every size."""
+    def case(tokens):
+        return random_case(torch.Generator().manual_seed(tokens), use, tokens=tokens, heads=2, experts=3, k=2,
+                           d_in=16, d_out=16, dtype=torch.float32)
+
+    example = case(8)
+    gated, out_groups = example.gates is not None, example.out_groups
+
+    class Ungated(torch.nn.Module):
+        def forward(self, inputs, expert_index, weight, gates=None):
+            return expert_projection_torch(inputs, expert_index, weight, gates, out_groups,
+                                           grouped_routing=use in ("value", "output"))
+
+    class Gated(Ungated):
+        def forward(self, inputs, expert_index, weight, gates):
+            return super().forward(inputs, expert_index, weight, gates)
+
+    def arguments(c):
+        return tuple(t.detach() for t in (c.inputs, c.expert_index, c.weight, *((c.gates,) if gated else ())))
+
+    tokens = torch.export.Dim("tokens")
+    shapes = ({0: tokens}, {0: tokens}, None, *(({0: tokens},) if gated else ()))
+    program = torch.export.export((Gated if gated else Ungated)(), arguments(example), dynamic_shapes=shapes)
+    for n in (1, 2, 600):  # eager "auto" takes "batched" / "per_head", "all_experts", "grouped" at these sizes
+        with torch.no_grad():
+            want = expert_projection_torch(*case(n).args(), implementation="reference")
+            got = program.module()(*arguments(case(n)))
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
 def test_grouped_formulation_saves_no_per_slot_tensor():
     # the lean backward keeps the arguments and the sort, nothing of size N * S * d (the sorted rows, the per-slot
     # outputs): what made SwitchHead's attention layer take more training memory than the dense one

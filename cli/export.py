@@ -1,0 +1,70 @@
+"""`switchhead export`: a saved model as an ONNX file with a dynamic batch and sequence length.
+
+    switchhead export runs/wt2 wt2.onnx            # inputs input_ids, attention_mask [batch, sequence] -> logits
+    switchhead export runs/wt2 wt2.onnx --check    # then onnxruntime against PyTorch at several shapes
+
+The graph is one forward without a KV cache (`switchhead.conversion.export`: what is and is not exported). It needs
+onnx and onnxscript (and onnxruntime for --check), which the test extra pins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from . import UsageError, refuse_existing_output
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("export", help="export a saved model to ONNX (dynamic batch and sequence)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="save_pretrained folder of a causal LM (or a task model with logits)")
+    parser.add_argument("output", help="the .onnx file to write")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset version (default: the exporter's)")
+    parser.add_argument("--check", action="store_true",
+                        help="run the file with onnxruntime and report the largest logit difference to PyTorch")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    parser.set_defaults(handler=run)
+
+
+# the saved class -> the Auto class that loads it (the models whose output has `logits`)
+AUTO_CLASSES = {"SwitchHeadForCausalLM": "AutoModelForCausalLM",
+                "SwitchHeadForSequenceClassification": "AutoModelForSequenceClassification",
+                "SwitchHeadForTokenClassification": "AutoModelForTokenClassification"}
+
+
+def run(args) -> int:
+    import torch
+    import transformers
+
+    from switchhead.conversion import ConversionError
+    from switchhead.conversion.export import check_onnx, to_onnx
+
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"{args.model} is not a saved model folder (it has no config.json)")
+    refuse_existing_output(args.output, args.overwrite)
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    if config.model_type != "switchhead":
+        raise UsageError(f"{args.model} holds a {config.model_type!r} model; this command exports SwitchHead models")
+    architecture = (config.architectures or ["SwitchHeadForCausalLM"])[0]
+    if architecture not in AUTO_CLASSES:
+        raise UsageError(f"{architecture} has no logits to export; export a causal LM or a sequence / token "
+                         f"classifier")
+    auto_class = getattr(transformers, AUTO_CLASSES[architecture])
+    model = auto_class.from_pretrained(args.model, dtype=torch.float32).eval()
+    if args.overwrite and os.path.isfile(args.output):
+        os.remove(args.output)
+    try:
+        to_onnx(model, args.output, opset_version=args.opset)
+        print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:.1f} MiB): inputs input_ids, "
+              f"attention_mask [batch, sequence], output logits")
+        if args.check:
+            differences = check_onnx(args.output, model)
+            print("onnxruntime against PyTorch, largest logit difference: "
+                  + ", ".join(f"{batch}x{length}: {value:.2e}" for (batch, length), value in differences.items()))
+            worst = max(differences.values())
+            if not worst <= 1e-4:
+                raise UsageError(f"the ONNX file's logits differ from PyTorch's by {worst:.2e} (more than 1e-4)")
+    except ConversionError as error:
+        raise UsageError(str(error)) from None
+    return 0
