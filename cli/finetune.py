@@ -6,9 +6,9 @@
 
 By default every projection is adapted (`switchhead.training.finetune.lora_targets`): q/k (and XL's position keys),
 the dense baseline's v/o, the dense MLP and lm_head through `target_modules`; SwitchHead's value/output experts and
-the sigma-MoE expert_keys/expert_values through `target_parameters`. The output folder holds the adapter only (load it with `switchhead.training.finetune.load_lora`
-or `PeftModel.from_pretrained(..., config=...)`), the tokenizer and `finetune.json`; `--merge` also writes the
-merged plain model to OUTPUT/merged.
+the sigma-MoE expert_keys/expert_values through `target_parameters`. The output folder holds the adapter only (load
+it with `switchhead.training.finetune.load_lora` or `PeftModel.from_pretrained`), the tokenizer and
+`finetune.json`; `--merge` also writes the merged plain model to OUTPUT/merged.
 """
 
 from __future__ import annotations

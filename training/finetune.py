@@ -1,6 +1,6 @@
 """LoRA fine-tuning of SwitchHead, SwitchAll and dense models with PEFT, through the Transformers `Trainer`.
 
-What LoRA can reach (`lora_targets`, the keyword arguments of PEFT's `LoraConfig`):
+What LoRA can reach (`lora_targets(model, lm_head=True)`, the keyword arguments of PEFT's `LoraConfig`):
 
 - dense projections, through `target_modules`: `q_proj`, `k_proj`, `position_key_proj` (XL), the dense baseline's
   `v_proj` / `o_proj`, the dense MLP's `up_proj` / `down_proj`, and `lm_head`;
@@ -83,10 +83,12 @@ def default_lora_targets(config: SwitchHeadConfig) -> tuple[list[str], list[str]
     return modules, parameters
 
 
-def lora_targets(model_or_config) -> dict[str, list[str]]:
+def lora_targets(model_or_config, lm_head: bool = False) -> dict[str, list[str]]:
     """`target_modules` and `target_parameters` covering every projection of a SwitchHead model (or config), as the
-    keyword arguments of PEFT's `LoraConfig`: `LoraConfig(r=8, **lora_targets(model))`."""
+    keyword arguments of PEFT's `LoraConfig`: `LoraConfig(r=8, **lora_targets(model))`. `lm_head=True` adds the
+    output layer (`switchhead finetune` adapts it; TRL's trainers refuse a LoRA on it)."""
     modules, parameters = default_lora_targets(getattr(model_or_config, "config", model_or_config))
+    modules = [name for name in modules if lm_head or name != "lm_head"]
     return {"target_modules": modules, "target_parameters": parameters}
 
 
@@ -153,7 +155,7 @@ def lora_config(config: SwitchHeadConfig, r: int = 8, lora_alpha: float | None =
     `lora_dropout` must stay 0 when expert tensors are targeted (PEFT cannot factor dropout out of a weight update).
     """
     peft = _require_peft()
-    defaults = lora_targets(config)
+    defaults = lora_targets(config, lm_head=True)
     default_modules, default_parameters = defaults["target_modules"], defaults["target_parameters"]
     modules = list(default_modules if target_modules is None else target_modules)
     parameters = list(default_parameters if target_parameters is None else target_parameters)
