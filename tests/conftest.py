@@ -54,6 +54,11 @@ COMPAT_SUBSET = (
     "training/test_peft.py::test_lora_everywhere_trains_saves_adapter_only_reloads_and_merges",
     "serving/test_serving.py::test_completions_and_chat_equal_generate",  # `switchhead serve` in a subprocess
     "conformance/test_transformers_conformance.py",  # Transformers' own common tests of the release, and their summary
+    "model/test_task_heads.py::test_causal_lm_folder_loads_as_task_model_with_a_new_head",  # the generic heads
+    "model/test_task_heads.py::test_task_heads_load_with_trust_remote_code_without_the_package",
+    "model/test_renamed_parameters.py",  # the checkpoint conversion mapping of the renamed sigma-MoE tensors
+    "conversion/test_export.py::test_torch_export_with_dynamic_batch_and_sequence_equals_eager_at_every_shape",
+    "training/test_peft.py::test_stock_peft_with_lora_targets_adapts_every_expert_saves_reloads_and_merges",
 )
 
 

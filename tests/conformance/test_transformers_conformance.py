@@ -130,6 +130,10 @@ SKIP_KINDS: list[tuple[str, str, str]] = [
     # Mixtral's heads skip it the same way); it reaches the heads after comparing the base model and the causal LM
     (NOT_APPLICABLE, r".*::test_eager_matches_sdpa_inference_24_fp32_pad_left_output_attentions$",
      r"^Model does not support output_attentions$"),
+    # Transformers 5.24: the old cache argument name still works. Its output types for token classification and
+    # question answering (TokenClassifierOutput, QuestionAnsweringModelOutput) have no cache field, so the test skips
+    # at those heads, after the base model, the causal LM and the sequence-classification head have passed it
+    (NOT_APPLICABLE, r".*::test_bc_cache_name_forward$", r"^Not returning cache or non standard Cache$"),
 ]
 # Feature skips another issue is removing right now: reported apart, not failed on (remove an entry when it lands)
 PENDING_FEATURE_SKIPS: list[tuple[str, str, str]] = []
