@@ -62,7 +62,16 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .expert_ops import expert_projection, expert_projection_for, expert_projection_torch, formulation_for, relu
+from .expert_ops import (
+    dense_head_gates,
+    expert_projection,
+    expert_projection_for,
+    expert_projection_torch,
+    formulation_for,
+    head_expert_output,
+    head_expert_values,
+    relu,
+)
 from .tensor_parallel import register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
@@ -309,9 +318,10 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         return lambda *args, **kwargs: project(*args, **kwargs, grouped_routing=True)
 
     def joint_gates(self, hidden_states):
-        """Both sides' routing `((gates, index), (gates, index))`, each `[N, H * k]`, from one matmul with the two
-        routers' weights stacked, for a single token (batch-1 decoding, where the saved matmul counts); None where
-        the sides route themselves. They do for more rows (the stacked matmul is not bitwise the two per-side ones,
+        """Both sides' dense per-head gates `[N, H, E]` (zero for the experts not chosen), from one matmul with the
+        two routers' weights stacked, for a single token (batch-1 decoding, where the saved matmul counts); None
+        where the sides route themselves. Both sides then take the per-head formulation, which is checked here, so
+        `project_values` / `project_output` call it directly (decoding pays for every dispatch step per layer). They do for more rows (the stacked matmul is not bitwise the two per-side ones,
         and a training step must not depend on how its batch is split over processes), with expert dropout, and
         where the projections would not take the per-head formulation. The routers are still called (on the
         logits), so their hooks run: recorded `router_logits` are the same either way."""
@@ -326,28 +336,37 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             if formulation_for(implementation, 1, slots, rows, out_groups, tokens, weight, True) != "per_head":
                 return None
         logits = F.linear(tokens, torch.cat((values.weight, output.weight)))
-        split = values.weight.shape[0]
-        return values(tokens, logits[:, :split])[1:], output(tokens, logits[:, split:])[1:]
+        split, experts = values.weight.shape[0], self.value_experts.shape[0] // heads
+        return tuple(dense_head_gates(index, gates, heads, experts, tokens.dtype)
+                     for _, gates, index in (values(tokens, logits[:, :split]), output(tokens, logits[:, split:])))
 
     def project_values(self, hidden_states, routing=None):
-        """`routing`: this side's `(gates, index)` from `joint_gates`, or None (its router runs here)."""
+        """`routing`: this side's dense gates from `joint_gates` (the per-head formulation), or None (its router
+        runs here and the configured formulation projects)."""
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         tokens = hidden_states.reshape(-1, d)
-        gates, index = self.value_selection(tokens)[1:] if routing is None else routing
-        values = self._projection()(tokens.unsqueeze(1), index, self.value_experts, gates, out_groups=self.num_heads)
+        if routing is not None:
+            values = head_expert_values(tokens, routing, self.value_experts)
+        else:
+            gates, index = self.value_selection(tokens)[1:]
+            values = self._projection()(tokens.unsqueeze(1), index, self.value_experts, gates,
+                                        out_groups=self.num_heads)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
     def project_output(self, attended, hidden_states, routing=None):
-        """`routing`: this side's `(gates, index)` from `joint_gates`, or None (its router runs here)."""
+        """`routing`: this side's dense gates from `joint_gates` (the per-head formulation), or None (its router
+        runs here and the configured formulation projects)."""
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
         tokens = hidden_states.reshape(-1, d)
         rows = attended.reshape(-1, self.num_heads, self.head_dim)
-        gates, index = self.output_selection(tokens)[1:] if routing is None else routing
         # one weighted sum over all heads and their selected experts
+        if routing is not None:
+            return head_expert_output(rows, routing, self.output_experts).view(batch, length, -1)
+        gates, index = self.output_selection(tokens)[1:]
         return self._projection()(rows, index, self.output_experts, gates, out_groups=1).view(batch, length, -1)
 
 
