@@ -62,16 +62,8 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .expert_ops import (
-    dense_head_gates,
-    expert_projection,
-    expert_projection_for,
-    expert_projection_torch,
-    formulation_for,
-    head_expert_output,
-    head_expert_values,
-    relu,
-)
+from .expert_ops import dense_head_gates, expert_projection, expert_projection_for, expert_projection_torch
+from .expert_ops import formulation_for, head_expert_output, head_expert_values, relu
 from .tensor_parallel import register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
@@ -318,13 +310,11 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         return lambda *args, **kwargs: project(*args, **kwargs, grouped_routing=True)
 
     def joint_gates(self, hidden_states):
-        """Both sides' dense per-head gates `[N, H, E]` (zero for the experts not chosen), from one matmul with the
-        two routers' weights stacked, for a single token (batch-1 decoding, where the saved matmul counts); None
-        where the sides route themselves. Both sides then take the per-head formulation, which is checked here, so
-        `project_values` / `project_output` call it directly (decoding pays for every dispatch step per layer). They do for more rows (the stacked matmul is not bitwise the two per-side ones,
-        and a training step must not depend on how its batch is split over processes), with expert dropout, and
-        where the projections would not take the per-head formulation. The routers are still called (on the
-        logits), so their hooks run: recorded `router_logits` are the same either way."""
+        """Both sides' dense per-head gates `[N, H, E]` from one matmul with the two routers' weights stacked, for a
+        single token (batch-1 decoding, where the saved matmul counts), which both projections then run per head
+        (checked here); None where each side routes itself: more rows (the stacked matmul is not bitwise the two
+        per-side ones, and a training step must not depend on how its batch is split), expert dropout, or another
+        formulation. The routers are still called on the logits, so recorded `router_logits` are the same."""
         if not self.joint_routing or math.prod(hidden_states.shape[:-1]) != 1:  # symbolic sizes: no specialisation
             return None
         values, output = self.value_selection, self.output_selection
@@ -341,29 +331,26 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
                      for _, gates, index in (values(tokens, logits[:, :split]), output(tokens, logits[:, split:])))
 
     def project_values(self, hidden_states, routing=None):
-        """`routing`: this side's dense gates from `joint_gates` (the per-head formulation), or None (its router
-        runs here and the configured formulation projects)."""
+        """`routing`: this side's dense gates from `joint_gates` (projected per head), or None (routed here)."""
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         tokens = hidden_states.reshape(-1, d)
-        if routing is not None:
-            values = head_expert_values(tokens, routing, self.value_experts)
-        else:
+        if routing is None:
             gates, index = self.value_selection(tokens)[1:]
-            values = self._projection()(tokens.unsqueeze(1), index, self.value_experts, gates,
-                                        out_groups=self.num_heads)
+            project = self._projection()
+            values = project(tokens.unsqueeze(1), index, self.value_experts, gates, out_groups=self.num_heads)
+        else:
+            values = head_expert_values(tokens, routing, self.value_experts)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
     def project_output(self, attended, hidden_states, routing=None):
-        """`routing`: this side's dense gates from `joint_gates` (the per-head formulation), or None (its router
-        runs here and the configured formulation projects)."""
+        """`routing`: this side's dense gates from `joint_gates` (projected per head), or None (routed here)."""
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
         tokens = hidden_states.reshape(-1, d)
-        rows = attended.reshape(-1, self.num_heads, self.head_dim)
-        # one weighted sum over all heads and their selected experts
+        rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
         if routing is not None:
             return head_expert_output(rows, routing, self.output_experts).view(batch, length, -1)
         gates, index = self.output_selection(tokens)[1:]
