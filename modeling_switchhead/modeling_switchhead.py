@@ -62,7 +62,7 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .expert_ops import dense_head_gates, expert_projection, expert_projection_for, expert_projection_torch
+from .expert_ops import expert_projection, expert_projection_for, expert_projection_torch
 from .expert_ops import formulation_for, head_expert_output, head_expert_values, relu
 from .tensor_parallel import register_styles
 from .positions import (
@@ -99,11 +99,14 @@ class ExpertSelection(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_groups * num_experts, hidden_size))
         self.register_buffer("group_offsets", torch.arange(num_groups) * num_experts, persistent=False)
 
-    def forward(self, hidden_states: torch.Tensor, logits: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`).
-        `logits`: `hidden_states @ weight^T` when the caller has it already (`SwitchHeadAttention.joint_gates`)."""
-        logits, gates, index = self.select(F.linear(hidden_states, self.weight) if logits is None else logits)
+    def forward(self, hidden_states: torch.Tensor, dense: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`);
+        with `dense=True`: (logits, gates `[N, G, E]` float32, zero for the experts not chosen), what the per-head
+        formulation reads (`SwitchHeadAttention.joint_gates`)."""
+        logits, gates, index = self.select(F.linear(hidden_states, self.weight))
+        if dense:
+            return logits, gates.new_zeros(*index.shape[:2], self.num_experts).scatter_(-1, index, gates)
         index = index + self.group_offsets.unsqueeze(-1)  # group g's experts are g * E .. g * E + E - 1
         return logits, gates.flatten(1), index.flatten(1)
 
@@ -310,25 +313,21 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         return lambda *args, **kwargs: project(*args, **kwargs, grouped_routing=True)
 
     def joint_gates(self, hidden_states):
-        """Both sides' dense per-head gates `[N, H, E]` from one matmul with the two routers' weights stacked, for a
-        single token (batch-1 decoding, where the saved matmul counts), which both projections then run per head
-        (checked here); None where each side routes itself: more rows (the stacked matmul is not bitwise the two
-        per-side ones, and a training step must not depend on how its batch is split), expert dropout, or another
-        formulation. The routers are still called on the logits, so recorded `router_logits` are the same."""
+        """Both sides' dense per-head gates `[N, H, E]` for a single token (batch-1 decoding), routed up front so that
+        both projections run the per-head formulation directly, without the dispatch (checked here to resolve to
+        it); None where each side routes itself: more tokens, expert dropout, or another formulation. Each router is
+        called as a module, so hooks on it (recorded `router_logits`) see the call."""
         if not self.joint_routing or math.prod(hidden_states.shape[:-1]) != 1:  # symbolic sizes: no specialisation
             return None
-        values, output = self.value_selection, self.output_selection
-        if self.training and values.expert_dropout > 0:
+        if self.training and self.value_selection.expert_dropout > 0:
             return None
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         heads, slots, implementation = self.num_heads, self.num_heads * self.top_k, self.config._experts_implementation
         for rows, out_groups, weight in ((1, heads, self.value_experts), (heads, 1, self.output_experts)):
             if formulation_for(implementation, 1, slots, rows, out_groups, tokens, weight, True) != "per_head":
                 return None
-        logits = F.linear(tokens, torch.cat((values.weight, output.weight)))
-        split, experts = values.weight.shape[0], self.value_experts.shape[0] // heads
-        return tuple(dense_head_gates(index, gates, heads, experts, tokens.dtype)
-                     for _, gates, index in (values(tokens, logits[:, :split]), output(tokens, logits[:, split:])))
+        return tuple(router(tokens, dense=True)[1].to(tokens.dtype)
+                     for router in (self.value_selection, self.output_selection))
 
     def project_values(self, hidden_states, routing=None):
         """`routing`: this side's dense gates from `joint_gates` (projected per head), or None (routed here)."""

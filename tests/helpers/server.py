@@ -27,23 +27,30 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class Server:
-    """`switchhead serve CHECKPOINT --port P` in a subprocess; `stop()` always ends it."""
+class ServerProcess:
+    """A server subprocess on a free loopback port (`self.port`, known before `start`) with an `openai` client;
+    `stop()` always ends it."""
 
-    LAUNCHER = "import sys; from switchhead.cli import main; sys.exit(main())"
+    STARTUP_TIMEOUT = STARTUP_TIMEOUT
+    POLL_SECONDS = 0.2
+    OUTPUT_CHARS = 4000
 
-    def __init__(self, checkpoint: str, *flags: str, log_dir: str | None = None, env: dict | None = None):
-        self.checkpoint, self.port = checkpoint, free_port()
-        self.log = open(os.path.join(log_dir or checkpoint, "server.log"), "w+")
-        command = [sys.executable, "-c", self.LAUNCHER, "serve", checkpoint, "--port", str(self.port), *flags]
+    def __init__(self, log_path: str, client_timeout: float = 60):
+        self.port = free_port()
+        self.log = open(log_path, "w+")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=client_timeout)
+
+    def start(self, command: list[str], env: dict | None = None, new_session: bool = False) -> None:
+        """Run `command` offline, one thread; `env` entries set to None are removed from the environment."""
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                **(env or {})}
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={k: v for k, v in env.items() if v is not None},
+                                        start_new_session=new_session)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
+        deadline = time.monotonic() + self.STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"server exited with {self.process.returncode}:\n{self.output()}")
@@ -52,8 +59,8 @@ class Server:
                     if response.status == 200:
                         return
             except OSError:
-                time.sleep(0.2)
-        raise AssertionError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.output()}")
+                time.sleep(self.POLL_SECONDS)
+        raise AssertionError(f"server not ready after {self.STARTUP_TIMEOUT} s:\n{self.output()}")
 
     def health(self) -> int:
         with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
@@ -62,7 +69,7 @@ class Server:
     def output(self) -> str:
         self.log.flush()
         self.log.seek(0)
-        return self.log.read()[-4000:]
+        return self.log.read()[-self.OUTPUT_CHARS:]
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -73,6 +80,17 @@ class Server:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+class Server(ServerProcess):
+    """`switchhead serve CHECKPOINT --port P` in a subprocess; `stop()` always ends it."""
+
+    LAUNCHER = "import sys; from switchhead.cli import main; sys.exit(main())"
+
+    def __init__(self, checkpoint: str, *flags: str, log_dir: str | None = None, env: dict | None = None):
+        self.checkpoint = checkpoint
+        super().__init__(os.path.join(log_dir or checkpoint, "server.log"))
+        self.start([sys.executable, "-c", self.LAUNCHER, "serve", checkpoint, "--port", str(self.port), *flags], env)
 
 
 def make_checkpoint(path, preset: str):

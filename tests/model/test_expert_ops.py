@@ -301,6 +301,11 @@ def test_router_select_is_the_forward_routing():
     assert torch.equal(gates, scores.gather(-1, want_index).flatten(1))
     _, local_gates, local_index = router.select(torch.nn.functional.linear(x, router.weight))
     assert torch.equal(local_gates.flatten(1), gates) and torch.equal(local_index, want_index)
+    # dense=True (what the per-head path reads): the same gates scattered into [N, groups, E], zero elsewhere
+    dense_logits, dense = router(x, dense=True)
+    assert torch.equal(dense_logits, logits) and dense.shape == (9, 3, 4)
+    assert torch.equal(dense, expert_ops.dense_head_gates(index, gates, 3, 4, torch.float32))
+    assert torch.equal((dense > 0).sum(-1), torch.full((9, 3), 2))
 
 
 def _two_paths(variant="switchhead-rope"):
@@ -316,7 +321,7 @@ def test_joint_router_and_per_head_path_equal_the_generic_path(variant):
     attention = per_head.model.layers[0].self_attn
     ids = torch.randint(0, per_head.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     hidden = torch.randn(1, 1, per_head.config.hidden_size)
-    assert attention.joint_gates(hidden) is not None  # one token: the joint router runs (no hooks, no memory)
+    assert attention.joint_gates(hidden) is not None  # one token: routed up front (no memory)
     assert generic.model.layers[0].self_attn.joint_gates(hidden) is None
     # more tokens: each side routes itself, so that a batch's results do not depend on how it is split
     assert attention.joint_gates(torch.randn(2, 9, per_head.config.hidden_size)) is None
@@ -356,7 +361,7 @@ def test_recorded_router_logits_keep_each_router_call():
         if layer < 2:  # the first layer's V and O routers read the same inputs in both models: bit for bit
             assert torch.equal(got, want)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # later layers: inputs equal up to rounding
-    # one token takes the joint router matmul, and still calls each router once, so its hooks record it
+    # one token is routed up front for both sides (joint_gates), each router called once, so its hooks record it
     attention = per_head.model.layers[0].self_attn
     calls = []
     handles = [router.register_forward_hook(lambda module, args, out: calls.append(module))

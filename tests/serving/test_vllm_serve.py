@@ -13,63 +13,38 @@ server has) are checked without starting a second server, in any environment.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from helpers.server import ServerProcess, free_port
 from switchhead.cli import main as cli_main
 
 TEST_ENGINE = ["--dtype", "float32", "--max-model-len", "128", "--enforce-eager", "--max-num-seqs", "8"]
-STARTUP_TIMEOUT = 420  # three processes import vLLM on a loaded 2-core machine
 MAX_TOKENS = 8
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "A", "In 1905 Einstein published four papers on",
            "def main():", "Serving models is", "one two three four five six seven eight nine ten", "Why"]
 
 
-class VllmServer:
-    """A server subprocess (`command` gets `--port P` appended) on 127.0.0.1; `stop()` always ends it."""
+class VllmServer(ServerProcess):
+    """A vLLM server subprocess (`command` gets `--port P` appended) on 127.0.0.1, in its own process group;
+    `stop()` always ends the group."""
+
+    STARTUP_TIMEOUT = 420  # three processes import vLLM on a loaded 2-core machine
+    POLL_SECONDS = 1
+    OUTPUT_CHARS = 6000
 
     def __init__(self, command: list[str], log_path: str):
-        from helpers.server import free_port
-
-        self.port = free_port()
-        self.log = open(log_path, "w+")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's engine in its own process, as deployed
-        self.process = subprocess.Popen([*command, "--port", str(self.port)], stdout=self.log,
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-        import openai
-
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-6000:]
+        super().__init__(log_path, client_timeout=120)
+        self.start([*command, "--port", str(self.port)], new_session=True, env={
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": None})  # the server's engine in its own process, as deployed
 
     def stop(self) -> None:
         """SIGTERM the server's process group (API server, engine core, worker), SIGKILL after 30 s."""
-        import signal
-
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
@@ -151,14 +126,6 @@ def test_vllm_serve_answers_completions_and_chat_like_generate(checkpoint, tmp_p
 
 
 # ------------------------------------------------------------------------------ refusals, in any environment
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def config_folder(tmp_path):
     from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
@@ -178,7 +145,7 @@ def test_engine_vllm_without_vllm_is_a_clear_error(config_folder, capsys, monkey
     import switchhead.cli.serve as serve_command
 
     monkeypatch.setattr(serve_command, "vllm_available", lambda: False)
-    line = _serve_error(capsys, config_folder, "--engine", "vllm", "--port", str(_free_port()))
+    line = _serve_error(capsys, config_folder, "--engine", "vllm", "--port", str(free_port()))
     assert "--engine vllm needs vLLM" in line and "scripts/vllm.sh" in line
 
 
@@ -192,7 +159,7 @@ def test_engine_vllm_refuses_options_it_cannot_pass(config_folder, capsys, monke
 
     monkeypatch.setattr(serve_command, "vllm_available", lambda: True)
     monkeypatch.setattr(serve_command.os, "execve", lambda *args: pytest.fail("vllm serve must not start"))
-    line = _serve_error(capsys, config_folder, "--engine", "vllm", "--port", str(_free_port()), *flags)
+    line = _serve_error(capsys, config_folder, "--engine", "vllm", "--port", str(free_port()), *flags)
     assert named in line
 
 
@@ -202,7 +169,7 @@ def test_engine_vllm_command_line(config_folder, monkeypatch):
     started = []
     monkeypatch.setattr(serve_command, "vllm_available", lambda: True)
     monkeypatch.setattr(serve_command.os, "execve", lambda path, argv, env: started.append((argv, env)))
-    port = str(_free_port())
+    port = str(free_port())
     assert cli_main(["serve", config_folder, "--engine", "vllm", "--port", port, "--default-seed", "3",
                      "--vllm-args", "--max-model-len 64 --enforce-eager"]) == 0
     (argv, env), = started

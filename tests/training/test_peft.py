@@ -173,11 +173,15 @@ def test_adapter_saved_before_the_rename_loads_with_identical_logits():
     folder = FIXTURES / "pre_rename_adapter"
     assert {"keys", "values"} <= set(json.loads((folder / "adapter_config.json").read_text())["target_parameters"])
     base = SwitchHeadForCausalLM.from_pretrained(FIXTURES / "pre_redesign" / "switchall", dtype=torch.float32)
+    expected = load_file(str(folder / "expected.safetensors"))
+    base_logits = _logits(base, expected["input_ids"])
     model = load_lora(base, str(folder))
     assert {m.parameter_name for m in model.modules() if hasattr(m, "parameter_name")} == \
         {"value_experts", "output_experts", "expert_keys", "expert_values"}
-    expected = load_file(str(folder / "expected.safetensors"))
-    torch.testing.assert_close(_logits(model, expected["input_ids"]), expected["logits"], atol=1e-6, rtol=0)
+    # 1e-5 as for the pre-redesign checkpoints: the code that wrote expected.safetensors (on an AMD EPYC) gives logits
+    # 3.1e-6 from them on an Intel Xeon (its matmul kernels round differently); the adapter itself moves them by > 1
+    torch.testing.assert_close(_logits(model, expected["input_ids"]), expected["logits"], atol=1e-5, rtol=0)
+    assert (base_logits - expected["logits"]).abs().max() > 1e-1
 
 
 def test_lora_config_refuses_targets_the_model_does_not_have():
