@@ -18,7 +18,6 @@ from helpers.hub_folder import save_hub_folder
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 MAX_TOKENS = 8
-STARTUP_TIMEOUT = 90
 
 
 def free_port() -> int:
@@ -31,7 +30,7 @@ class ServerProcess:
     """A server subprocess on a free loopback port (`self.port`, known before `start`) with an `openai` client;
     `stop()` always ends it."""
 
-    STARTUP_TIMEOUT = STARTUP_TIMEOUT
+    STARTUP_TIMEOUT = 90
     POLL_SECONDS = 0.2
     OUTPUT_CHARS = 4000
 

@@ -323,7 +323,7 @@ def test_joint_router_and_per_head_path_equal_the_generic_path(variant):
     hidden = torch.randn(1, 1, per_head.config.hidden_size)
     assert attention.joint_gates(hidden) is not None  # one token: routed up front (no memory)
     assert generic.model.layers[0].self_attn.joint_gates(hidden) is None
-    # more tokens: each side routes itself, so that a batch's results do not depend on how it is split
+    # more tokens: each side routes itself, through the dispatch that picks a formulation by size
     assert attention.joint_gates(torch.randn(2, 9, per_head.config.hidden_size)) is None
     for model in (per_head, generic):
         model.train()
