@@ -333,19 +333,25 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|---|"]
         lines += [f"| {r['problem']} | {r['batch']} x {r['length']} | {r['ms']:.3f} | {r['reference_ms']:.3f} | "
                   f"{r['speedup_over_reference']:.2f} |" for r in layers]
+    if report.get("not_run"):
+        lines += ["", f"Not run (time budget): {', '.join(report['not_run'])}."]
     return "\n".join(lines) + "\n"
 
 
-def bench_layers(device, dtype, token_override, reps, only) -> list[dict]:
-    """A whole decoder layer (attention + MLP, forward+backward) of each preset, cvmm on our op vs the reference.
+def bench_layers(device, dtype, token_override, reps, only, deadline=float("inf"), not_run=None):
+    """A whole decoder layer (attention + MLP, forward+backward) of each preset, cvmm on our op vs the reference:
+    yields one row per preset; presets reached after `deadline` are named in `not_run` instead.
 
     One-layer model of the preset, fp32 parameters; on CUDA under autocast in `dtype` as in training.
     """
     from switchhead import SwitchHeadModel
 
-    rows = []
     for preset in SWITCHHEAD_PRESETS + SWITCHALL_PRESETS:
         if only not in preset:
+            continue
+        if time.perf_counter() > deadline:
+            if not_run is not None:
+                not_run.append(f"{preset}/layer")
             continue
         config = SwitchHeadConfig.from_preset(preset, num_hidden_layers=1, vocab_size=256, hidden_dropout=0.0,
                                               use_cache=False)
@@ -365,10 +371,9 @@ def bench_layers(device, dtype, token_override, reps, only) -> list[dict]:
         for backend in ("auto", "torch"):
             with kernels.use_backend(backend):
                 timings[backend] = median_ms(step, device, reps)
-        rows.append(dict(problem=f"{preset}/layer", impl="cvmm", mode="layer forward+backward", ms=timings["auto"],
-                         batch=batch, length=length, reference_ms=timings["torch"],
-                         speedup_over_reference=timings["torch"] / timings["auto"]))
-    return rows
+        yield dict(problem=f"{preset}/layer", impl="cvmm", mode="layer forward+backward", ms=timings["auto"],
+                   batch=batch, length=length, reference_ms=timings["torch"],
+                   speedup_over_reference=timings["torch"] / timings["auto"])
 
 
 def device_name(device: torch.device) -> str:
@@ -396,7 +401,14 @@ def main(argv: list[str] | None = None) -> int:
                         "the Markdown table goes beside it")
     parser.add_argument("--check-only", action="store_true", help="only compare cvmm with the reference; no timing")
     parser.add_argument("--no-layers", action="store_true", help="skip the whole-layer forward+backward timings")
+    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (benchmarks/gpu_report.py "
+                        "renders it later)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: start no new problem (or layer) after this; the JSON is written after each "
+                        "problem, so a run cut short keeps what it measured")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
+    deadline = started + args.time_budget if args.time_budget else float("inf")
     if args.cpu_smoke:
         if args.full:
             parser.error("--cpu-smoke and --full exclude each other")
@@ -429,7 +441,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_smoke:  # the interpreter runs block by block: keep the routing, shrink the widths
         problems = [dict(p, d_in=min(p["d_in"], 40), d_out=min(p["d_out"], 24)) for p in problems
                     if p["name"].startswith("wt103-47m-")]  # the four uses: V, O, keys, values
-    for problem in problems:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    slug = "".join(c if c.isalnum() else "-" for c in device_name(device).lower()).strip("-")
+    kind = "full" if args.full else "smoke" if args.cpu_smoke else "small"
+    path = args.out or RESULTS / f"cvmm_{slug}_{kind}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    not_run: list[str] = []
+
+    def save():  # after every problem: a run stopped by its caller keeps what it measured
+        report = dict(machine=platform.node(), device=device_name(device), device_type=device.type,
+                      dtype=str(dtype), cvmm_backend=backend, full_paper_shapes=args.full, tokens_override=tokens,
+                      torch=torch.__version__, triton=triton_version, timing="triton.testing.do_bench median"
+                      if device.type == "cuda" else f"wall-clock median of {args.reps}",
+                      authors_cvmm=str(args.authors_cvmm) if args.authors_cvmm else None,
+                      autotune=autotune_choices(), seconds=time.perf_counter() - started, not_run=not_run,
+                      results=rows)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, path)
+        if not args.no_markdown:
+            path.with_suffix(".md").write_text(markdown(report))
+
+    for number, problem in enumerate(problems):
+        if time.perf_counter() > deadline:
+            not_run += [p["name"] for p in problems[number:]]
+            print(f"out of time: {len(not_run)} problem(s) not run: {', '.join(not_run)}")
+            break
         for row in bench_problem(problem, device, dtype, args.reps, generator, args.check_only, contenders):
             rows.append(row)
             if row["mode"] == "check":
@@ -441,34 +483,24 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{row['problem']:44} {row['impl']:16} {row['mode']:17} {row['ms']:9.3f} "
                       f"{row['tflops']:8.2f} {row['fraction_of_dense']:8.2f}")
+        save()
 
     if not args.check_only and not args.no_layers and not args.cpu_smoke:
-        print(f"{'layer':44} {'batch x length':16} {'cvmm ms':>9} {'reference ms':>13} {'speed-up':>9}")
-        for row in bench_layers(device, dtype, tokens, args.reps, args.only):
-            rows.append(row)
-            print(f"{row['problem']:44} {str(row['batch']) + ' x ' + str(row['length']):16} {row['ms']:9.3f} "
-                  f"{row['reference_ms']:13.3f} {row['speedup_over_reference']:9.2f}")
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    report = dict(machine=platform.node(), device=device_name(device), device_type=device.type, dtype=str(dtype),
-                  cvmm_backend=backend, full_paper_shapes=args.full, tokens_override=tokens,
-                  torch=torch.__version__, triton=triton_version, timing="triton.testing.do_bench median"
-                  if device.type == "cuda" else f"wall-clock median of {args.reps}",
-                  authors_cvmm=str(args.authors_cvmm) if args.authors_cvmm else None,
-                  autotune=autotune_choices(), results=rows)
-    slug = "".join(c if c.isalnum() else "-" for c in device_name(device).lower()).strip("-")
-    kind = "full" if args.full else "smoke" if args.cpu_smoke else "small"
-    path = args.out or RESULTS / f"cvmm_{slug}_{kind}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
-    path.with_suffix(".md").write_text(markdown(report))
-    print(f"wrote {path} and {path.with_suffix('.md').name}")
-    mismatches = [f"{row['problem']} ({row['impl']})" for row in rows if row["mode"] == "check" and not row["ok"]]
+        if time.perf_counter() > deadline:
+            not_run.append("whole-layer timings")
+            print("out of time: the whole-layer timings not run")
+        else:
+            print(f"{'layer':44} {'batch x length':16} {'cvmm ms':>9} {'reference ms':>13} {'speed-up':>9}")
+            for row in bench_layers(device, dtype, tokens, args.reps, args.only, deadline, not_run):
+                rows.append(row)
+                print(f"{row['problem']:44} {str(row['batch']) + ' x ' + str(row['length']):16} "
+                      f"{row['ms']:9.3f} {row['reference_ms']:13.3f} {row['speedup_over_reference']:9.2f}")
+                save()
+    save()
+    print(f"wrote {path}" + ("" if args.no_markdown else f" and {path.with_suffix('.md').name}"))
+    # the exit status is about our kernel; a contender that fails its check is reported in its rows and not timed
+    mismatches = [f"{row['problem']} ({row['impl']})" for row in rows
+                  if row["mode"] == "check" and row["impl"] == "cvmm" and not row["ok"]]
     if mismatches:
         print(f"disagreement with the reference beyond {CHECK_TOLERANCE[dtype]} on: {', '.join(mismatches)}",
               file=sys.stderr)

@@ -12,11 +12,13 @@ repetition and medians taken:
   autocast; its time (CUDA events) and peak memory (the model's weights, gradients and optimizer state plus the
   rise of `torch.cuda.max_memory_allocated` during the step);
 - prefill: batch 1, a prompt of the training context, with the KV cache;
-- greedy decoding through the KV cache at batch 1 and 32 (prompt 128): tokens per second;
+- greedy decoding through the KV cache at batch 1 and 32 after a 1024-token prompt (`--prompt`): tokens per second;
 - KV-cache bytes after the prefill.
 The XL models train without carrying memory across segments (`use_cache=False`), like the dense XL baseline.
-Ratios are SwitchHead / dense. The paper measured 0.65-0.72x time and 0.61-0.65x memory for training; the issue's
-targets are a 262M step at <= 0.6x the dense time and memory, and >= 1.3x the dense decode tokens/s at batch 32.
+Ratios are SwitchHead / dense. The paper measured 0.65-0.72x time and 0.61-0.65x memory for training; the targets
+(issue #40, for the record) are a 47M step at <= 0.7x the dense time and memory, and >= 1.3x the dense decode
+tokens/s at batch 32 after 1024 tokens. `--time-budget` starts no pair that the time left cannot hold (judged from
+the pairs already run), so that a caller with a fixed budget keeps the pairs that finished.
 JSON and Markdown go to benchmarks/results/ (or `--out-dir`), named after the device, with the GPU, driver,
 torch, triton and transformers versions.
 """
@@ -52,8 +54,8 @@ PAIRS = {  # name -> ((SwitchHead preset, overrides), (dense preset, overrides))
                   ("wt103-262m-dense-xl", dict(ROPE_DENSE, max_position_embeddings=1024))),
     "262m-xl": (("wt103-262m-switchhead-xl", {}), ("wt103-262m-dense-xl", {})),
 }
-TARGETS = {"train_time": ("<=", 0.6, "262m"), "train_peak_memory": ("<=", 0.6, "262m"),
-           "decode_tok_s@b32": (">=", 1.3, "")}
+TARGETS = {"train_time": ("<=", 0.7, "47m"), "train_peak_memory": ("<=", 0.7, "47m"),
+           "decode_tok_s@b32": (">=", 1.3, "")}  # measure -> (sign, bound, the pairs it applies to)
 PAPER = "training time 0.65-0.72x, memory 0.61-0.65x (paper, Table 4)"
 
 
@@ -65,10 +67,15 @@ def parse_args(argv):
     parser.add_argument("--train-steps", type=int, default=3, help="timed optimizer steps per repetition")
     parser.add_argument("--batch", type=int, default=None, help="training batch (default: the paper's, 64)")
     parser.add_argument("--decode-batches", default="1,32", help="comma separated decode batch sizes")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt length of the decode measurement")
+    parser.add_argument("--prompt", type=int, default=1024, help="prompt length of the decode measurement")
     parser.add_argument("--decode-steps", type=int, default=64, help="tokens decoded per row")
     parser.add_argument("--attn", default="sdpa", help="attention backend of every model (eager, sdpa, ...)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--name", default=None, help="result file stem (default: e2e_<device>)")
+    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (benchmarks/gpu_report.py "
+                        "renders it later)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: start no pair the time left cannot hold (the JSON is written after each pair)")
     args = parser.parse_args(argv)
     try:
         args.decode_batches = [int(b) for b in args.decode_batches.split(",") if b.strip()]
@@ -281,6 +288,8 @@ def markdown(report: dict) -> str:
                          f"{values.get('switchhead', math.nan):.4g} | {values.get('dense', math.nan):.4g} |")
         for where, error in p.get("errors", {}).items():
             lines.append(f"| {p['pair']} | | | {where} | {error} | |")
+    if report.get("not_run"):
+        lines += ["", f"Not run (time budget): {', '.join(report['not_run'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -296,23 +305,36 @@ def main(argv=None) -> int:
         return 2
     env = describe(device)
     slug = "".join(c if c.isalnum() else "-" for c in env["device"].lower()).strip("-")[:40]
-    path = args.out_dir / f"e2e_{'smoke_' if args.cpu_smoke else ''}{slug}.json"
+    path = args.out_dir / f"{args.name or 'e2e_' + ('smoke_' if args.cpu_smoke else '') + slug}.json"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = dict(environment=env, smoke=args.cpu_smoke, attn=args.attn, reps=args.reps,
                   settings=dict(train_steps=args.train_steps, decode_batches=args.decode_batches, prompt=args.prompt,
-                                decode_steps=args.decode_steps), pairs=[])
+                                decode_steps=args.decode_steps), pairs=[], not_run=[])
 
     def log(line):
         print(line, flush=True)
 
-    for name in names:
+    begun = time.perf_counter()
+    deadline = begun + args.time_budget if args.time_budget else math.inf
+    for number, name in enumerate(names):
         started = time.perf_counter()
+        # a 262M pair costs several 47M ones: judge from the most expensive pair run so far, scaled by size
+        spent = [p["seconds"] * (4 if "262m" in name and "262m" not in p["pair"] else 1) for p in report["pairs"]]
+        if started + max(spent, default=0.0) > deadline:
+            report["not_run"] += names[number:]
+            log(f"out of time: {', '.join(names[number:])} not run")
+            break
         report["pairs"].append(run_pair(name, args, device, log))
         report["pairs"][-1]["seconds"] = time.perf_counter() - started
-        path.write_text(json.dumps(report, indent=1))  # after every pair: a run cut short keeps what it measured
-        path.with_suffix(".md").write_text(markdown(report))
+        tmp = path.with_name(path.name + ".tmp")  # after every pair: a run cut short keeps what it measured
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, path)
+        if not args.no_markdown:
+            path.with_suffix(".md").write_text(markdown(report))
         log(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in report["pairs"][-1]["ratios"].items() if v is not None))
-    print(f"wrote {path} and {path.with_suffix('.md').name}")
+    if not report["pairs"]:
+        path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}" + ("" if args.no_markdown else f" and {path.with_suffix('.md').name}"))
     return 0
 
 

@@ -59,8 +59,14 @@ def parse_args(argv):
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile section")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds: stop starting op problems after this (the rest is reported as not run)")
+                        help="seconds for the op sections: the paper shapes may use 40%% of it, the sweep the rest; "
+                        "problems not started in time are reported as not run")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes for the op sections (compiling Triton kernels in parallel)")
+    parser.add_argument("--name", default=None, help="result file stem (default: gpu_check_<device>)")
+    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (benchmarks/gpu_report.py "
+                        "renders it later)")
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(args.sections) - set(SECTIONS))
@@ -225,33 +231,52 @@ def pinned_kernel_configs(index: int):
             tuner.configs = configs
 
 
-def op_section(section: str, problems: list[dict], device, log, deadline: float = math.inf) -> list[dict]:
-    """Check every problem (the sweep pins one autotune config per problem, in turn); stops at `deadline`."""
+def check_one_problem(task: tuple) -> tuple[int, list[dict] | None]:
+    """(number, rows) of one op problem, or (number, None) when the wall-clock deadline has passed; runs in the
+    checking process or in a worker of `op_section`'s pool."""
     import torch
 
-    sys.path.insert(0, str(HERE))
+    section, number, problem, device_type, wall_deadline = task
+    if time.time() > wall_deadline:
+        return number, None
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     from bench_cvmm import make_inputs
 
-    rows = []
-    for number, problem in enumerate(problems):
-        if time.perf_counter() > deadline:
-            log(f"{section:7} out of time: {len(problems) - number} of {len(problems)} problems not run")
-            rows.append(dict(section=section, name=f"{len(problems) - number} problems not run (time budget)",
-                             status="not run"))
-            break
-        generator = torch.Generator().manual_seed(1000 + problem.get("seed", 0))
-        inputs, index, weight, gates = make_inputs(problem, device, torch.float32, generator)
-        pinned = pinned_kernel_configs(number) if section == "sweep" else contextlib.nullcontext({})
-        with pinned as configs:
-            problem_rows = check_op_problem(section, problem, (inputs, weight, gates), index, triton_op,
-                                            reference_op, device.type)
-        for row in problem_rows:
-            if configs:
-                row["kernel_configs"] = configs
+    device = torch.device(device_type)
+    generator = torch.Generator().manual_seed(1000 + problem.get("seed", 0))
+    inputs, index, weight, gates = make_inputs(problem, device, torch.float32, generator)
+    with pinned_kernel_configs(number + (3 if section == "paper" else 0)) as configs:
+        rows = check_op_problem(section, problem, (inputs, weight, gates), index, triton_op, reference_op,
+                                device.type)
+    for row in rows:
+        row["kernel_configs"] = configs
+    return number, rows
+
+
+def op_section(section: str, problems: list[dict], device, log, deadline: float = math.inf,
+               pool=None) -> list[dict]:
+    """Check every problem with one autotune config pinned per problem, in turn (so the problems go through every
+    config of both kernels and each compiles one config, not all); stops starting problems at `deadline`.
+
+    With a `pool` (multiprocessing, spawned) the problems are shared among its worker processes: a fresh GPU
+    machine spends most of this section compiling Triton kernels, one at a time per process, and the compiled
+    kernels land in Triton's cache on disk, where the later stages find them. Rows come in the problems' order."""
+    wall_deadline = time.time() + (deadline - time.perf_counter()) if deadline != math.inf else math.inf
+    tasks = [(section, number, problem, device.type, wall_deadline) for number, problem in enumerate(problems)]
+    outcomes = pool.imap(check_one_problem, tasks) if pool is not None else map(check_one_problem, tasks)
+    rows, skipped = [], 0
+    for (number, problem_rows), problem in zip(outcomes, problems):
+        if problem_rows is None:
+            skipped += 1
+            continue
         rows += problem_rows
         bad = [r for r in problem_rows if r["status"] != "ok"]
         log(f"{section:7} {problem['name']:44} N={problem['tokens']:<6} "
             f"{'ok' if not bad else 'FAIL ' + ', '.join(r['name'].split(' ', 1)[1] for r in bad)}")
+    if skipped:
+        log(f"{section:7} out of time: {skipped} of {len(problems)} problems not run")
+        rows.append(dict(section=section, name=f"{skipped} problems not run (time budget)", status="not run"))
     return rows
 
 
@@ -360,11 +385,13 @@ def cached_decoding_row(variant, preset, model, device, smoke) -> dict:
     return record("model", f"{variant} cached vs uncached decoding", errors, MODEL_TOLERANCE["fp32"], preset=preset)
 
 
-def compile_section(smoke: bool, device, backend: str, log) -> list[dict]:
+def compile_section(smoke: bool, device, backend: str, log,
+                    emit: Callable[[dict], None] | None = None) -> list[dict]:
+    """The compile checks; `emit` sees each row as it is made (the caller saves the report after each)."""
     import torch
     from transformers import CompileConfig
 
-    rows = []
+    rows = _EmittingList(emit)
     batch, length = (2, 12) if smoke else (4, 128)
     variants = {k: v for k, v in model_presets(smoke).items() if k in ("switchhead-rope", "switchhead-xl")}
     for variant, (preset, overrides) in variants.items():
@@ -405,7 +432,20 @@ def compile_section(smoke: bool, device, backend: str, log) -> list[dict]:
             rows.append(error_record("compile", name, error, preset=preset))
         log(f"compile {variant:44} {', '.join(r['status'] for r in rows if variant in r['name'])}")
     rows.append(flex_row(smoke, device, variants["switchhead-xl"], log))
-    return rows
+    return list(rows)
+
+
+class _EmittingList(list):
+    """A list that hands each appended row to a callback as well."""
+
+    def __init__(self, emit):
+        super().__init__()
+        self.emit = emit
+
+    def append(self, row):
+        super().append(row)
+        if self.emit is not None:
+            self.emit(row)
 
 
 def flex_row(smoke, device, preset_overrides, log) -> dict:
@@ -509,37 +549,52 @@ def main(argv=None) -> int:
 
     env = describe(device, interpreted=smoke)
     slug = "".join(c if c.isalnum() else "-" for c in env["device"].lower()).strip("-")[:40]
-    stem = args.out_dir / f"gpu_check_{'smoke_' if smoke else ''}{slug}"
+    stem = args.out_dir / (args.name or f"gpu_check_{'smoke_' if smoke else ''}{slug}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every section, so that a run cut short still leaves what it checked
         report = dict(environment=env, smoke=smoke, sections=args.sections, cases=cases, max_tokens=max_tokens,
                       seconds=time.perf_counter() - started, results=results)
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
-        stem.with_suffix(".md").write_text(markdown(report))
+        tmp = stem.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=1, default=str))
+        os.replace(tmp, stem.with_suffix(".json"))
+        if not args.no_markdown:
+            stem.with_suffix(".md").write_text(markdown(report))
 
+    pool = None
+    if args.jobs > 1 and {"paper", "sweep"} & set(args.sections):
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(args.jobs)
     if "paper" in args.sections:
         problems = paper_problems(paper_tokens)
         if smoke:  # interpreter: the model widths are far too slow; keep the routing, shrink the widths
             problems = [dict(p, d_in=min(p["d_in"], 40), d_out=min(p["d_out"], 24)) for p in problems
                         if p["name"].startswith("wt103-47m-")]  # the four uses: V, O, keys, values
-        results += op_section("paper", problems, device, log, deadline)
+        paper_deadline = started + 0.4 * args.time_budget if args.time_budget else math.inf
+        results += op_section("paper", problems, device, log, min(deadline, paper_deadline), pool)
         save()
     if "sweep" in args.sections:
         generator = torch.Generator().manual_seed(args.seed)
         sizes = (1, 5, 16, 17, 33) if smoke else SIZES
         budget = 2 ** 12 if smoke else 2 ** 26
         results += op_section("sweep", [random_problem(generator, i, max_tokens, sizes, budget)
-                                        for i in range(cases)], device, log, deadline)
+                                        for i in range(cases)], device, log, deadline, pool)
         save()
+    if pool is not None:
+        pool.terminate()
     if "model" in args.sections:
         results += model_section(smoke, device, log)
         save()
     if "compile" in args.sections:
-        results += compile_section(smoke, device, args.compile_backend, log)
+        def emit(row):
+            results.append(row)
+            save()
+
+        compile_section(smoke, device, args.compile_backend, log, emit)
     save()
     failures = [r for r in results if r["status"] in ("mismatch", "error")]
-    print(f"{len(results)} checks, {len(failures)} failed; wrote {stem}.json / .md")
+    print(f"{len(results)} checks, {len(failures)} failed; wrote {stem}.json" + ("" if args.no_markdown else " / .md"))
     for row in failures:
         print(f"FAILED {row['section']} / {row['name']}: {row.get('error') or row.get('errors')}")
     return 1 if failures else 0

@@ -1,25 +1,38 @@
 #!/usr/bin/env bash
-# One stage of the GPU session of issue #11, run on the device machine from the repository root:
-#   bash benchmarks/gpu_run.sh check|cvmm|e2e|smoke [extra arguments for the stage's script]
+# The GPU session (issue #40), run on the device machine from the repository root, as ONE call:
+#   bash benchmarks/gpu_run.sh all [--time-budget SECONDS]     # default 540: the whole session in one command
+#   bash benchmarks/gpu_run.sh smoke [--time-budget SECONDS]   # the same sequence on the CPU, Triton interpreted
+#   bash benchmarks/gpu_run.sh check|cvmm|e2e [args]           # one script alone, its arguments passed on
+# `all` runs, in order, each stage as its own process with its own share of the budget, and starts no stage that
+# the time left cannot hold:
+#   a. correctness (gpu_check.py: paper shapes, >= 100 random problems, whole models, cached decoding);
+#   b. kernel speed (bench_cvmm.py --full: paper shapes, bf16, against dense mm, grouped_mm, a loop, the authors');
+#   c. end to end (bench_e2e.py: the 47M RoPE and XL pairs, training step, memory, decode after 1024 tokens);
+#   d. only with time left: the 262M RoPE pair, then the inductor-compiled training step and generate.
+# Each stage writes its JSON as it goes (a stage stopped at its limit keeps what it finished); the JSON files, the
+# log and summary.json (every stage's status, seconds and budget, and whether correctness passed) are copied to
+# $OUT after each stage: at most 7 files, under the device tool's 8. benchmarks/gpu_report.py renders them here.
 # The package is not installed there: a throw-away folder of links makes `import switchhead` resolve to this
-# checkout (modeling_switchhead/ -> switchhead, kernels/ -> switchhead.kernels, ...), as setup.py maps it.
-# Results (JSON + Markdown) and a log go to $OUT (default ./gpu_out). The authors' CVMM kernel is timed when
-# .authors/cvmm.py exists (see benchmarks/GPU.md: carry it, it is never committed).
+# checkout (modeling_switchhead/ -> switchhead, kernels/ -> switchhead.kernels, ...), as setup.py maps it. The
+# authors' CVMM kernel is timed when .authors/cvmm.py exists (benchmarks/GPU.md: carry it, it is never committed).
 set -euo pipefail
-stage=${1:?usage: bash benchmarks/gpu_run.sh check|cvmm|e2e|smoke [args]}
+stage=${1:?usage: bash benchmarks/gpu_run.sh all|smoke|check|cvmm|e2e [args]}
 shift || true
 root=$(pwd)
 out=${OUT:-$root/gpu_out}
 mkdir -p "$out"
 shim=$(mktemp -d)
+work=$(mktemp -d)  # every file the scripts write; only the JSONs go on to $OUT
+trap 'rm -rf "$shim" "$work"' EXIT
 mkdir -p "$shim/switchhead"
 for f in "$root"/modeling_switchhead/*; do ln -s "$f" "$shim/switchhead/"; done
 for sub in kernels training evaluation conversion; do
     [ -d "$root/$sub" ] && ln -s "$root/$sub" "$shim/switchhead/$sub"
 done
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+log="$out/log.txt"
 python3 -c "import switchhead, sys; assert switchhead.__file__.startswith('$shim'), switchhead.__file__"
-python3 - <<'PY' | tee -a "$out/environment.txt"
+python3 - <<'PY' | tee -a "$log"
 import platform, subprocess, torch, transformers
 import triton
 print("python", platform.python_version(), "| torch", torch.__version__, "| triton", triton.__version__,
@@ -31,17 +44,102 @@ if torch.cuda.is_available():
 PY
 authors=()
 [ -f "$root/.authors/cvmm.py" ] && authors=(--authors-cvmm "$root/.authors/cvmm.py")
-run() { echo "+ $*" | tee -a "$out/log.txt"; "$@" 2>&1 | tee -a "$out/log.txt"; }
+run() { echo "+ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
+
+# ------------------------------------------------------------------------------------------ one script alone
+single() {
+    local status=0
+    case "$stage" in
+        check) run python3 benchmarks/gpu_check.py --out-dir "$out" "$@" || status=$? ;;
+        cvmm) run python3 benchmarks/bench_cvmm.py --full "${authors[@]}" --out "$out/cvmm_full.json" "$@" || status=$? ;;
+        e2e) run python3 benchmarks/bench_e2e.py --out-dir "$out" "$@" || status=$? ;;
+    esac
+    return $status
+}
+
+# ------------------------------------------------------------------------------------------ the whole session
+budget=540
+smoke=()
+if [[ "$stage" == "all" || "$stage" == "smoke" ]]; then
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --time-budget) budget=${2:?--time-budget needs seconds}; shift 2 ;;
+            *) echo "gpu_run.sh: error: $stage takes only --time-budget SECONDS (got $1)" >&2; exit 2 ;;
+        esac
+    done
+    [[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_run.sh: error: --time-budget must be whole seconds" >&2; exit 2; }
+    [[ "$stage" == "smoke" ]] && smoke=(--cpu-smoke)
+fi
+deadline=$((SECONDS + budget))
+stages=()  # summary.json entries
+
+# run_stage NAME SHARE GRACE MINIMUM -- COMMAND...: runs COMMAND with STAGE_BUDGET (its share, or the time left if
+# less) exported for it to pass on, under a hard limit of that plus GRACE seconds, unless less than MINIMUM seconds
+# are left; records its status; then copies the JSONs to $OUT.
+run_stage() {
+    local name=$1 share=$2 grace=$3 minimum=$4
+    shift 5
+    local left=$((deadline - SECONDS - 5)) status=0 begun=$SECONDS
+    if ((left < minimum)); then
+        echo "== $name: not started ($left s left, it needs $minimum)" | tee -a "$log"
+        stages+=("{\"stage\": \"$name\", \"status\": \"not run\", \"left_s\": $left}")
+        return 0
+    fi
+    export STAGE_BUDGET=$((share < left - grace ? share : left - grace))
+    ((STAGE_BUDGET < 1)) && STAGE_BUDGET=1
+    local limit=$((STAGE_BUDGET + grace < left ? STAGE_BUDGET + grace : left))
+    echo "== $name: budget $STAGE_BUDGET s, hard limit $limit s" | tee -a "$log"
+    run timeout --signal=TERM --kill-after=10 "$limit" "$@" || status=$?
+    local state=ok
+    ((status == 124 || status == 137)) && state="stopped at its limit"
+    ((status != 0 && status != 124 && status != 137)) && state="failed (exit $status)"
+    stages+=("{\"stage\": \"$name\", \"status\": \"$state\", \"exit\": $status, \"seconds\": $((SECONDS - begun)), \"budget_s\": $STAGE_BUDGET, \"limit_s\": $limit}")
+    publish
+    return 0
+}
+
+publish() {  # the JSONs and the summary to $OUT (a copy, then a rename: a reader never sees half a file)
+    local f
+    for f in "$work"/*.json; do
+        [ -e "$f" ] || continue
+        cp "$f" "$out/.$(basename "$f").part" && mv "$out/.$(basename "$f").part" "$out/$(basename "$f")"
+    done
+    local IFS=,
+    printf '{"budget_s": %s, "elapsed_s": %s, "smoke": %s, "stages": [%s]}\n' "$budget" "$SECONDS" \
+        "$([[ ${#smoke[@]} -gt 0 ]] && echo true || echo false)" "${stages[*]:-}" > "$out/.summary.part"
+    mv "$out/.summary.part" "$out/summary.json"
+}
+
+session() {
+    local cases=120 tokens=8192 e2e_only=47m check_sections=paper,sweep,model
+    local contenders=("${authors[@]}") jobs=$(( $(nproc) > 8 ? 8 : $(nproc) ))
+    if [[ ${#smoke[@]} -gt 0 ]]; then  # tiny; the authors' kernel needs a GPU driver even interpreted
+        cases=4; tokens=48; e2e_only=47m-rope; contenders=(); jobs=2
+    fi
+    # a. correctness: the op sections get the budget less a minute for the whole-model checks after them
+    run_stage check 210 90 60 -- bash -c 'exec python3 benchmarks/gpu_check.py "$@" --time-budget $((STAGE_BUDGET > 90 ? STAGE_BUDGET - 60 : 30))' _ \
+        "${smoke[@]}" --sections "$check_sections" --cases "$cases" --max-tokens "$tokens" --jobs "$jobs" --name gpu_check \
+        --no-markdown --out-dir "$work"
+    # b. kernel speed (paper shapes on CUDA; the interpreter's small shapes in the smoke)
+    local full=(--full)
+    [[ ${#smoke[@]} -gt 0 ]] && full=(--only wt103-47m-switchhead-xl/v)  # interpreted: one problem is minutes
+    run_stage cvmm 120 45 45 -- bash -c 'exec python3 benchmarks/bench_cvmm.py "$@" --time-budget $STAGE_BUDGET' _ \
+        "${smoke[@]}" "${full[@]}" "${contenders[@]}" --no-markdown --out "$work/cvmm.json"
+    # c. end to end: the 47M pairs
+    run_stage e2e 150 60 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
+        "${smoke[@]}" --only "$e2e_only" --name e2e --no-markdown --out-dir "$work"
+    # d. with the time left: the 262M RoPE pair, then the compiled training step and generate
+    run_stage e2e_262m 170 60 120 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
+        "${smoke[@]}" --only 262m-rope --reps 2 --name e2e_262m --no-markdown --out-dir "$work"
+    run_stage compile 600 0 90 -- python3 benchmarks/gpu_check.py "${smoke[@]}" --sections compile --name gpu_check_compile \
+        --no-markdown --out-dir "$work"
+    publish
+}
+
 status=0
 case "$stage" in
-    check) run python3 benchmarks/gpu_check.py --out-dir "$out" "$@" || status=$? ;;
-    cvmm) run python3 benchmarks/bench_cvmm.py --full "${authors[@]}" --out "$out/cvmm_full.json" "$@" || status=$? ;;
-    e2e) run python3 benchmarks/bench_e2e.py --out-dir "$out" "$@" || status=$? ;;
-    smoke)  # the CPU rehearsal of all three (no GPU needed)
-        run python3 benchmarks/gpu_check.py --cpu-smoke --cases 2 --sections paper,sweep,model --out-dir "$out" || status=$?
-        run python3 benchmarks/bench_cvmm.py --cpu-smoke "${authors[@]}" --out "$out/cvmm_smoke.json" || status=$?
-        run python3 benchmarks/bench_e2e.py --cpu-smoke --only 47m-rope --out-dir "$out" || status=$? ;;
-    *) echo "gpu_run.sh: error: unknown stage $stage (check, cvmm, e2e or smoke)" >&2; exit 2 ;;
+    check|cvmm|e2e) single "$@" || status=$? ;;
+    all|smoke) session ;;
+    *) echo "gpu_run.sh: error: unknown stage $stage (all, smoke, check, cvmm or e2e)" >&2; exit 2 ;;
 esac
-rm -rf "$shim"
 exit $status

@@ -265,5 +265,67 @@ def test_gpu_run_sh_imports_this_checkout_without_installing_it(tmp_path):
                             timeout=300, env=env, cwd=BENCHMARKS.parent)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "unknown stage nonsense" in result.stderr
-    environment = (tmp_path / "environment.txt").read_text()
+    environment = (tmp_path / "log.txt").read_text()
     assert f"torch {torch.__version__}" in environment
+
+
+# ------------------------------------------------------------------------------------------------ the one call
+def _session(tmp_path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OUT=str(tmp_path), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(["bash", str(BENCHMARKS / "gpu_run.sh"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=BENCHMARKS.parent)
+
+
+def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
+    """`gpu_run.sh smoke` is `all` on the CPU: every stage runs, in order, within its budget, and what comes back
+    is the JSON of each stage, the log and the summary (at most 8 files, the device tool's limit), which
+    gpu_report.py renders with every check passed."""
+    out = tmp_path / "out"
+    result = _session(out, "smoke", "--time-budget", "1200")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["cvmm.json", "e2e.json", "e2e_262m.json", "gpu_check.json", "gpu_check_compile.json",
+                     "log.txt", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == ["check", "cvmm", "e2e", "e2e_262m", "compile"]
+    assert all(s["status"] == "ok" for s in summary["stages"]), summary
+    assert summary["smoke"] is True and summary["elapsed_s"] <= 1200
+    e2e = json.loads((out / "e2e.json").read_text())
+    assert e2e["settings"]["decode_batches"] and e2e["pairs"][0]["pair"] == "47m-rope"
+    assert [p["pair"] for p in json.loads((out / "e2e_262m.json").read_text())["pairs"]] == ["262m-rope"]
+
+    import gpu_report
+
+    session = gpu_report.render(out, tmp_path / "rendered").read_text()
+    assert "Correctness: every check passed." in session
+    assert "## Kernel" in session and "## End to end" in session
+    for name in ("gpu_check.md", "cvmm.md", "e2e.md", "e2e_262m.md", "gpu_check_compile.md"):
+        assert (tmp_path / "rendered" / name).is_file()
+
+
+def test_gpu_run_sh_starts_no_stage_the_budget_cannot_hold(tmp_path):
+    result = _session(tmp_path, "smoke", "--time-budget", "40", timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {s["status"] for s in summary["stages"]} == {"not run"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "summary.json"]
+    bad = _session(tmp_path, "all", "--time-budget", "soon", timeout=300)
+    assert bad.returncode == 2 and "whole seconds" in bad.stderr
+
+
+def test_gpu_report_withholds_timings_when_a_check_failed(tmp_path):
+    import gpu_report
+
+    check = dict(environment=dict(device="GPU"), sections=["paper", "sweep"], results=[
+        dict(section="paper", name="p", status="ok"), dict(section="sweep", name="s1", status="mismatch")])
+    cvmm = dict(results=[dict(problem="p", impl="cvmm", mode="forward+backward", ms=1.0, fraction_of_dense=0.9)])
+    (tmp_path / "gpu_check.json").write_text(json.dumps(check))
+    (tmp_path / "cvmm.json").write_text(json.dumps(dict(cvmm, device="GPU", torch="t", triton="t", dtype="bf16",
+                                                        cvmm_backend="triton", timing="x", full_paper_shapes=True)))
+    session = gpu_report.render(tmp_path, tmp_path / "r").read_text()
+    assert "FAILED: 1 correctness check(s) failed" in session and "## Kernel" not in session
+    assert gpu_report.correctness(dict(check, results=check["results"][:1]))[0] is False  # sweep never reached
+    check["results"][1]["status"] = "ok"
+    assert gpu_report.correctness(check) == (True, "")
