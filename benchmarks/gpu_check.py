@@ -43,7 +43,7 @@ SECTIONS = ("paper", "sweep", "model", "compile")
 # max |got - want| / max |want| allowed per precision (the reference sees the same rounded inputs, so this is
 # rounding of the outputs and of partial sums: a wrong row, slot, expert or gate gives errors of order 1)
 TOLERANCE = {"fp32": 2e-5, "tf32": 1e-2, "fp16": 5e-3, "bf16": 2e-2}
-MODEL_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+MODEL_TOLERANCE = {"fp32": 1e-4}  # bf16: see bf16_row
 SIZES = (1, 16, 17, 33, 64, 76, 100, 112, 129, 255, 412, 1024)  # d_in / d_out of the sweep: odd and paper sizes
 
 
@@ -318,6 +318,38 @@ def loss_and_grads(model, ids, autocast_dtype=None):
     return out.logits.detach().float(), {n: g for (n, _), g in zip(named, grads) if g is not None}
 
 
+# Under bf16 autocast both paths round differently at every layer, and a freshly initialised 47M model's logits
+# and gradients move by 0.3-0.8 of their largest value between fp32 and bf16 on the PyTorch path alone (measured on
+# the CPU with the 2-layer presets of this section), so the two bf16 paths are not compared with each other: each
+# is compared with the fp32 PyTorch result, and the Triton path may be at most BF16_FACTOR times as far from it as
+# the PyTorch path is (plus BF16_FLOOR), per tensor. A wrong row, gate or expert puts it much further.
+BF16_FACTOR, BF16_FLOOR = 1.5, 1e-3
+
+
+def bf16_row(variant, preset, triton_run, torch_run, fp32_run, **extra) -> dict:
+    """The record of one bf16 model check: each bf16 run against the fp32 reference, tensor by tensor."""
+    (logits, grads), (torch_logits, torch_grads), (want_logits, want_grads) = triton_run, torch_run, fp32_run
+    pairs = {"logits": (relative_error(logits, want_logits), relative_error(torch_logits, want_logits))}
+    for name in want_grads:
+        if name in grads and name in torch_grads:
+            pairs[name] = (relative_error(grads[name], want_grads[name]),
+                           relative_error(torch_grads[name], want_grads[name]))
+    ratios = {name: fast / (BF16_FACTOR * ref + BF16_FLOOR) for name, (fast, ref) in pairs.items()}
+    worst = max(ratios, key=ratios.get)
+    errors = {"logits vs fp32 (triton)": pairs["logits"][0], "logits vs fp32 (torch)": pairs["logits"][1],
+              f"worst tensor {worst} vs fp32 (triton)": pairs[worst][0],
+              f"worst tensor {worst} vs fp32 (torch)": pairs[worst][1]}
+    row = record("model", f"{variant} triton vs torch bf16 (each against fp32)", errors, math.inf, preset=preset,
+                 **extra)
+    # worst_error / tolerance is the worst ratio of the Triton path's distance to the allowed distance
+    row.update(worst_error=ratios[worst], tolerance=1.0, status="ok" if ratios[worst] <= 1.0 else "mismatch",
+               rule=f"triton error <= {BF16_FACTOR} x torch error + {BF16_FLOOR}, per tensor")
+    missing = sorted(set(want_grads) ^ set(grads))
+    if missing:
+        row.update(status="mismatch", missing_gradients=missing)
+    return row
+
+
 def model_section(smoke: bool, device, log) -> list[dict]:
     import torch
 
@@ -330,27 +362,31 @@ def model_section(smoke: bool, device, log) -> list[dict]:
             model = build_model(preset, overrides, device, train=True)
             ids = torch.randint(1, model.config.vocab_size, (batch, length),
                                 generator=torch.Generator().manual_seed(5)).to(device)
-            for label, autocast in (("fp32", None), ("bf16", torch.bfloat16)):
-                if autocast is not None and device.type != "cuda":
-                    continue  # the interpreter has no bf16 dot
-                previous = torch.get_float32_matmul_precision()
-                torch.set_float32_matmul_precision("highest")
-                try:
-                    with kernels.use_backend("triton"):
-                        logits, grads = loss_and_grads(model, ids, autocast)
-                    with kernels.use_backend("torch"):
-                        want_logits, want_grads = loss_and_grads(model, ids, autocast)
-                finally:
-                    torch.set_float32_matmul_precision(previous)
-                errors = {"logits": relative_error(logits, want_logits)}
-                missing = sorted(set(want_grads) ^ set(grads))
-                errors["gradients (worst parameter)"] = max(
-                    (relative_error(grads[n], want_grads[n]) for n in want_grads if n in grads), default=0.0)
-                row = record("model", f"{variant} triton vs torch {label}", errors, MODEL_TOLERANCE[label],
-                             preset=preset, batch=batch, length=length)
-                if missing:
-                    row.update(status="mismatch", missing_gradients=missing)
-                rows.append(row)
+            previous = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("highest")
+            try:
+                runs = {}
+                for label, autocast in (("fp32", None), ("bf16", torch.bfloat16)):
+                    if autocast is not None and device.type != "cuda":
+                        continue  # the interpreter has no bf16 dot
+                    for backend in ("triton", "torch"):
+                        with kernels.use_backend(backend):
+                            runs[label, backend] = loss_and_grads(model, ids, autocast)
+            finally:
+                torch.set_float32_matmul_precision(previous)
+            (logits, grads), (want_logits, want_grads) = runs["fp32", "triton"], runs["fp32", "torch"]
+            errors = {"logits": relative_error(logits, want_logits)}
+            errors["gradients (worst parameter)"] = max(
+                (relative_error(grads[n], want_grads[n]) for n in want_grads if n in grads), default=0.0)
+            row = record("model", f"{variant} triton vs torch fp32", errors, MODEL_TOLERANCE["fp32"],
+                         preset=preset, batch=batch, length=length)
+            missing = sorted(set(want_grads) ^ set(grads))
+            if missing:
+                row.update(status="mismatch", missing_gradients=missing)
+            rows.append(row)
+            if ("bf16", "triton") in runs:
+                rows.append(bf16_row(variant, preset, runs["bf16", "triton"], runs["bf16", "torch"],
+                                     runs["fp32", "torch"], batch=batch, length=length))
             rows.append(cached_decoding_row(variant, preset, model, device, smoke))
         except Exception as error:  # noqa: BLE001
             rows.append(error_record("model", variant, error, preset=preset))

@@ -4,8 +4,10 @@
 
 The session sends JSON only (the device tool returns at most 8 files); this writes, beside copies of them in
 `--out-dir`, each stage's Markdown (the stage script's own `markdown()`) and `session.md`: the machine and
-versions, each stage's status and seconds, and the headline ratios against their targets. The timing stages are
-reported only when the correctness stage ran and every check in it passed; otherwise session.md says why not.
+versions, each stage's status and seconds, and the headline ratios against their targets. Each timing is reported
+only where the checks it rests on passed: the kernel timings on the op checks (paper shapes and random problems),
+an end-to-end pair on its SwitchHead variant's whole-model checks; otherwise session.md says which check failed.
+A folder may hold more end-to-end files than the session's (`e2e*.json`, e.g. a pair rerun on the warm machine).
 """
 
 from __future__ import annotations
@@ -31,15 +33,22 @@ def load(folder: Path, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def correctness(check: dict | None) -> tuple[bool, str]:
-    """(passed, why): the check ran, every section it was asked for has rows, and none failed."""
+PAIR_VARIANT = {"47m-rope": "switchhead-rope", "262m-rope": "switchhead-rope", "47m-xl": "switchhead-xl",
+                "262m-xl": "switchhead-xl"}
+
+
+def correctness(check: dict | None, sections=None, variant: str | None = None) -> tuple[bool, str]:
+    """(passed, why): the check ran, every section asked for (all of the check's by default) has rows, and none
+    of them failed; with `variant`, only the model rows of that variant count in the model section."""
     if check is None:
         return False, "the correctness stage wrote no report"
-    rows = check["results"]
+    sections = list(sections or check["sections"])
+    rows = [r for r in check["results"] if r["section"] in sections
+            and (variant is None or r["section"] != "model" or r["name"].startswith(variant + " "))]
     failed = [r for r in rows if r["status"] in ("mismatch", "error")]
     if failed:
         return False, f"{len(failed)} correctness check(s) failed, e.g. {failed[0]['section']} / {failed[0]['name']}"
-    missing = [s for s in check["sections"] if not any(r["section"] == s for r in rows)]
+    missing = [s for s in sections if not any(r["section"] == s for r in rows)]
     if missing:
         return False, f"the correctness stage did not reach: {', '.join(missing)}"
     return True, ""
@@ -92,13 +101,27 @@ def render(folder: Path, out_dir: Path) -> Path:
         if path.is_file() and path.suffix in (".json", ".txt") and path.resolve() != (out_dir / path.name).resolve():
             shutil.copyfile(path, out_dir / path.name)
     summary = load(folder, "summary.json") or {"stages": []}
-    reports = {stage: load(folder, name) for stage, name in STAGE_FILES.items()}
+    files = dict(STAGE_FILES)
+    files.update({p.stem: p.name for p in sorted(folder.glob("e2e*.json")) if p.name not in STAGE_FILES.values()})
+    reports = {stage: load(folder, name) for stage, name in files.items()}
     renderers = {"check": gpu_check.markdown, "compile": gpu_check.markdown, "cvmm": bench_cvmm.markdown,
-                 "e2e": bench_e2e.markdown, "e2e_262m": bench_e2e.markdown}
+                 **{k: bench_e2e.markdown for k in reports if k.startswith("e2e")}}
+    withheld = {}  # end-to-end file -> its pairs whose whole-model checks did not pass
     for stage, report in reports.items():
-        if report is not None:
-            (out_dir / STAGE_FILES[stage]).with_suffix(".md").write_text(renderers[stage](report))
+        if report is None:
+            continue
+        if stage.startswith("e2e"):
+            verdicts = {p["pair"]: correctness(reports["check"], ("model",), PAIR_VARIANT.get(p["pair"], "?"))
+                        for p in report["pairs"]}
+            withheld[stage] = {pair: why for pair, (ok, why) in verdicts.items() if not ok}
+            report = dict(report, pairs=[p for p in report["pairs"] if p["pair"] not in withheld[stage]])
+            reports[stage] = report
+        text = renderers[stage](report)
+        if withheld.get(stage):
+            text += "".join(f"\nWithheld: {pair} ({why}).\n" for pair, why in withheld[stage].items())
+        (out_dir / files[stage]).with_suffix(".md").write_text(text)
     passed, why = correctness(reports["check"])
+    ops_passed, ops_why = correctness(reports["check"], ("paper", "sweep"))
     env = next((r["environment"] for r in (reports["check"], reports["e2e"], reports["compile"]) if r), {})
     lines = ["# GPU session", "", f"Device: {env.get('device', '?')}; driver {env.get('driver')}; CUDA "
              f"{env.get('cuda')}; torch {env.get('torch')}; triton {env.get('triton')}; transformers "
@@ -108,15 +131,18 @@ def render(folder: Path, out_dir: Path) -> Path:
         lines.append(f"| {entry['stage']} | {entry['status']} | {entry.get('seconds', '-')} | "
                      f"{entry.get('budget_s', '-')} |")
     lines += ["", f"Correctness: {'every check passed' if passed else 'FAILED: ' + why}.", ""]
-    if not passed:
-        lines += ["The timing stages are not reported: their kernels are not known to be correct on this device."]
-    else:
-        if reports["cvmm"] is not None:
-            lines += ["## Kernel: forward+backward as a fraction of a same-FLOP dense matmul (bf16)", "",
-                      *kernel_lines(reports["cvmm"]), ""]
-        e2e = [r for r in (reports["e2e"], reports["e2e_262m"]) if r is not None]
-        if e2e:
-            lines += ["## End to end: SwitchHead / parameter-matched dense", "", *e2e_lines(e2e), ""]
+    if reports["check"] is not None:
+        failed = [r for r in reports["check"]["results"] if r["status"] in ("mismatch", "error")]
+        lines += [f"- failed: {r['section']} / {r['name']}" for r in failed] + ([""] if failed else [])
+    if reports["cvmm"] is not None:
+        lines += ["## Kernel: forward+backward as a fraction of a same-FLOP dense matmul (bf16)", ""]
+        lines += [*kernel_lines(reports["cvmm"]), ""] if ops_passed else [
+            f"Not reported: the op checks did not pass ({ops_why}).", ""]
+    e2e = [r for k, r in reports.items() if k.startswith("e2e") and r is not None]
+    if e2e:
+        lines += ["## End to end: SwitchHead / parameter-matched dense", ""]
+        lines += [f"- {pair}: not reported ({why})." for pairs in withheld.values() for pair, why in pairs.items()]
+        lines += ["", *e2e_lines(e2e), ""]
     path = out_dir / "session.md"
     path.write_text("\n".join(lines) + "\n")
     return path

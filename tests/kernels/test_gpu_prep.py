@@ -316,16 +316,42 @@ def test_gpu_run_sh_starts_no_stage_the_budget_cannot_hold(tmp_path):
 
 
 def test_gpu_report_withholds_timings_when_a_check_failed(tmp_path):
+    """Kernel timings rest on the op checks: with one of them failed, session.md shows no kernel figure."""
     import gpu_report
 
-    check = dict(environment=dict(device="GPU"), sections=["paper", "sweep"], results=[
+    check = dict(environment=dict(device="GPU", torch="t", triton="t", transformers="t"), smoke=False, seconds=1.0,
+                 sections=["paper", "sweep"], results=[
         dict(section="paper", name="p", status="ok"), dict(section="sweep", name="s1", status="mismatch")])
     cvmm = dict(results=[dict(problem="p", impl="cvmm", mode="forward+backward", ms=1.0, fraction_of_dense=0.9)])
     (tmp_path / "gpu_check.json").write_text(json.dumps(check))
     (tmp_path / "cvmm.json").write_text(json.dumps(dict(cvmm, device="GPU", torch="t", triton="t", dtype="bf16",
                                                         cvmm_backend="triton", timing="x", full_paper_shapes=True)))
     session = gpu_report.render(tmp_path, tmp_path / "r").read_text()
-    assert "FAILED: 1 correctness check(s) failed" in session and "## Kernel" not in session
+    assert "FAILED: 1 correctness check(s) failed" in session and "0.90" not in session
+    assert "Not reported: the op checks did not pass" in session
     assert gpu_report.correctness(dict(check, results=check["results"][:1]))[0] is False  # sweep never reached
     check["results"][1]["status"] = "ok"
     assert gpu_report.correctness(check) == (True, "")
+
+
+def test_bf16_model_check_compares_each_path_with_fp32():
+    """The bf16 whole-model check: the Triton path may be as far from the fp32 result as the PyTorch path is (times
+    1.5); a gradient it gets wrong, even one whose fp32 error would look small next to bf16 rounding, fails it."""
+    generator = torch.Generator().manual_seed(0)
+    want = (torch.randn(4, 8, generator=generator), {"a": torch.randn(5, generator=generator),
+                                                     "b": torch.randn(3, generator=generator)})
+
+    def rounded(run, scale):
+        logits, grads = run
+        noise = lambda t: t + scale * t.abs().max() * torch.randn(t.shape, generator=generator)  # noqa: E731
+        return noise(logits), {k: noise(v) for k, v in grads.items()}
+
+    torch_run = rounded(want, 0.3)  # bf16 rounding of this size is what the 47M presets show
+    ok = gpu_check.bf16_row("v", "p", rounded(want, 0.3), torch_run, want)
+    assert ok["status"] == "ok" and ok["worst_error"] <= 1.0, ok
+    wrong_logits, wrong_grads = rounded(want, 0.3)
+    wrong_grads["b"] = -want[1]["b"]  # a sign error in one tensor: twice its largest value away
+    bad = gpu_check.bf16_row("v", "p", (wrong_logits, wrong_grads), torch_run, want)
+    assert bad["status"] == "mismatch" and "worst tensor b" in " ".join(bad["errors"])
+    missing = gpu_check.bf16_row("v", "p", (wrong_logits, {"a": wrong_grads["a"]}), torch_run, want)
+    assert missing["status"] == "mismatch" and missing["missing_gradients"] == ["b"]
