@@ -338,8 +338,8 @@ def test_bf16_model_check_compares_each_path_with_fp32():
     """The bf16 whole-model check: the Triton path may be as far from the fp32 result as the PyTorch path is (times
     1.5); a gradient it gets wrong, even one whose fp32 error would look small next to bf16 rounding, fails it."""
     generator = torch.Generator().manual_seed(0)
-    want = (torch.randn(4, 8, generator=generator), {"a": torch.randn(5, generator=generator),
-                                                     "b": torch.randn(3, generator=generator)})
+    want = (torch.randn(4, 1000, generator=generator), {"a": torch.randn(2000, generator=generator),
+                                                        "b": torch.randn(1500, generator=generator)})
 
     def rounded(run, scale):
         logits, grads = run
@@ -350,7 +350,7 @@ def test_bf16_model_check_compares_each_path_with_fp32():
     ok = gpu_check.bf16_row("v", "p", rounded(want, 0.3), torch_run, want)
     assert ok["status"] == "ok" and ok["worst_error"] <= 1.0, ok
     wrong_logits, wrong_grads = rounded(want, 0.3)
-    wrong_grads["b"] = -want[1]["b"]  # a sign error in one tensor: twice its largest value away
+    wrong_grads["b"] = -2 * want[1]["b"]  # a wrong sign and scale in one tensor: 3x its largest value away
     bad = gpu_check.bf16_row("v", "p", (wrong_logits, wrong_grads), torch_run, want)
     assert bad["status"] == "mismatch" and "worst tensor b" in " ".join(bad["errors"])
     missing = gpu_check.bf16_row("v", "p", (wrong_logits, {"a": wrong_grads["a"]}), torch_run, want)
