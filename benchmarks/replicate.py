@@ -47,9 +47,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = str(REPO.parent / "shared" / "data" / "wikitext-2")
+# the test data folder: $SWITCHHEAD_DATA_DIR (which the evaluation tasks read too), else ../shared/data
+DATA_ROOT = Path(os.environ.get("SWITCHHEAD_DATA_DIR") or REPO.parent / "shared" / "data").expanduser()
+DEFAULT_DATA = str(DATA_ROOT / "wikitext-2")
 RESULTS_DIR = REPO / "benchmarks" / "results"
-BLIMP_DIR = REPO.parent / "shared" / "data" / "blimp"
+BLIMP_DIR = DATA_ROOT / "blimp"
 RUN_RECORD = "run.json"
 READING_MARKER = "<!-- reading: hand-written below this line, kept when the tables above are regenerated -->"
 

@@ -2,8 +2,11 @@
 
     python scripts/compat_matrix.py [--main-log FILE] [--releases 5.17.0,5.19.0,newest] [pytest args...]
 
-Each release gets a virtual environment that sees this machine's packages (`--system-site-packages`: torch,
-the editable switchhead, the test extras) and installs only what differs, so the environments share every wheel.
+Each release gets a virtual environment that sees the packages of the interpreter running this script (torch, the
+editable switchhead, the test extras), whether that is a virtual environment, a conda environment or the system's:
+a `.pth` file chains the running interpreter's site directories after the environment's own, so it installs only
+what differs and the environments share every wheel. (`venv --system-site-packages` would expose the *base*
+interpreter's packages instead, which inside a virtual environment are not the ones the main run uses.)
 The releases: the oldest supported (`OLDEST_SUPPORTED` of the model's compatibility file), 5.19.0 (the newest
 that vLLM's CPU build accepts) and the newest on the package registry at the time of the run, never a pinned
 number, so that a new release is tested the day it appears. In the newest environment peft, accelerate and lm-eval
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import time
@@ -66,15 +71,55 @@ def cache_root() -> Path:
     return Path(base) / "switchhead"
 
 
+def running_site_dirs() -> list[str]:
+    """The site directories of the interpreter running this script, in its sys.path order: a virtual
+    environment's own (plus the base's where it was made with --system-site-packages), a conda environment's, or
+    the system's and the user's. These hold what the main test run imports."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    found = list(dict.fromkeys(os.path.realpath(d) for d in dirs if os.path.isdir(d)))
+    on_path = [os.path.realpath(entry) for entry in sys.path if entry]
+    return sorted(found, key=lambda d: on_path.index(d) if d in on_path else len(on_path))
+
+
+CHAIN_MODULE = "_switchhead_running_env"
+
+
+def create_env(root: Path, site_dirs: list[str]) -> Path:
+    """A virtual environment at `root` whose python sees its own packages first, then those in `site_dirs`.
+
+    The chain is a module plus a `.pth` file that imports it in the environment's site-packages: `site.addsitedir`
+    appends each directory after the environment's own and processes its `.pth` files too (an editable install's
+    finder, for one), which a plain path line in a `.pth` file would not."""
+    check(run([sys.executable, "-m", "venv", str(root)]))
+    python = root / "bin" / "python"
+    result = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"])
+    check(result)
+    purelib = Path(result.stdout.strip())
+    (purelib / f"{CHAIN_MODULE}.py").write_text(
+        '"""Written by scripts/compat_matrix.py: the test run\'s packages, seen after this environment\'s own."""\n'
+        "import site\nimport sys\n\n"
+        f"for directory in {site_dirs!r}:\n"
+        "    if directory not in sys.path:\n"
+        "        site.addsitedir(directory)\n")
+    (purelib / f"{CHAIN_MODULE}.pth").write_text(f"import {CHAIN_MODULE}\n")
+    return python
+
+
 def build_env(release: str, newest: bool) -> Path:
-    """The environment's python for `release`, built once (a `.complete` marker is written last)."""
-    name = f"compat-venv-py{sys.version_info[0]}{sys.version_info[1]}-transformers{release}" + ("-newest" * newest)
+    """The environment's python for `release`, built once (a `.complete` marker is written last). Its name carries
+    the running interpreter's site directories (hashed): another environment running the matrix gets its own."""
+    site_dirs = running_site_dirs()
+    chained = hashlib.sha256("\n".join(site_dirs).encode()).hexdigest()[:10]
+    name = (f"compat-venv-py{sys.version_info[0]}{sys.version_info[1]}-transformers{release}" + ("-newest" * newest)
+            + f"-{chained}")
     root = cache_root() / name
     python = root / "bin" / "python"
     if (root / ".complete").is_file():
         return python
     shutil.rmtree(root, ignore_errors=True)  # an interrupted build: start again
-    check(run([sys.executable, "-m", "venv", "--system-site-packages", str(root)]))
+    create_env(root, site_dirs)
     pins = root / "pins.txt"  # keeps the upgrades of the newest environment from moving transformers or torch
     pins.write_text(f"transformers=={release}\n{TORCH_PIN}\n")
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(pins)]

@@ -5,6 +5,8 @@
 # oldest supported, 5.19 for vLLM, and the newest on the registry), and print one line per release.
 # torch comes from the local CPU wheel (pinned); an unpinned torch would pull a multi-GB CUDA build.
 # Arguments go to pytest in every run (e.g. -ra). SWITCHHEAD_COMPAT_RELEASES=none skips the matrix.
+# The test data ($SWITCHHEAD_DATA_DIR, else ../shared/data): python scripts/fetch_test_data.py gets it; without it
+# the tests that need it are skipped and the run says so (SWITCHHEAD_REQUIRE_DATA=1, set by .ci/run: an error).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q "torch==2.13.0" "triton==3.7.1"

@@ -1,4 +1,5 @@
-"""Shared test setup: offline Hugging Face, deterministic seeds, the path of the read-only shared data."""
+"""Shared test setup: offline Hugging Face, deterministic seeds, the read-only test data (helpers/data.py: where it
+is, and what a run without it does)."""
 
 import os
 from pathlib import Path
@@ -10,8 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from helpers import data as test_data  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("SWITCHHEAD_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+SHARED_DATA = test_data.data_dir()
 
 
 @pytest.fixture(autouse=True)
@@ -22,9 +25,8 @@ def _seed():
 
 @pytest.fixture
 def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"shared test data not found at {SHARED_DATA}; set SWITCHHEAD_SHARED_DATA")
-    return SHARED_DATA
+    """The test data folder with every file of the manifest (else the test is skipped: helpers/data.py)."""
+    return test_data.require()
 
 
 def pytest_configure(config):
@@ -72,6 +74,7 @@ def _compat_entry(nodeid: str) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    _say_what_data_is_missing(config)
     matched = set()
     for item in items:
         entry = _compat_entry(item.nodeid)
@@ -84,3 +87,34 @@ def pytest_collection_modifyitems(config, items):
     missing = [entry for entry in COMPAT_SUBSET if entry not in matched]
     if whole_suite and missing:
         raise pytest.UsageError(f"COMPAT_SUBSET entries match no test (renamed?): {', '.join(missing)}")
+
+
+# ------------------------------------------------------------------------------------------- without the test data
+def _say_what_data_is_missing(config) -> None:
+    """Once, before any test runs: what is missing and the command that gets it; under $SWITCHHEAD_REQUIRE_DATA (CI)
+    the run stops here instead, so that no test can be skipped for want of data."""
+    absent = test_data.missing()
+    if not absent:
+        return
+    if test_data.required():
+        raise pytest.UsageError(f"{test_data.message(absent)}. {test_data.REQUIRE_ENV} is set (CI): every test must "
+                                f"run, none may be skipped for want of data")
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"{test_data.message(absent)}. The tests that need it are skipped.", yellow=True,
+                            bold=True)
+
+
+_data_skips = 0
+
+
+def pytest_runtest_logreport(report):
+    global _data_skips
+    if report.skipped and isinstance(report.longrepr, tuple) and test_data.SKIP_TAG in str(report.longrepr[2]):
+        _data_skips += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _data_skips:
+        terminalreporter.write_line(f"{_data_skips} test{'s' * (_data_skips != 1)} skipped for want of data: "
+                                    f"{test_data.message(test_data.missing())}", yellow=True, bold=True)

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-WIKITEXT2 = REPO.parent / "shared" / "data" / "wikitext-2"
-SCRIPT = REPO / "benchmarks" / "replicate.py"
+from helpers.data import require
 
-pytestmark = pytest.mark.skipif(not WIKITEXT2.is_dir(), reason="needs ../shared/data/wikitext-2")
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "replicate.py"
 
 
 def _load():
@@ -45,10 +44,11 @@ def _smoke(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """One --smoke grid on slices of WikiText-2 (the first 60 kB of each split)."""
+    wikitext2 = require("wikitext-2", "blimp", "lambada") / "wikitext-2"  # the grid's zero-shot reads the other two
     tmp = tmp_path_factory.mktemp("replicate")
     (tmp / "data").mkdir()
     for split in ("train", "valid", "test"):
-        with open(WIKITEXT2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
+        with open(wikitext2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
             (tmp / "data" / f"wiki.{split}.tokens").write_text(handle.read(60_000), encoding="utf-8")
     done = _smoke(tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -17,6 +17,7 @@ from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.cli import main
 from switchhead.evaluation import TASKS_DIR
 from switchhead.evaluation.tasks import utils as task_data
+from helpers.data import require
 from switchhead.evaluation.zero_shot import (ContinuationScorer, paper_blimp, paper_cbt, paper_lambada, run_lm_eval,
                                              summarize)
 
@@ -27,11 +28,7 @@ LM_EVAL_TASKS = ["switchhead_lambada"] + [f"switchhead_blimp_{p}" for p in PARAD
 
 @pytest.fixture(scope="module")
 def data_dir():
-    path = Path(__file__).resolve().parents[3] / "shared" / "data"
-    path = Path(os.environ.get("SWITCHHEAD_SHARED_DATA", path))
-    if not path.is_dir():
-        pytest.fail(f"shared test data not found at {path}; set SWITCHHEAD_SHARED_DATA")
-    return path
+    return require()
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +105,11 @@ def test_lm_eval_cli_runs_offline_and_python_entry_point_gives_the_same_numbers(
     assert {"acc", "perplexity"} <= set(python["switchhead_lambada"])
 
 
-def test_lambada_scores_equal_hand_computed_token_logprobs(python_run, loaded):
+def test_lambada_scores_equal_hand_computed_token_logprobs(python_run, loaded, data_dir):
     model, tokenizer = loaded
     samples = python_run["samples"]["switchhead_lambada"]
     assert len(samples) == LIMIT
-    rows = task_data.lambada_rows({"data_dir": str(Path(TASKS_DIR, task_data.DEFAULT_DATA_DIR))})[:LIMIT]
+    rows = task_data.lambada_rows({"data_dir": str(data_dir)})[:LIMIT]
     hand = []
     for sample, row in zip(samples, rows):
         context, word = row["text"].rsplit(" ", 1)
@@ -166,8 +163,9 @@ def test_wikitext_articles_and_every_blimp_paradigm_have_tasks(data_dir):
 def test_missing_data_gives_an_error_naming_the_setting(tmp_path):
     with pytest.raises(FileNotFoundError, match="SWITCHHEAD_LAMBADA_PATH"):
         task_data.lambada_rows({"data_dir": str(tmp_path)})
-    relative = task_data.data_path("blimp_dir", {"data_dir": "../../../shared/data"})
-    assert relative.is_absolute() and relative.is_dir()  # relative paths resolve against the task folder
+    (tmp_path / "blimp").mkdir()
+    relative = task_data.data_path("blimp_dir", {"data_dir": os.path.relpath(tmp_path, TASKS_DIR)})
+    assert relative == (tmp_path / "blimp").resolve()  # relative paths resolve against the task folder
 
 
 CBT_TEXT = """1 Once upon a time there was a little dog .
@@ -419,14 +417,14 @@ def test_progress_writes_few_plain_lines_to_a_log():
     assert lines[-1].startswith("zero-shot log-likelihood: 139,153/139,153 requests (100%)")
 
 
-def test_one_bar_lm_gives_lm_eval_numbers_without_its_bars(model_dir, capfd):
+def test_one_bar_lm_gives_lm_eval_numbers_without_its_bars(model_dir, data_dir, capfd):
     """Our HFLM subclass (one progress report per request type) against lm-eval's own HFLM, same requests."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
     from switchhead.evaluation.zero_shot import _one_bar_hflm_class
 
-    rows = task_data.lambada_rows({"data_dir": str(Path(TASKS_DIR, task_data.DEFAULT_DATA_DIR))})[:30]
+    rows = task_data.lambada_rows({"data_dir": str(data_dir)})[:30]
     pairs = [(row["text"].rsplit(" ", 1)[0][-100:], " " + row["text"].rsplit(" ", 1)[1]) for row in rows]
     requests = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
     pages = [(row["text"][:300],) for row in rows[:3]]

@@ -21,7 +21,6 @@ Hub, which lm-eval does not ship; `reference_wikitext_pages` below re-states its
 import functools
 import json
 import logging
-import os
 import random
 from pathlib import Path
 
@@ -45,10 +44,9 @@ SYNTHETIC_PAGES = [" = A = \n \n a b . \n ", " = B = \n \n c d . \n \n"]  # the 
 
 @pytest.fixture(scope="module")
 def data_dir():
-    path = Path(os.environ.get("SWITCHHEAD_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
-    if not path.is_dir():
-        pytest.fail(f"shared test data not found at {path}; set SWITCHHEAD_SHARED_DATA")
-    return path
+    from helpers.data import require
+
+    return require()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -17,9 +16,9 @@ from transformers import GPT2Tokenizer
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_DATA = Path(os.environ.get("SWITCHHEAD_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
-GPT2_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt2"
+from helpers.data import require
+
+GPT2 = "tokenizers/gpt2"
 # files a user's Hub repository needs so that `from_pretrained(repo, trust_remote_code=True)` works anywhere
 HUB_FILES = ("config.json", "generation_config.json", "model.safetensors", "configuration_switchhead.py",
              "modeling_switchhead.py", "expert_ops.py", "positions.py", "tensor_parallel.py", "checkpoint_format.py",
@@ -28,11 +27,8 @@ HUB_FILES = ("config.json", "generation_config.json", "model.safetensors", "conf
 
 @functools.lru_cache(maxsize=1)  # building the fast tokenizer from vocab/merges takes ~10 s; do it once per run
 def gpt2_tokenizer() -> GPT2Tokenizer:
-    vocab, merges = GPT2_TOKENIZER / "vocab.json", GPT2_TOKENIZER / "merges.txt"
-    if not (vocab.is_file() and merges.is_file()):
-        raise FileNotFoundError(f"GPT-2 vocab.json / merges.txt not found under {GPT2_TOKENIZER}; "
-                                f"set SWITCHHEAD_SHARED_DATA to the shared data folder")
-    return GPT2Tokenizer.from_pretrained(GPT2_TOKENIZER)  # a local folder: no Hub access
+    """The GPT-2 tokenizer of the test data (the calling test is skipped where it is missing: helpers/data.py)."""
+    return GPT2Tokenizer.from_pretrained(require(GPT2) / GPT2)  # a local folder: no Hub access
 
 
 def save_hub_folder(path: Path, preset: str = "tiny-switchall", seed: int = 0) -> SwitchHeadForCausalLM:

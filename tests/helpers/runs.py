@@ -9,10 +9,9 @@ from switchhead.training.data import load_documents
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from conftest import SHARED_DATA
+    from helpers.data import require
 
-    data = SHARED_DATA / "wikitext-2" / "wiki.valid.tokens"
-    assert data.is_file(), f"shared data missing: {data}"
+    data = require("wikitext-2") / "wikitext-2" / "wiki.valid.tokens"
     folder = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(load_documents(str(data))[0], 512).save_pretrained(folder)
     return str(data), str(folder)

@@ -29,10 +29,9 @@ SETTINGS = dict(block_size=32, batch_size=8, max_steps=6, warmup_steps=0, log_ev
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
     """(text file, tokenizer folder): WikiText-2 validation text and a 512-token BPE trained on it once."""
-    from conftest import SHARED_DATA
+    from helpers.data import require
 
-    data = SHARED_DATA / "wikitext-2" / "wiki.valid.tokens"
-    assert data.is_file(), f"shared data missing: {data}"
+    data = require("wikitext-2") / "wikitext-2" / "wiki.valid.tokens"
     folder = tmp_path_factory.mktemp("tokenizer")
     documents, _ = load_documents(str(data))
     train_tokenizer(documents, 512).save_pretrained(folder)

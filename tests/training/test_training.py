@@ -124,8 +124,9 @@ def test_dense_baseline_is_parameter_matched_by_widening_its_mlp():
 @pytest.fixture(scope="module")
 def wikitext_run(tmp_path_factory):
     """A tiny SwitchHead model trained on WikiText-2 (tokenizer trained on its training split)."""
-    data = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2"
-    data = Path(os.environ.get("SWITCHHEAD_SHARED_DATA", data.parent)) / "wikitext-2"
+    from helpers.data import require
+
+    data = require("wikitext-2") / "wikitext-2"
     output = tmp_path_factory.mktemp("wikitext-run")
     config = TrainingConfig.from_preset("tiny-switchhead", data=str(data), output_dir=str(output), vocab_size=2048,
                                         block_size=64, batch_size=16, max_steps=150, warmup_steps=15,
