@@ -62,6 +62,30 @@ def refuse_existing_output(path: str, overwrite: bool, option: str = "--overwrit
         fail(f"output {path!r} already exists; pass {option} to replace it, or choose another path")
 
 
+def check_device(name: str) -> str:
+    """A `--device` value that names a device this machine has ("cpu", "cuda", "cuda:1", "mps", ...), else a
+    UsageError saying which exist (torch's own errors for `tpu:7` or a missing GPU are tracebacks)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        device = None
+    available = ["cpu"]
+    if torch.cuda.is_available():
+        available += ["cuda"] + [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        available.append("mps")
+    if device is not None and device.type == "cpu":
+        return name
+    if device is not None and device.type == "cuda" and torch.cuda.is_available() and \
+            (device.index is None or device.index < torch.cuda.device_count()):
+        return name
+    if device is not None and device.type == "mps" and "mps" in available:
+        return name
+    fail(f"--device {name!r} is not a device of this machine; choose one of {', '.join(available)}")
+
+
 def config_field_names() -> list[str]:
     """Every field a SwitchHeadConfig accepts (its own, the inherited PreTrainedConfig ones, `rope_theta`)."""
     import dataclasses

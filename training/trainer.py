@@ -56,7 +56,8 @@ from typing import Any
 import torch
 
 from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
-from ..integrity import LOCK_NAME, MANIFEST, FolderLock, read_manifest, write_manifest
+from ..integrity import (LOCK_NAME, MANIFEST, FolderLock, UnloadableModel, check_model_size, read_manifest,
+                         write_manifest)
 from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, RngStateError, checkpoint_dirs, inspect_checkpoint,
                                read_memory, read_rng_state, restore_rng_state, unloadable_file, write_memory,
                                write_rng_state)
@@ -211,6 +212,10 @@ def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_pro
     if isinstance(config.skip_nonfinite, bool) or not isinstance(config.skip_nonfinite, int) \
             or config.skip_nonfinite < 0:
         raise TrainingError(f"skip_nonfinite must be an integer >= 0, got {config.skip_nonfinite!r}")
+    try:  # weights, gradients and AdamW's two moments in fp32: 16 bytes a parameter, before any is allocated
+        check_model_size(model_config, bytes_per_parameter=16, what="the model to train")
+    except UnloadableModel as error:
+        raise TrainingError(str(error)) from None
 
 
 def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
