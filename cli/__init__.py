@@ -141,7 +141,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _LibraryNoise:
+    """Other libraries' messages that are not about the user's command, dropped from our commands' stderr (logger
+    name -> the start of the message). Each comes before our own one-line error when it shows at all:
+    bitsandbytes failing to fetch an optional CPU kernel from the Hub at import (finetune imports it through PEFT);
+    Transformers warning that a config of another model type is read as ours (our own check names the problem)."""
+
+    MESSAGES = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward",
+                "transformers.configuration_utils": "You are using a model of type"}
+
+    def filter(self, record) -> bool:
+        start = self.MESSAGES.get(record.name)
+        return start is None or not record.getMessage().startswith(start)
+
+
+_NOISE = _LibraryNoise()  # one instance: installing it again adds nothing
+
+
+def quiet_library_noise() -> None:
+    """Install the filters of `_LibraryNoise`, and drop torch's warning that a pickle of another protocol is read
+    by its restricted loader (the file is refused or loaded all the same; a planted pickle triggers it)."""
+    import logging
+    import warnings
+
+    for name in _LibraryNoise.MESSAGES:
+        logging.getLogger(name).addFilter(_NOISE)
+    warnings.filterwarnings("ignore", message=r"Detected pickle protocol \d+ in the checkpoint", category=UserWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_noise()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a subcommand that relaunches itself

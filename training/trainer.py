@@ -58,9 +58,9 @@ import torch
 from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
 from ..integrity import (LOCK_NAME, MANIFEST, FolderLock, UnloadableModel, check_model_size, read_manifest,
                          write_manifest)
-from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, RngStateError, checkpoint_dirs, inspect_checkpoint,
-                               read_memory, read_rng_state, restore_rng_state, unloadable_file, write_memory,
-                               write_rng_state)
+from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, MAX_PROCESSES, RngStateError, checkpoint_dirs,
+                               inspect_checkpoint, read_memory, read_rng_state, restore_rng_state, unloadable_file,
+                               write_memory, write_rng_state)
 from .data import DataError, TokenBatches, load_documents, load_tokenizer, tokenize_documents, train_tokenizer, \
     unigram_perplexity
 
@@ -369,8 +369,12 @@ def read_checkpoint_state(path: str) -> dict[str, Any]:
         with open(os.path.join(path, CHECKPOINT_STATE)) as handle:
             state = json.load(handle)
         state["config"]["adam_betas"] = tuple(state["config"]["adam_betas"])
+        for name, low, high in (("step", 0, None), ("num_processes", 1, MAX_PROCESSES), ("skipped_updates", 0, None)):
+            value = state.get(name, low)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                raise ValueError(f"{name} {str(value)[:40]} is not an integer in [{low}, {high or 'inf'}]")
         return state
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise TrainingError(f"--resume: checkpoint {path!r} is corrupt ({CHECKPOINT_STATE}: {error})") from None
 
 
