@@ -3,8 +3,11 @@ or with `--engine vllm` vLLM's OpenAI-compatible server (`vllm serve`, our model
 
 Refused in one line (exit code 2) before the server starts: a folder without config.json, a name that is neither
 a folder nor a Hub id, an '@' in the path (the server reads it as a revision), a port out of range or taken,
-paged-cache sizes below 1, weights that do not fit config.json, missing serving dependencies; with `--engine vllm`:
-vLLM not installed, options only Transformers' server has, `--vllm-args` that do not parse.
+paged-cache sizes below 1 or past the machine's memory, a `--device` the machine does not have, a folder that
+`switchhead.integrity.check_saved_model` refuses (a manifest that does not verify unless `--no-verify`, pickled or
+missing weights, weights that do not fit config.json, NaN weights: as generate and eval refuse them), missing
+serving dependencies; with `--engine vllm`: vLLM not installed, options only Transformers' server has,
+`--vllm-args` that do not parse.
 """
 
 from __future__ import annotations
