@@ -122,8 +122,8 @@ def weight_files(folder: str) -> list[str]:
         raise UnloadableModel(f"model folder {folder!r} holds its weights only as {pickled[0]}, a pickle, which is "
                               "never loaded here (unpickling can run code stored in the file); save the model with "
                               "safetensors (save_pretrained's default) from a source you trust")
-    raise UnloadableModel(f"model folder {folder!r} has no weights (no model.safetensors or "
-                          "model.safetensors.index.json); give a save_pretrained folder")
+    raise UnloadableModel(f"model folder {folder!r} has no model.safetensors (or model.safetensors.index.json): it "
+                          "holds no weights; give a save_pretrained folder")
 
 
 def _headers(folder: str, files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -827,7 +827,7 @@ def _damage(folder: Path, how: str, marker: Path | None = None) -> None:
 DAMAGES = [  # (how, preset, words of the refusal)
     ("nan", "tiny-switchhead", "NaN or infinite"),
     ("pickle-only", "tiny-switchhead", "only as pytorch_model.bin, a pickle, which is never loaded"),
-    ("no-weights", "tiny-switchhead", "has no weights"),
+    ("no-weights", "tiny-switchhead", "it holds no weights"),
     ("shapes", "tiny-switchhead", "the weights do not belong to this config.json"),
     ("million-layers", "tiny-switchhead", "num_hidden_layers 1000000, but the weights hold 2 layers"),
     ("old-and-new-names", "tiny-switchall", "with different values; which one is meant cannot be told"),
