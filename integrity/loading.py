@@ -56,19 +56,30 @@ def check_fits_memory(needed: int | float, what: str) -> None:
                               "make it smaller")
 
 
-def parameter_count(config) -> int:
-    """Parameters of the causal LM that `config` describes, counted on the meta device (nothing is allocated):
-    the model with one and with two layers gives the cost of the rest and of one layer, so even a config of 10^6
-    layers costs two small meta models."""
+def meta_model(config):
+    """The model `config` describes (its saved architecture, else a causal LM), built on the meta device: shapes
+    only, nothing allocated."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    import switchhead
+
+    with torch.device("meta"):
+        for name in getattr(config, "architectures", None) or ():
+            model_class = getattr(switchhead, name, None) or getattr(transformers, name, None)
+            if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
+                return model_class(config)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def parameter_count(config) -> int:
+    """Parameters of the model that `config` describes, counted on the meta device (nothing is allocated): the
+    model with one and with two layers gives the cost of the rest and of one layer, so even a config of 10^6 layers
+    costs two small meta models."""
     def count(layers: int) -> int:
         small = copy.deepcopy(config)
         small.num_hidden_layers = layers
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(small)
-        return sum(parameter.numel() for parameter in model.parameters())
+        return sum(parameter.numel() for parameter in meta_model(small).parameters())
 
     layers = int(config.num_hidden_layers)
     one = count(1)
@@ -138,18 +149,15 @@ def _headers(folder: str, files: list[str]) -> dict[str, tuple[str, tuple[int, .
     return tensors
 
 
-def _expected_shapes(config) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def _expected_shapes(config) -> tuple[dict[str, tuple[int, ...]], set[str], str]:
     """({name: shape} of what the model config.json describes saves (parameters and persistent buffers), the names
-    a file may leave out: weights tied to another one), from a model built on the meta device."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    a file may leave out (weights tied to another one), its base model's prefix), from a meta-device model."""
+    model = meta_model(config)
     tied = set()
     if getattr(config, "tie_word_embeddings", False):
         tied.update(getattr(model, "_tied_weights_keys", None) or ())  # {tied name: its source} (a list before 5.0)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}, tied
+    return ({name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}, tied,
+            getattr(model, "base_model_prefix", ""))
 
 
 def _saved_names(config) -> dict[str, str]:
@@ -187,8 +195,11 @@ def weight_problem(config, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> s
     if problem is not None:
         return problem
     renamed = _saved_names(config)
-    expected, tied = _expected_shapes(config)
+    expected, tied, prefix = _expected_shapes(config)
     present = {_rename(key, renamed): (key, file, shape) for key, (file, shape) in tensors.items()}
+    # a base model's folder (`h.0...`) read as its LM (`transformer.h.0...`), as Transformers reads it
+    present.update({f"{prefix}.{name}": entry for name, entry in list(present.items())
+                    if prefix and f"{prefix}.{name}" not in present})
     for name, want in expected.items():
         if name not in present:
             if name in tied:
@@ -265,5 +276,5 @@ def check_saved_model(folder: str, verify: bool = True) -> None:
     _check_values(folder, config, tensors)
 
 
-__all__ = ["UnloadableModel", "check_fits_memory", "check_model_size", "check_saved_model", "parameter_count",
-           "physical_memory_bytes", "read_config", "weight_files", "weight_problem"]
+__all__ = ["UnloadableModel", "check_fits_memory", "check_model_size", "check_saved_model", "meta_model",
+           "parameter_count", "physical_memory_bytes", "read_config", "weight_files", "weight_problem"]

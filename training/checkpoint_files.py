@@ -266,5 +266,5 @@ def inspect_checkpoint(path: str, allow_pickle: bool = False) -> tuple[list[str]
     return other, rng
 
 
-__all__ = ["CHECKPOINT_STATE", "MAX_PROCESSES", "RngStateError", "capture_rng_state", "checkpoint_dirs", "inspect_checkpoint",
-           "read_memory", "read_rng_state", "restore_rng_state", "unloadable_file", "write_memory", "write_rng_state"]
+__all__ = ["CHECKPOINT_STATE", "MAX_PROCESSES", "RngStateError", "capture_rng_state", "checkpoint_dirs",
+           "inspect_checkpoint", "read_memory", "read_rng_state", "restore_rng_state", "unloadable_file", "write_memory", "write_rng_state"]
