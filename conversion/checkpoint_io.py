@@ -95,13 +95,12 @@ def atomic_output(destination: str, is_dir: bool, overwrite: bool = False) -> It
             yield target
         return
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(destination)}.partial-", dir=parent)
-    target = staging if is_dir else os.path.join(staging, os.path.basename(destination))
     try:
-        yield target
-        _fsync_tree(target)
+        yield staging
+        _fsync_tree(staging)
         if os.path.isdir(destination):
             os.rmdir(destination)  # an empty folder made by the user: replace it
-        os.replace(target, destination)
+        os.replace(staging, destination)
         fsync_folder(parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -49,7 +49,8 @@ def atomic_file(destination: str) -> Iterator[str]:
     """
     destination = os.path.abspath(destination)
     folder = os.path.dirname(destination)
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(destination)}.", suffix=".partial", dir=folder)
+    # ".partial-XXXX-NAME": hidden, and the same extension as NAME for writers that choose a format by it
+    fd, temporary = tempfile.mkstemp(prefix=".partial-", suffix=f"-{os.path.basename(destination)}", dir=folder)
     os.close(fd)
     os.chmod(temporary, _mode(destination))  # mkstemp makes it 0600: give it what a plain open() would
     try:
