@@ -138,16 +138,6 @@ def run(args) -> int:
         fail(f"--cb-max-memory-percent must be in (0, 1], got {args.cb_max_memory_percent}")
     if args.device != "auto":
         check_device(args.device)
-    if os.path.isdir(checkpoint):
-        from switchhead.integrity import check_fits_memory, check_saved_model
-        from switchhead.integrity.loading import read_config
-
-        # as generate and eval: the manifest (unless --no-verify), safetensors weights only, sizes within memory,
-        # weights that fit config.json, finite values; Transformers would load a damaged folder and serve garbage
-        check_saved_model(checkpoint, verify=not args.no_verify)
-        if args.cb_num_blocks is not None and args.continuous_batching:
-            cache = paged_cache_bytes(read_config(checkpoint), args.cb_num_blocks, args.cb_block_size)
-            check_fits_memory(cache, f"--cb-num-blocks {args.cb_num_blocks}: the paged KV cache")
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         # as uvicorn binds: connections of an earlier server still in TIME_WAIT do not make the port taken
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -155,6 +145,17 @@ def run(args) -> int:
             probe.bind((args.host, args.port))
         except OSError as error:
             fail(f"cannot listen on {args.host}:{args.port} ({error.strerror}); pick another --port or --host")
+    if os.path.isdir(checkpoint):
+        from switchhead.integrity import check_fits_memory, check_saved_model
+        from switchhead.integrity.loading import read_config
+
+        # last, as it reads every tensor; as generate and eval: the manifest (unless --no-verify), safetensors
+        # weights only, sizes within memory, weights that fit config.json, finite values (Transformers would load
+        # a damaged folder and serve garbage)
+        check_saved_model(checkpoint, verify=not args.no_verify)
+        if args.cb_num_blocks is not None and args.continuous_batching:
+            cache = paged_cache_bytes(read_config(checkpoint), args.cb_num_blocks, args.cb_block_size)
+            check_fits_memory(cache, f"--cb-num-blocks {args.cb_num_blocks}: the paged KV cache")
     if args.engine == "vllm":
         return run_vllm(args)
     from transformers.utils.import_utils import is_serve_available
