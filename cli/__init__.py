@@ -62,6 +62,30 @@ def refuse_existing_output(path: str, overwrite: bool, option: str = "--overwrit
         fail(f"output {path!r} already exists; pass {option} to replace it, or choose another path")
 
 
+def check_device(name: str) -> str:
+    """A `--device` value that names a device this machine has ("cpu", "cuda", "cuda:1", "mps", ...), else a
+    UsageError saying which exist (torch's own errors for `tpu:7` or a missing GPU are tracebacks)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        device = None
+    available = ["cpu"]
+    if torch.cuda.is_available():
+        available += ["cuda"] + [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        available.append("mps")
+    if device is not None and device.type == "cpu":
+        return name
+    if device is not None and device.type == "cuda" and torch.cuda.is_available() and \
+            (device.index is None or device.index < torch.cuda.device_count()):
+        return name
+    if device is not None and device.type == "mps" and "mps" in available:
+        return name
+    fail(f"--device {name!r} is not a device of this machine; choose one of {', '.join(available)}")
+
+
 def config_field_names() -> list[str]:
     """Every field a SwitchHeadConfig accepts (its own, the inherited PreTrainedConfig ones, `rope_theta`)."""
     import dataclasses
@@ -117,7 +141,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _LibraryNoise:
+    """Other libraries' messages that are not about the user's command, dropped from our commands' stderr (logger
+    name -> the start of the message). Each comes before our own one-line error when it shows at all:
+    bitsandbytes failing to fetch an optional CPU kernel from the Hub at import (finetune imports it through PEFT);
+    Transformers warning that a config of another model type is read as ours (our own check names the problem)."""
+
+    MESSAGES = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward",
+                "transformers.configuration_utils": "You are using a model of type"}
+
+    def filter(self, record) -> bool:
+        start = self.MESSAGES.get(record.name)
+        return start is None or not record.getMessage().startswith(start)
+
+
+_NOISE = _LibraryNoise()  # one instance: installing it again adds nothing
+
+
+def quiet_library_noise() -> None:
+    """Install the filters of `_LibraryNoise`, and drop torch's warning that a pickle of another protocol is read
+    by its restricted loader (the file is refused or loaded all the same; a planted pickle triggers it)."""
+    import logging
+    import warnings
+
+    for name in _LibraryNoise.MESSAGES:
+        logging.getLogger(name).addFilter(_NOISE)
+    warnings.filterwarnings("ignore", message=r"Detected pickle protocol \d+ in the checkpoint", category=UserWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_noise()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a subcommand that relaunches itself

@@ -91,6 +91,8 @@ def _register_upcycle(subparsers) -> None:
     parser.add_argument("--router-noise", type=float, default=0.01,
                         help="std of the initial router logits (0.01); 0 makes every gate exactly 1/2")
     parser.add_argument("--seed", type=int, default=0, help="seed of the router initialisation")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="read a training run's folder even when its SHA-256 manifest does not verify")
     parser.set_defaults(handler=run_upcycle)
 
 
@@ -101,7 +103,7 @@ def run_upcycle(args) -> int:
     try:
         with _output_lock(args.output, "upcycle"):
             result, difference = upcycle(args.dense, args.output, args.heads, args.experts, args.k,
-                                         args.expert_init, args.router_noise, args.seed)
+                                         args.expert_init, args.router_noise, args.seed, verify=not args.no_verify)
     except ConversionError as error:
         raise UsageError(str(error)) from None
     for note in result.notes:

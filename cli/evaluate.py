@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import UsageError, parse_field_assignments, refuse_existing_output
+from . import UsageError, check_device, parse_field_assignments, refuse_existing_output
 
 
 def register(subparsers) -> None:
@@ -120,12 +120,14 @@ def run_eval(args) -> int:
         raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     if args.output:
         refuse_existing_output(args.output, args.overwrite)
-    if not args.no_verify:
-        from switchhead.integrity import check_model_folder
-
-        check_model_folder(args.model)
     if args.batch_size < 1:
         raise UsageError("--batch-size must be >= 1")
+    if not args.perplexity:  # refused, not ignored: they shape perplexity windows only
+        for flag in ("context", "stride"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag} applies to --perplexity only; give a --perplexity FILE or leave "
+                                 f"--{flag} out")
+    device = check_device(args.device)
     from switchhead.evaluation.zero_shot import DEFAULT_TASKS, expand_tasks
 
     if args.tasks is None:  # plots or perplexity alone run no zero-shot tasks
@@ -148,6 +150,9 @@ def run_eval(args) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:  # refused, not taken as 'use the default'
             raise UsageError(f"--{flag} must be >= 1, got {value}")
+    from switchhead.integrity import check_saved_model
+
+    check_saved_model(args.model, verify=not args.no_verify)
     if args.perplexity and args.context is not None:
         from transformers import AutoConfig
 
@@ -171,7 +176,7 @@ def run_eval(args) -> int:
         import switchhead  # noqa: F401 - registers the Auto classes
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(args.model).to(device).eval()
     if args.protocol == "paper":
         from switchhead.evaluation.zero_shot import run_paper_protocol
 
@@ -183,7 +188,7 @@ def run_eval(args) -> int:
         from switchhead.evaluation.zero_shot import blimp_mean, run_lm_eval, summarize
 
         summary = summarize(run_lm_eval(args.model, lm_eval_tasks, limit=args.limit, batch_size=args.batch_size,
-                                        device=args.device, metadata=metadata))
+                                        device=device, metadata=metadata))
         if "switchhead_blimp" not in summary and blimp_mean(summary) is not None and paradigms:
             summary["switchhead_blimp"] = {"acc": blimp_mean(summary)}
         report["results"].update(summary)
@@ -209,10 +214,11 @@ def run_eval(args) -> int:
     for path in report.get("plots", []):
         print(f"wrote {path}")
     if args.output:
+        from switchhead.integrity import atomic_file
+
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        temporary = Path(args.output).with_name(f".{Path(args.output).name}.tmp")
-        temporary.write_text(json.dumps(report, indent=2), encoding="utf-8")
-        os.replace(temporary, args.output)
+        with atomic_file(args.output) as temporary:  # an existing file is replaced only once this one is complete
+            Path(temporary).write_text(json.dumps(report, indent=2), encoding="utf-8")
         print(f"wrote {args.output}")
     return 0
 
@@ -273,9 +279,10 @@ def run_card(args) -> int:
         return 0
     output = Path(args.output or os.path.join(args.model, "README.md"))
     refuse_existing_output(str(output), args.overwrite)
-    temporary = output.with_name(f".{output.name}.tmp")
-    temporary.write_text(str(card), encoding="utf-8")
-    os.replace(temporary, output)
+    from switchhead.integrity import atomic_file
+
+    with atomic_file(str(output)) as temporary:
+        Path(temporary).write_text(str(card), encoding="utf-8")
     print(f"wrote {output}")
     return 0
 

@@ -23,7 +23,10 @@ def register(subparsers) -> None:
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset version (default: the exporter's)")
     parser.add_argument("--check", action="store_true",
                         help="run the file with onnxruntime and report the largest logit difference to PyTorch")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output file (only once the new one is complete)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="export a training run's folder even when its SHA-256 manifest does not verify")
     parser.set_defaults(handler=run)
 
 
@@ -38,11 +41,19 @@ def run(args) -> int:
     import transformers
 
     from switchhead.conversion import ConversionError
-    from switchhead.conversion.export import check_onnx, to_onnx
+    from switchhead.conversion.export import check_onnx, supported_opsets, to_onnx
+    from switchhead.integrity import check_saved_model
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"{args.model} is not a saved model folder (it has no config.json)")
     refuse_existing_output(args.output, args.overwrite)
+    try:
+        opsets = supported_opsets()
+    except ConversionError as error:
+        raise UsageError(str(error)) from None
+    if args.opset is not None and args.opset not in opsets:  # the exporter would write another one and say nothing
+        raise UsageError(f"--opset {args.opset} is not one this exporter can write; choose {opsets.start} to "
+                         f"{opsets.stop - 1}, or leave it out")
     config = transformers.AutoConfig.from_pretrained(args.model)
     if config.model_type != "switchhead":
         raise UsageError(f"{args.model} holds a {config.model_type!r} model; this command exports SwitchHead models")
@@ -51,11 +62,10 @@ def run(args) -> int:
         raise UsageError(f"{architecture} has no logits to export; export a causal LM or a sequence / token "
                          f"classifier")
     auto_class = getattr(transformers, AUTO_CLASSES[architecture])
+    check_saved_model(args.model, verify=not args.no_verify)
     model = auto_class.from_pretrained(args.model, dtype=torch.float32).eval()
-    if args.overwrite and os.path.isfile(args.output):
-        os.remove(args.output)
-    try:
-        to_onnx(model, args.output, opset_version=args.opset)
+    try:  # an existing file is replaced by the rename that ends the export, never removed before it
+        to_onnx(model, args.output, opset_version=args.opset, overwrite=args.overwrite)
         print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:.1f} MiB): inputs input_ids, "
               f"attention_mask [batch, sequence], output logits")
         if args.check:

@@ -42,6 +42,8 @@ def register(subparsers) -> None:
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps (0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--merge", action="store_true", help="also write the merged model to OUTPUT/merged")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="fine-tune a training run's folder even when its SHA-256 manifest does not verify")
     parser.add_argument("--quantize", choices=["bnb-int8", "bnb-nf4", "torchao-int8"], default=None,
                         help="load the base quantised (dense projections only; expert tensors stay in full "
                              "precision) and train LoRA on top: bnb-nf4 is QLoRA (needs the [quant] extra)")
@@ -57,7 +59,7 @@ def run(args) -> int:
                           target_modules=args.target_modules, target_parameters=args.target_parameters,
                           max_steps=args.max_steps, batch_size=args.batch_size, block_size=args.block_size,
                           learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
-                          merge=args.merge, quantize=args.quantize)
+                          merge=args.merge, quantize=args.quantize, verify=not args.no_verify)
     except (FinetuneError, DataError) as error:
         raise UsageError(str(error)) from None
     print(f"{result.steps} steps, {result.trainable_parameters:,} of {result.total_parameters:,} parameters trained: "

@@ -24,7 +24,7 @@ def run(args) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from switchhead.integrity import check_model_folder, weight_shape_problem
+    from switchhead.integrity import check_saved_model
 
     if not os.path.exists(args.model):
         raise UsageError(f"model folder {args.model!r} does not exist")
@@ -38,12 +38,9 @@ def run(args) -> int:
         raise UsageError(f"--temperature must be >= 0 (0: greedy decoding), got {args.temperature}")
     if not args.prompt:
         raise UsageError("--prompt is empty; give some text to continue")
-    if not args.no_verify:
-        check_model_folder(args.model)
-    # --no-verify skips the manifest, not this: weights that do not fit config.json are refused in one line
-    problem = weight_shape_problem(args.model)
-    if problem is not None:
-        raise UsageError(f"model folder {args.model!r}: {problem}")
+    # --no-verify skips the manifest, not the rest: pickled or missing weights, sizes past this machine's memory,
+    # weights that do not fit config.json, NaN weights
+    check_saved_model(args.model, verify=not args.no_verify)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     inputs = tokenizer(args.prompt, return_tensors="pt")

@@ -3,8 +3,11 @@ or with `--engine vllm` vLLM's OpenAI-compatible server (`vllm serve`, our model
 
 Refused in one line (exit code 2) before the server starts: a folder without config.json, a name that is neither
 a folder nor a Hub id, an '@' in the path (the server reads it as a revision), a port out of range or taken,
-paged-cache sizes below 1, weights that do not fit config.json, missing serving dependencies; with `--engine vllm`:
-vLLM not installed, options only Transformers' server has, `--vllm-args` that do not parse.
+paged-cache sizes below 1 or past the machine's memory, a `--device` the machine does not have, a folder that
+`switchhead.integrity.check_saved_model` refuses (a manifest that does not verify unless `--no-verify`, pickled or
+missing weights, weights that do not fit config.json, NaN weights: as generate and eval refuse them), missing
+serving dependencies; with `--engine vllm`: vLLM not installed, options only Transformers' server has,
+`--vllm-args` that do not parse.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import shlex
 import socket
 import sys
 
-from . import fail
+from . import check_device, fail
 
 
 def register(subparsers) -> None:
@@ -40,6 +43,8 @@ def register(subparsers) -> None:
     parser.add_argument("--log-level", default="warning", help="Transformers log level (default warning)")
     parser.add_argument("--default-seed", type=int, default=None, help="torch seed at start")
     parser.add_argument("--enable-cors", action="store_true", help="permissive CORS")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="serve a training run's folder even when its SHA-256 manifest does not verify")
     parser.add_argument("--cb-block-size", type=int, default=None, help="paged-cache block size in tokens")
     parser.add_argument("--cb-num-blocks", type=int, default=None, help="paged-cache blocks")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None, help="tokens per batch at most")
@@ -98,6 +103,15 @@ def run_vllm(args) -> int:
     return 0  # not reached
 
 
+def paged_cache_bytes(config, blocks: int, block_size: int | None) -> int:
+    """Bytes of a paged KV cache of `blocks` blocks (K and V of every layer and head, fp32 at most)."""
+    from switchhead.serving import DEFAULT_CB_BLOCK_SIZE
+
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return blocks * (block_size or DEFAULT_CB_BLOCK_SIZE) * config.num_hidden_layers * 2 * heads * head_dim * 4
+
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 
 
@@ -122,12 +136,8 @@ def run(args) -> int:
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.cb_max_memory_percent is not None and not 0 < args.cb_max_memory_percent <= 1:
         fail(f"--cb-max-memory-percent must be in (0, 1], got {args.cb_max_memory_percent}")
-    if os.path.isdir(checkpoint):
-        from switchhead.integrity import weight_shape_problem
-
-        problem = weight_shape_problem(checkpoint)  # Transformers would print a load report and a traceback
-        if problem is not None:
-            fail(f"cannot serve {checkpoint!r}: {problem}")
+    if args.device != "auto":
+        check_device(args.device)
     with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         # as uvicorn binds: connections of an earlier server still in TIME_WAIT do not make the port taken
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -135,6 +145,17 @@ def run(args) -> int:
             probe.bind((args.host, args.port))
         except OSError as error:
             fail(f"cannot listen on {args.host}:{args.port} ({error.strerror}); pick another --port or --host")
+    if os.path.isdir(checkpoint):
+        from switchhead.integrity import check_fits_memory, check_saved_model
+        from switchhead.integrity.loading import read_config
+
+        # last, as it reads every tensor; as generate and eval: the manifest (unless --no-verify), safetensors
+        # weights only, sizes within memory, weights that fit config.json, finite values (Transformers would load
+        # a damaged folder and serve garbage)
+        check_saved_model(checkpoint, verify=not args.no_verify)
+        if args.cb_num_blocks is not None and args.continuous_batching:
+            cache = paged_cache_bytes(read_config(checkpoint), args.cb_num_blocks, args.cb_block_size)
+            check_fits_memory(cache, f"--cb-num-blocks {args.cb_num_blocks}: the paged KV cache")
     if args.engine == "vllm":
         return run_vllm(args)
     from transformers.utils.import_utils import is_serve_available

@@ -6,7 +6,8 @@
   object makes the load fail with a message naming `--allow-pickle`, which falls back to full unpickling:
   that executes whatever code the file carries, so use it only for files you trust.
 - `atomic_output` gives a temporary path next to the destination and renames it into place only when the
-  writer finished, so an error (bad key, full disk) leaves the destination untouched.
+  writer finished (fsync'd first), so an error (bad key, full disk) or a kill leaves the destination untouched;
+  a file may replace an existing one this way (`overwrite=True`, `switchhead export --overwrite`).
 - `save_hf_folder` / `load_hf_folder` write and read `save_pretrained` folders in safetensors, sharded above
   `max_shard_size`, with an optional dtype conversion on the way out.
 """
@@ -14,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import shutil
@@ -27,6 +27,9 @@ from safetensors.torch import load_file
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.checkpoint_format import rename_old_keys
+from switchhead.integrity import atomic_file, check_saved_model
+from switchhead.integrity.files import fsync_folder
+from switchhead.integrity.loading import weight_files
 
 
 class ConversionError(ValueError):
@@ -73,28 +76,43 @@ def load_torch_checkpoint(path: str, allow_pickle: bool = False):
 
 
 @contextlib.contextmanager
-def atomic_output(destination: str, is_dir: bool) -> Iterator[str]:
-    """Yield a temporary path beside `destination`; on success rename it into place, on error delete it.
+def atomic_output(destination: str, is_dir: bool, overwrite: bool = False) -> Iterator[str]:
+    """Yield a temporary path beside `destination`; on success fsync it and rename it into place, on error delete it.
 
-    Refuses an existing destination (a non-empty folder or any file) so that nothing the user has is replaced.
+    Refuses an existing destination (a non-empty folder or any file) so that nothing the user has is replaced;
+    with `overwrite` (files only) an existing file is replaced by that rename, so it stays whole until the new one is.
     """
     destination = os.path.abspath(destination)
     if os.path.isdir(destination) and (not is_dir or os.listdir(destination)):
         raise ConversionError(f"output {destination} already exists; choose a new path or delete it first")
-    if os.path.isfile(destination):
+    if os.path.lexists(destination) and not os.path.isdir(destination) and not (overwrite and not is_dir):
         raise ConversionError(f"output {destination} already exists; choose a new path or delete it first")
     parent = os.path.dirname(destination)
     if not os.path.isdir(parent):
         raise ConversionError(f"the folder of the output, {parent}, does not exist")
+    if not is_dir:
+        with atomic_file(destination) as target:
+            yield target
+        return
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(destination)}.partial-", dir=parent)
-    target = staging if is_dir else os.path.join(staging, os.path.basename(destination))
     try:
-        yield target
-        if is_dir and os.path.isdir(destination):
+        yield staging
+        _fsync_tree(staging)
+        if os.path.isdir(destination):
             os.rmdir(destination)  # an empty folder made by the user: replace it
-        os.replace(target, destination)
+        os.replace(staging, destination)
+        fsync_folder(parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fsync_tree(folder: str) -> None:
+    """fsync every file under `folder` (and the folders), so that the rename publishes complete files."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_folder(root)
 
 
 def save_hf_folder(state_dict: dict[str, torch.Tensor], config: SwitchHeadConfig, output: str,
@@ -112,20 +130,15 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], config: SwitchHeadConfig
         model.save_pretrained(staging, max_shard_size=max_shard_size)
 
 
-def load_hf_folder(folder: str) -> tuple[SwitchHeadConfig, dict[str, torch.Tensor]]:
+def load_hf_folder(folder: str, verify: bool = True) -> tuple[SwitchHeadConfig, dict[str, torch.Tensor]]:
     """Config and tensors of a `save_pretrained` folder, read from its safetensors files (sharded or not), under
-    today's names (a folder of an earlier release may hold the sigma-MoE tensors as `mlp.keys` / `mlp.values`)."""
+    today's names (a folder of an earlier release may hold the sigma-MoE tensors as `mlp.keys` / `mlp.values`).
+    The folder is checked first (`switchhead.integrity.check_saved_model`; `verify=False` skips its manifest)."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ConversionError(f"{folder} is not a saved model folder (it has no config.json)")
+    check_saved_model(folder, verify=verify)
     config = SwitchHeadConfig.from_pretrained(folder)
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as handle:
-            files = sorted(set(json.load(handle)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ConversionError(f"{folder} has no model.safetensors (or shard index); only safetensors folders are read")
+    files = weight_files(folder)
     state_dict: dict[str, torch.Tensor] = {}
     for name in files:
         state_dict.update(load_file(os.path.join(folder, name)))

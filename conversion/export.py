@@ -27,6 +27,24 @@ from .checkpoint_io import ConversionError, atomic_output
 
 # shapes `check_onnx` runs by default: one token, a short and a long batch (a left-padded row in each batch)
 CHECK_SHAPES = ((1, 1), (2, 7), (3, 16))
+# the lowest opset our graphs can be written in: LayerNormalization is an ONNX operator from opset 17 on
+MIN_OPSET = 17
+
+
+def supported_opsets() -> range:
+    """The opsets `to_onnx` accepts: MIN_OPSET up to the newest the installed onnx knows."""
+    onnx = _require_onnx()
+    return range(MIN_OPSET, onnx.defs.onnx_opset_version() + 1)
+
+
+def _require_onnx():
+    try:
+        import onnx
+        import onnxscript  # noqa: F401
+    except ImportError as error:
+        raise ConversionError(f"ONNX export needs onnx and onnxscript ({error.name} is missing): "
+                              f"pip install onnx==1.23.2 onnxscript==0.7.2") from None
+    return onnx
 
 
 class LogitsOnly(nn.Module):
@@ -59,21 +77,27 @@ def export_program(model: nn.Module) -> torch.export.ExportedProgram:
                                dynamic_shapes=_dynamic_shapes(model.config))
 
 
-def to_onnx(model: nn.Module, path: str, opset_version: int | None = None) -> str:
+def to_onnx(model: nn.Module, path: str, opset_version: int | None = None, overwrite: bool = False) -> str:
     """Write `LogitsOnly(model)` as an ONNX file with a dynamic batch and sequence length (torch's dynamo exporter,
     `torch.onnx.export(..., dynamo=True)`); returns the path. Inputs `input_ids` and `attention_mask` (int64
-    `[batch, sequence]`), output `logits`. Refuses an existing `path`; nothing is left behind on failure."""
-    try:
-        import onnx  # noqa: F401
-        import onnxscript  # noqa: F401
-    except ImportError as error:
-        raise ConversionError(f"ONNX export needs onnx and onnxscript ({error.name} is missing): "
-                              f"pip install onnx==1.23.2 onnxscript==0.7.2") from None
+    `[batch, sequence]`), output `logits`. Refuses an existing `path` unless `overwrite`, which replaces it by a
+    rename once the new file is complete; nothing is left behind on failure. `opset_version` must be one of
+    `supported_opsets()`, and the file is written in exactly that opset or not at all (torch's exporter falls back to
+    its own opset, with a warning only, where it cannot convert)."""
+    opsets = supported_opsets()
+    if opset_version is not None and opset_version not in opsets:
+        raise ConversionError(f"opset {opset_version} is not one this exporter can write; choose {opsets.start} to "
+                              f"{opsets.stop - 1}, or leave it out")
     model.eval()
-    with atomic_output(path, is_dir=False) as staging:
+    with atomic_output(path, is_dir=False, overwrite=overwrite) as staging:
         program = torch.onnx.export(LogitsOnly(model).eval(), _example(model.config), dynamo=True, verbose=False,
                                     dynamic_shapes=_dynamic_shapes(model.config), opset_version=opset_version,
                                     input_names=["input_ids", "attention_mask"], output_names=["logits"])
+        written = [entry.version for entry in program.model_proto.opset_import if entry.domain in ("", "ai.onnx")]
+        if opset_version is not None and written != [opset_version]:
+            raise ConversionError(f"the exporter could not convert the graph to opset {opset_version} (it would have "
+                                  f"written opset {', '.join(map(str, written))}); nothing was written: choose another "
+                                  "--opset or leave it out")
         program.save(staging, external_data=False)  # one file: protobuf's 2 GB limit (a ~500M-parameter fp32 model)
     return path
 
@@ -102,4 +126,4 @@ def check_onnx(path: str, model: nn.Module, shapes=CHECK_SHAPES, seed: int = 0) 
     return differences
 
 
-__all__ = ["CHECK_SHAPES", "LogitsOnly", "check_onnx", "export_program", "to_onnx"]
+__all__ = ["CHECK_SHAPES", "MIN_OPSET", "LogitsOnly", "check_onnx", "export_program", "supported_opsets", "to_onnx"]

@@ -29,6 +29,7 @@ a starting point for continued training, not a copy of GPT-2. `gelu_new` becomes
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+from switchhead.integrity import check_model_size, check_saved_model
 
 from .checkpoint_io import ConversionError, atomic_output, load_hf_folder
 
@@ -141,8 +143,8 @@ def upcycle_state_dict(config: SwitchHeadConfig, state: dict[str, torch.Tensor],
         raise ConversionError(f"need --experts >= 1 and 1 <= --k <= --experts, got experts={experts}, k={k}")
     if expert_init not in ("svd", "heads"):
         raise ConversionError(f"--expert-init must be 'svd' or 'heads', got {expert_init!r}")
-    if router_noise < 0:
-        raise ConversionError(f"--router-noise must be >= 0, got {router_noise}")
+    if not math.isfinite(router_noise) or router_noise < 0:  # NaN would pass `< 0` and save NaN routers
+        raise ConversionError(f"--router-noise must be a finite number >= 0, got {router_noise}")
     group = dense_heads // heads
     fields = config.to_diff_dict()
     fields.pop("transformers_version", None)
@@ -152,6 +154,7 @@ def upcycle_state_dict(config: SwitchHeadConfig, state: dict[str, torch.Tensor],
         new_config = SwitchHeadConfig(**fields)
     except (ValueError, TypeError) as error:
         raise ConversionError(f"the upcycled architecture is invalid: {error}") from None
+    check_model_size(new_config, what="the upcycled model")  # before the experts are stacked (--experts 10^9)
 
     generator = torch.Generator().manual_seed(seed)
     router_std = router_noise / d**0.5  # LayerNorm outputs have norm ~ sqrt(d): logits get std ~ router_noise
@@ -211,7 +214,19 @@ def upcycle_state_dict(config: SwitchHeadConfig, state: dict[str, torch.Tensor],
     return UpcycleResult(new_config, out, [], notes)
 
 
-def _read_source(folder: str) -> UpcycleResult:
+def _check_shapes(config: SwitchHeadConfig, state: dict[str, torch.Tensor], folder: str) -> None:
+    """ConversionError for the first tensor whose shape does not fit `config` (GPT-2's sizes come from its config,
+    its tensors from the files: they may disagree)."""
+    with torch.device("meta"):
+        expected = SwitchHeadForCausalLM(config).state_dict()
+    for name, tensor in state.items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ConversionError(f"{folder}: the tensor that becomes {name} has shape {list(tensor.shape)}, but "
+                                  f"config.json makes it {list(expected[name].shape)}; the weights do not belong to "
+                                  "this config.json")
+
+
+def _read_source(folder: str, verify: bool = True) -> UpcycleResult:
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
         raise ConversionError(f"{folder} is not a saved model folder (it has no config.json)")
@@ -220,30 +235,34 @@ def _read_source(folder: str) -> UpcycleResult:
     if raw.get("model_type") == "gpt2":
         from safetensors.torch import load_file
 
-        files = [name for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")]
-        if not files:
-            raise ConversionError(f"{folder} has no .safetensors weights; save the GPT-2 model with safetensors")
+        from switchhead.integrity.loading import weight_files
+
+        check_saved_model(folder, verify=verify)
         tensors: dict[str, torch.Tensor] = {}
-        for name in files:
+        for name in weight_files(folder):
             tensors.update(load_file(os.path.join(folder, name)))
-        return dense_from_gpt2(raw, tensors)
+        dense = dense_from_gpt2(raw, tensors)
+        _check_shapes(dense.config, dense.state_dict, folder)
+        return dense
     if raw.get("model_type") != "switchhead":
         raise ConversionError(f"{folder} holds a {raw.get('model_type')!r} model; upcycling reads this package's dense "
                               f"models and GPT-2 style ones")
-    config, state = load_hf_folder(folder)
+    config, state = load_hf_folder(folder, verify=verify)
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return UpcycleResult(config, state)
 
 
 def upcycle(source: str, output: str, heads: int, experts: int, k: int, expert_init: str = "svd",
-            router_noise: float = 0.01, seed: int = 0, check_tokens: int = 64) -> tuple[UpcycleResult, float]:
+            router_noise: float = 0.01, seed: int = 0, check_tokens: int = 64,
+            verify: bool = True) -> tuple[UpcycleResult, float]:
     """Upcycle the model in folder `source` into a new `save_pretrained` folder `output` (tokenizer files copied).
 
     Returns the result and the largest logit difference between the source (as our dense model) and the
-    upcycled model on `check_tokens` random tokens (the first-forward closeness).
+    upcycled model on `check_tokens` random tokens (the first-forward closeness). The source folder is checked
+    first (`switchhead.integrity.check_saved_model`; `verify=False` skips its manifest).
     """
-    dense = _read_source(source)
+    dense = _read_source(source, verify)
     result = upcycle_state_dict(dense.config, dense.state_dict, heads, experts, k, expert_init, router_noise, seed)
     result.dropped, result.notes = dense.dropped, dense.notes + result.notes
     dense_model = _build(dense.config, dense.state_dict)

@@ -1,18 +1,25 @@
 """switchhead.integrity: what every command that writes or loads a saved folder shares.
 
 - `manifest`: SHA-256 manifests (`SHA256SUMS`) written last into checkpoints and run folders, verified by
-  `--resume`, `eval` and `generate`; the weight-shape check of `generate` and `serve`.
+  `--resume` and before every load of a saved model.
+- `loading`: `check_saved_model`, what every command checks before it loads a saved model folder (manifest,
+  safetensors weights only, sizes within memory, weights that fit config.json, finite values); `check_model_size`
+  for configs built from scratch.
+- `files`: `atomic_file`, how a command replaces a file (write beside, fsync, rename).
 - `lock`: `FolderLock`, one writer per folder, taken by train, finetune, convert, upcycle and eval --plots.
 
 Why a package of its own: its users are spread over training, evaluation, conversion, serving and the command
 line. Inside any one of them, the others would import sideways (conversion importing training for a lock); inside
 the model package, the model would carry application code. So it sits below the application packages and above
-nothing of ours: it imports only the standard library (and, when called, safetensors and transformers).
+nothing of ours but the model: it imports only the standard library (and, when called, safetensors, torch,
+transformers and the model package).
 """
 
-from .lock import LOCK_NAME, FolderLock, FolderLocked
-from .manifest import (MANIFEST, check_model_folder, file_sha256, read_manifest, verify_manifest,
-                       weight_shape_problem, write_manifest)
+from .files import atomic_file
+from .lock import LOCK_NAME, FolderLock, FolderLocked, FolderLockPathInvalid
+from .loading import UnloadableModel, check_fits_memory, check_model_size, check_saved_model
+from .manifest import MANIFEST, check_model_folder, file_sha256, read_manifest, verify_manifest, write_manifest
 
-__all__ = ["FolderLock", "FolderLocked", "LOCK_NAME", "MANIFEST", "check_model_folder", "weight_shape_problem",
+__all__ = ["FolderLock", "FolderLocked", "FolderLockPathInvalid", "LOCK_NAME", "MANIFEST", "UnloadableModel",
+           "atomic_file", "check_fits_memory", "check_model_folder", "check_model_size", "check_saved_model",
            "file_sha256", "read_manifest", "verify_manifest", "write_manifest"]

@@ -6,9 +6,11 @@ are about to create, `eval --plots` its plots folder; a second writer is refused
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import time
 
 LOCK_NAME = ".switchhead.lock"
@@ -16,6 +18,11 @@ LOCK_NAME = ".switchhead.lock"
 
 class FolderLocked(ValueError):
     """Another process holds the folder's lock (a ValueError: the CLI reports it in one line, exit code 2)."""
+
+
+class FolderLockPathInvalid(ValueError):
+    """The lock's path holds something this lock did not write (a symbolic link, a FIFO, a hard link to another
+    file): refused, never opened for writing (a ValueError: one line, exit code 2)."""
 
 
 def _process_alive(pid: int) -> bool:
@@ -28,6 +35,31 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _open_no_follow(path: str, flags: int) -> int:
+    """Open the lock file without following a link (O_NOFOLLOW) and without blocking on a FIFO (O_NONBLOCK); refuse
+    (ValueError naming the path) anything but a regular file with one name: a symbolic link, a FIFO, a device, a
+    folder, or a hard link to another file would make the lock's JSON land in a file that is not ours."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # the last component is a symbolic link
+            raise FolderLockPathInvalid(f"lock file {path!r} is a symbolic link; the lock is never written through "
+                                        "one: remove it (it is not a switchhead lock)") from None
+        if error.errno == errno.EISDIR:
+            raise FolderLockPathInvalid(f"lock file {path!r} is a folder; remove it (it is not a switchhead "
+                                        "lock)") from None
+        raise
+    info = os.fstat(fd)
+    problem = (None if stat.S_ISREG(info.st_mode) and info.st_nlink <= 1
+               else "is not a regular file" if not stat.S_ISREG(info.st_mode)
+               else f"has {info.st_nlink} hard links (it is another file's name too)")
+    if problem is not None:
+        os.close(fd)
+        raise FolderLockPathInvalid(f"lock file {path!r} {problem}; remove it (it is not a switchhead lock)")
+    os.set_blocking(fd, True)
+    return fd
+
+
 class FolderLock:
     """An exclusive lock on a folder that a command writes: `with FolderLock(folder, "train"): ...`.
 
@@ -35,6 +67,9 @@ class FolderLock:
     `flock` when its process ends however it ends (SIGKILL included), so a crashed writer never blocks the next
     one; a clean exit also deletes the file. Where `flock` is not available (some network file systems) the
     process id in the file decides: a holder that no longer runs on this host is taken over.
+
+    The lock file is opened without following a symbolic link and only when it is a regular file with a single name
+    (`FolderLockPathInvalid` otherwise), so a link planted at its path never makes the lock write into a user's file.
 
     `inside=True` puts the lock file into `folder` (created if needed; a folder this lock created and left empty
     is removed on release); `inside=False` puts it beside `folder` (for commands that create `folder` by renaming
@@ -54,10 +89,16 @@ class FolderLock:
 
     def _holder(self) -> str:
         try:
-            with open(self.path, encoding="utf-8") as handle:
-                info = json.loads(handle.read() or "{}")
+            fd = _open_no_follow(self.path, os.O_RDONLY)
         except (OSError, ValueError):
             info = {}
+        else:
+            try:
+                info = json.loads(os.read(fd, 1 << 16) or "{}")
+            except (OSError, ValueError):
+                info = {}
+            finally:
+                os.close(fd)
         if not isinstance(info, dict) or not info.get("pid"):
             return "another process"
         alive = "" if info.get("host") != socket.gethostname() or _process_alive(int(info["pid"])) else ", not running"
@@ -74,7 +115,7 @@ class FolderLock:
             self._created_folder = True
         try:
             while True:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = _open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -131,4 +172,4 @@ class FolderLock:
         self.release()
 
 
-__all__ = ["LOCK_NAME", "FolderLock", "FolderLocked"]
+__all__ = ["LOCK_NAME", "FolderLock", "FolderLockPathInvalid", "FolderLocked"]

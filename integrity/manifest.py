@@ -4,14 +4,13 @@ A manifest is a `SHA256SUMS` file in the folder, in `sha256sum` format (`<hex>  
 `sha256sum -c SHA256SUMS` checks it too). It is written last, after every file it lists is on disk (fsync'd), so
 its presence marks the folder complete, and `verify_manifest` finds every listed file that changed or vanished
 afterwards. `switchhead train` writes one into every checkpoint and into the run folder after the final save;
-`--resume` verifies them, and `switchhead eval` / `switchhead generate` call `check_model_folder` before loading.
-`weight_shape_problem` finds weights that do not fit a folder's config.json (`generate`, `serve`).
+`--resume` verifies them, and every command that loads a saved model calls `check_model_folder` first (through
+`loading.check_saved_model`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 MANIFEST = "SHA256SUMS"
@@ -103,38 +102,4 @@ def check_model_folder(folder: str) -> None:
                          f"its final save, or pass --no-verify to load it anyway")
 
 
-def weight_shape_problem(folder: str) -> str | None:
-    """Before loading a save_pretrained folder: the first tensor whose shape in the safetensors files differs from
-    the shape its config.json gives it (one sentence naming the file, the tensor and both shapes), or None.
-
-    Reads only the safetensors headers and builds the model on the meta device, so it costs no memory; Transformers
-    itself would print a multi-line load report and raise. Folders without safetensors weights are not checked."""
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as handle:
-            files = sorted(set(json.load(handle).get("weight_map", {}).values()))
-    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        return None
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        expected = {name: tuple(tensor.shape) for name, tensor in
-                    AutoModelForCausalLM.from_config(config).state_dict().items()}
-    for name in files:
-        with safe_open(os.path.join(folder, name), framework="pt") as handle:
-            for key in handle.keys():
-                shape = tuple(handle.get_slice(key).get_shape())
-                want = expected.get(key)
-                if want is not None and want != shape:
-                    return (f"{name}: {key} has shape {list(shape)}, but config.json makes it {list(want)}; the weights "
-                            "do not belong to this config.json")
-    return None
-
-
-__all__ = ["MANIFEST", "check_model_folder", "file_sha256", "read_manifest", "verify_manifest",
-           "weight_shape_problem", "write_manifest"]
+__all__ = ["MANIFEST", "check_model_folder", "file_sha256", "read_manifest", "verify_manifest", "write_manifest"]

@@ -46,12 +46,22 @@ def register_renamed_keys(model_type: str = "switchhead") -> None:
 
 def rename_old_keys(state_dict: dict, prefix: str = "") -> None:
     """Rename, in place, the sigma-MoE tensors saved under their old names among the keys that start with `prefix`:
-    a module's own (`{prefix}keys`, from its `_load_from_state_dict`) or a whole model's (`...mlp.keys`)."""
+    a module's own (`{prefix}keys`, from its `_load_from_state_dict`) or a whole model's (`...mlp.keys`). A tensor
+    present under both names is kept once when the two are equal; when they differ, which one is meant cannot be
+    told: ValueError naming both."""
     for key in [key for key in state_dict if key.startswith(prefix)]:
         name = key[len(prefix):]
         for old, new in RENAMED_MLP_PARAMETERS.items():
             renamed = key[: len(key) - len(old)] + new
-            if (name == old or name.endswith(f"mlp.{old}")) and renamed not in state_dict:
+            if not (name == old or name.endswith(f"mlp.{old}")):
+                continue
+            if renamed in state_dict:
+                saved, current = state_dict[key], state_dict[renamed]
+                if getattr(saved, "shape", None) != getattr(current, "shape", None) or not saved.equal(current):
+                    raise ValueError(f"the weights hold {key} (the name earlier releases wrote) and {renamed} (today's "
+                                     "name) with different values; which one is meant cannot be told: remove one")
+                del state_dict[key]
+            else:
                 state_dict[renamed] = state_dict.pop(key)
 
 

@@ -7,8 +7,8 @@ isolation, cancellation, shutdown; see its docstring). The serving dependencies 
 starts.
 """
 
-from .server import (SERVE_DEFAULTS, SHUTDOWN_DEADLINE, RequestChecker, RequestChecks, RequestRefused, ServerState,
-                     serve, split_model_revision)
+from .server import (DEFAULT_CB_BLOCK_SIZE, SERVE_DEFAULTS, SHUTDOWN_DEADLINE, RequestChecker, RequestChecks,
+                     RequestRefused, ServerState, serve, split_model_revision)
 
-__all__ = ["SERVE_DEFAULTS", "SHUTDOWN_DEADLINE", "RequestChecker", "RequestChecks", "RequestRefused", "ServerState",
-           "serve", "split_model_revision"]
+__all__ = ["DEFAULT_CB_BLOCK_SIZE", "SERVE_DEFAULTS", "SHUTDOWN_DEADLINE", "RequestChecker", "RequestChecks",
+           "RequestRefused", "ServerState", "serve", "split_model_revision"]

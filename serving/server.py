@@ -71,6 +71,7 @@ SERVE_DEFAULTS = {
 # tokens, at most 1024 tokens per forward pass.
 CPU_CACHE_BLOCKS = 64
 CPU_MAX_BATCH_TOKENS = 1024
+DEFAULT_CB_BLOCK_SIZE = 256  # Transformers' paged-cache block (page) size, when --cb-block-size is not given
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets 413 before it is parsed
 MAX_JSON_DEPTH = 32  # deeper JSON gets 400 (upstream's parser recursed into a RecursionError: HTTP 500)
@@ -207,18 +208,26 @@ def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | 
         raise RequestRefused(f"{name} must be an integer, got {_show(value)}")
     if value < low or (high is not None and value > high):
         raise RequestRefused(f"{name} must be {'>= ' + str(low) if high is None else f'in [{low}, {high}]'}, "
-                             f"got {value}")
+                             f"got {_show(value)}")
     return value
+
+
+def _is_number(value) -> bool:
+    """A JSON number that is not a bool, NaN or infinite. Integers are compared as integers: one of 400 digits
+    parses, and `math.isfinite` (or `float`) of it overflows."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _is_number(value):
         raise RequestRefused(f"{name} must be a number, got {_show(value)}")
     if value < low or (low_open and value == low) or value > high:
-        raise RequestRefused(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")
+        raise RequestRefused(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {_show(value)}")
     return float(value)
 
 
@@ -244,12 +253,11 @@ def _generation_config(body: dict) -> dict | None:
             if not isinstance(value, bool):
                 raise RequestRefused(f"generation_config.{key} must be true or false, got {_show(value)}")
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or (kind is int and not isinstance(value, int)):
+        if not _is_number(value) or (kind is int and not isinstance(value, int)):
             raise RequestRefused(f"generation_config.{key} must be {'an integer' if kind is int else 'a number'}, "
                                  f"got {_show(value)}")
         if value < low or value > high or (key in ("top_p", "repetition_penalty") and value == 0):
-            raise RequestRefused(f"generation_config.{key} must be in [{low}, {high}], got {value}")
+            raise RequestRefused(f"generation_config.{key} must be in [{low}, {high}], got {_show(value)}")
     return config
 
 
@@ -301,6 +309,8 @@ class RequestChecker:
             if not chat:
                 raise RequestRefused("logit_bias is not honoured by /v1/completions here; leave it out")
             self._check_logit_bias(bias)
+            # the same values as floats: upstream's logits processor takes an integer bias for a token id (HTTP 500)
+            body["logit_bias"] = {key: float(value) for key, value in bias.items()}
         config = _generation_config(body)
         if temperature == 0 and top_p is not None and top_p < 1:
             raise RequestRefused("temperature 0 asks for greedy decoding, top_p < 1 for sampling: give one of them")
@@ -340,7 +350,7 @@ class RequestChecker:
         for key, value in bias.items():
             if not (isinstance(key, str) and key.isdigit() and (vocab is None or int(key) < vocab)):
                 raise RequestRefused(f"logit_bias key {key!r} is not a token id of this model's vocabulary")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            if not _is_number(value) or not -100 <= value <= 100:
                 raise RequestRefused(f"logit_bias[{key}] must be a number in [-100, 100], got {_show(value)}")
 
     def _check_batching_can_honour(self, temperature, top_p, penalty, stop, bias, config) -> None:
@@ -421,6 +431,10 @@ class RequestChecker:
         extra_kwargs = body.get("chat_template_kwargs")
         if extra_kwargs is not None and not isinstance(extra_kwargs, dict):
             raise RequestRefused(f"chat_template_kwargs must be an object, got {_show(extra_kwargs)}")
+        reserved = sorted(set(extra_kwargs or {}) & _chat_template_arguments(tokenizer))
+        if reserved:  # return_tensors, tokenize, ... would change what apply_chat_template returns (HTTP 500)
+            raise RequestRefused(f"chat_template_kwargs.{reserved[0]} is an argument of the tokenizer's "
+                                 "apply_chat_template, not a variable of the chat template; leave it out")
         try:
             ids = tokenizer.apply_chat_template(converted, add_generation_prompt=True, tools=body.get("tools"),
                                                 tokenize=True, return_dict=True,
@@ -433,6 +447,15 @@ class RequestChecker:
         if not ids:
             raise RequestRefused("the messages give no tokens with this chat template")
         return ids
+
+
+def _chat_template_arguments(tokenizer) -> set[str]:
+    """The named parameters of `tokenizer.apply_chat_template`, which a request's `chat_template_kwargs` may not set:
+    they are the server's (return_tensors, tokenize, ...); the other keys become variables of the template."""
+    import inspect
+
+    return {name for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+            if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)}
 
 
 # ==================================================================================================== ASGI middleware
@@ -922,6 +945,8 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, **serve_op
     if unknown:
         raise ValueError(f"unknown serve options {sorted(unknown)}; choose from {sorted(SERVE_DEFAULTS)}")
     options = {**SERVE_DEFAULTS, **serve_options}
+    if str(options["log_level"]).lower() not in ("info", "debug"):  # its "Loading CHECKPOINT@main" is no warning
+        logging.getLogger("transformers.cli.serving.model_manager").addFilter(_LOADING_NOTICE)
     if str(options["device"]).startswith("cpu") and options["cb_num_blocks"] is None \
             and options["cb_max_memory_percent"] is None:
         # Upstream sizes the paged cache as a share of free device memory, on CPU of the whole RAM (and zeroes it):
@@ -955,6 +980,16 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, **serve_op
         model_manager_module.ModelManager, upstream_server.build_server, upstream_utils.GenerationState = saved
     if non_blocking:  # (a release without non_blocking ran uvicorn, with its own signal handling, to the end above)
         _run_until_stopped(instance, built["state"], host, port)
+
+
+class _LoadingNotice(logging.Filter):
+    """Drops Transformers' server's "Loading MODEL" line, which it logs as a warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Loading ")
+
+
+_LOADING_NOTICE = _LoadingNotice()
 
 
 def _run_until_stopped(instance, state: ServerState, host: str, port: int) -> None:

@@ -26,6 +26,8 @@ import torch
 from ..integrity import MANIFEST, read_manifest, verify_manifest
 
 CHECKPOINT_STATE = "trainer_state.json"  # written last: its presence marks a complete checkpoint
+# the most processes a checkpoint's trainer_state.json may claim (it is read before anything verifies it)
+MAX_PROCESSES = 1 << 20
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:
@@ -247,10 +249,12 @@ def inspect_checkpoint(path: str, allow_pickle: bool = False) -> tuple[list[str]
     other = [p for p in problems if p not in rng]
     try:
         with open(os.path.join(path, CHECKPOINT_STATE)) as handle:
-            processes = int(json.load(handle).get("num_processes", 1))
-    except (OSError, ValueError, TypeError, AttributeError):
+            processes = json.load(handle).get("num_processes", 1)
+        if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= MAX_PROCESSES:
+            raise ValueError(f"num_processes {str(processes)[:40]} is not an integer in [1, {MAX_PROCESSES}]")
+    except (OSError, ValueError, TypeError, AttributeError) as error:
         if not other:
-            other.append(f"unreadable {CHECKPOINT_STATE}")
+            other.append(f"unreadable {CHECKPOINT_STATE}" + (f" ({error})" if isinstance(error, ValueError) else ""))
         processes = 1
     if not other and not rng:
         for index in range(processes):
@@ -258,8 +262,9 @@ def inspect_checkpoint(path: str, allow_pickle: bool = False) -> tuple[list[str]
                 read_rng_state(path, index, allow_pickle)
             except RngStateError as error:
                 rng.append(str(error))
+                break  # one is enough to make the resume inexact; the rest may be as many as num_processes says
     return other, rng
 
 
-__all__ = ["CHECKPOINT_STATE", "RngStateError", "capture_rng_state", "checkpoint_dirs", "inspect_checkpoint",
-           "read_memory", "read_rng_state", "restore_rng_state", "unloadable_file", "write_memory", "write_rng_state"]
+__all__ = ["CHECKPOINT_STATE", "MAX_PROCESSES", "RngStateError", "capture_rng_state", "checkpoint_dirs",
+           "inspect_checkpoint", "read_memory", "read_rng_state", "restore_rng_state", "unloadable_file", "write_memory", "write_rng_state"]

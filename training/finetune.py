@@ -308,19 +308,21 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
              target_modules: list[str] | None = None, target_parameters: list[str] | None = None,
              max_steps: int = 100, batch_size: int = 8, block_size: int | None = None, learning_rate: float = 1e-3,
              warmup_steps: int = 0, valid_blocks: int = 32, seed: int = 0, merge: bool = False,
-             logging_steps: int = 10, quantize: str | None = None) -> FinetuneResult:
+             logging_steps: int = 10, quantize: str | None = None, verify: bool = True) -> FinetuneResult:
     """LoRA-fine-tune the model in `model_dir` (with its tokenizer) on `data` with the Transformers `Trainer`.
 
     Writes the adapter only to `output_dir` (plus `finetune.json` with the losses); with `merge`, also the merged
     plain model to `output_dir/merged`. `data` is what `switchhead train --data` takes (file or folder).
     `quantize` (one of `QUANTIZATIONS`) loads the base quantised and trains LoRA on top (QLoRA with `bnb-nf4`).
-    `output_dir` is locked for the run (`switchhead.integrity.FolderLock`): a second writer is refused.
+    `output_dir` is locked for the run (`switchhead.integrity.FolderLock`): a second writer is refused. The base
+    folder is checked first (`switchhead.integrity.check_saved_model`; `verify=False` skips its manifest).
     """
-    from ..integrity import LOCK_NAME, FolderLock
+    from ..integrity import LOCK_NAME, FolderLock, check_saved_model
 
     _require_peft()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FinetuneError(f"{model_dir} is not a saved model folder (no config.json)")
+    check_saved_model(model_dir, verify=verify)
     if os.path.isfile(output_dir):
         raise FinetuneError(f"output {output_dir} is a file; choose a new folder")
     with FolderLock(output_dir, "finetune"):

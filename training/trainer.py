@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import errno
 import inspect
 import json
 import math
@@ -56,10 +57,11 @@ from typing import Any
 import torch
 
 from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
-from ..integrity import LOCK_NAME, MANIFEST, FolderLock, read_manifest, write_manifest
-from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, RngStateError, checkpoint_dirs, inspect_checkpoint,
-                               read_memory, read_rng_state, restore_rng_state, unloadable_file, write_memory,
-                               write_rng_state)
+from ..integrity import (LOCK_NAME, MANIFEST, FolderLock, UnloadableModel, check_model_size, read_manifest,
+                         write_manifest)
+from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, MAX_PROCESSES, RngStateError, checkpoint_dirs,
+                               inspect_checkpoint, read_memory, read_rng_state, restore_rng_state, unloadable_file,
+                               write_memory, write_rng_state)
 from .data import DataError, TokenBatches, load_documents, load_tokenizer, tokenize_documents, train_tokenizer, \
     unigram_perplexity
 
@@ -211,6 +213,10 @@ def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_pro
     if isinstance(config.skip_nonfinite, bool) or not isinstance(config.skip_nonfinite, int) \
             or config.skip_nonfinite < 0:
         raise TrainingError(f"skip_nonfinite must be an integer >= 0, got {config.skip_nonfinite!r}")
+    try:  # weights, gradients and AdamW's two moments in fp32: 16 bytes a parameter, before any is allocated
+        check_model_size(model_config, bytes_per_parameter=16, what="the model to train")
+    except UnloadableModel as error:
+        raise TrainingError(str(error)) from None
 
 
 def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
@@ -292,10 +298,11 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
             for old in checkpoint_dirs(output_dir)[: -config.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
     except Exception as error:  # noqa: BLE001 - only write failures are turned into a message, see _write_failure
+        if accelerator.is_main_process:  # an incomplete checkpoint is never left behind, whatever failed
+            shutil.rmtree(temporary, ignore_errors=True)  # gives the space back; earlier checkpoints are untouched
         reason = _write_failure(error)
         if reason is None:
             raise
-        shutil.rmtree(temporary, ignore_errors=True)  # give the space back; earlier checkpoints are untouched
         found = checkpoint_dirs(output_dir)
         raise TrainingError(f"cannot write the checkpoint of step {step} into {root!r} ({reason}); earlier "
                             f"checkpoints are intact ({'newest: ' + found[-1] if found else 'none yet'}); free some "
@@ -305,16 +312,24 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
 
 
 def _write_failure(error: BaseException) -> str | None:
-    """A short reason when `error` is a failed write (disk full, quota, file too large, I/O error), else None.
-    torch.save reports a full disk as RuntimeError ('basic_ios::clear', 'PytorchStreamWriter failed writing')."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if isinstance(error, OSError):
-        return f"{error.strerror or text}" + (f": {error.filename}" if error.filename else "")
+    """A short reason when `error` (or an exception it was raised from) is a failed write (disk full, quota, file
+    too large, I/O error), else None. torch.save reports a full disk as a RuntimeError of its zip writer
+    ('basic_ios::clear', 'PytorchStreamWriter failed writing', or, when the disk fills between two records,
+    'unexpected pos N vs M'); safetensors as a SafetensorError quoting the OS error."""
     markers = ("basic_ios", "PytorchStreamWriter failed", "No space left", "Disk quota", "File too large",
-               "failed writing", "I/O error", "Input/output error")
-    if isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError":
-        if any(marker in text for marker in markers):
-            return f"write failed, is the disk full? {text[:160]}"
+               "failed writing", "I/O error", "Input/output error", "unexpected pos", "StorageFull",
+               "FilesystemQuotaExceeded", "FileTooLarge")
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if isinstance(error, OSError):  # a full disk is the folder's, whichever file (a copy's source) it names
+            full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+            return f"{error.strerror or text}" + (f": {error.filename}" if error.filename and not full else "")
+        if isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError":
+            if any(marker in str(error) for marker in markers):
+                return f"write failed, is the disk full? {text[:160]}"
+        error = error.__cause__ or error.__context__
     return None
 
 
@@ -364,8 +379,12 @@ def read_checkpoint_state(path: str) -> dict[str, Any]:
         with open(os.path.join(path, CHECKPOINT_STATE)) as handle:
             state = json.load(handle)
         state["config"]["adam_betas"] = tuple(state["config"]["adam_betas"])
+        for name, low, high in (("step", 0, None), ("num_processes", 1, MAX_PROCESSES), ("skipped_updates", 0, None)):
+            value = state.get(name, low)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                raise ValueError(f"{name} {str(value)[:40]} is not an integer in [{low}, {high or 'inf'}]")
         return state
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise TrainingError(f"--resume: checkpoint {path!r} is corrupt ({CHECKPOINT_STATE}: {error})") from None
 
 
@@ -924,10 +943,12 @@ def _save_into(output_dir: str, write) -> None:
     temporary = os.path.join(output_dir, ".tmp-save")
     shutil.rmtree(temporary, ignore_errors=True)
     os.makedirs(temporary)
-    write(temporary)
-    for name in os.listdir(temporary):
-        os.replace(os.path.join(temporary, name), os.path.join(output_dir, name))
-    os.rmdir(temporary)
+    try:
+        write(temporary)
+        for name in os.listdir(temporary):
+            os.replace(os.path.join(temporary, name), os.path.join(output_dir, name))
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)  # nothing half-written stays behind (a full disk)
 
 
 __all__ = ["TINY_TRAINING", "TrainResult", "TrainingConfig", "TrainingDiverged", "TrainingError", "choose_checkpoint",

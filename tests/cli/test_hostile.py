@@ -33,7 +33,8 @@ import pytest
 import torch
 
 from helpers.runs import corpus  # noqa: F401 - the module-scoped fixture: data, tokenizer
-from helpers.server import Server, expected_text, make_checkpoint
+from helpers.hub_folder import save_hub_folder
+from helpers.server import Server, expected_text, free_port, make_checkpoint
 
 from switchhead.cli import main
 from switchhead.integrity import LOCK_NAME, MANIFEST
@@ -185,6 +186,7 @@ def served(tmp_path_factory):
 
 # ================================================================================================ server: requests
 CONTEXT = 128  # the tiny presets' max_position_embeddings
+HUGE = 10**400  # a JSON integer Python parses (up to 4300 digits) and no float holds
 COMPLETION_CASES = [
     # (what, body fields over {"prompt": NORMAL_PROMPT}, status, words of the message)
     ("empty prompt", {"prompt": ""}, 400, "prompt is empty"),
@@ -228,6 +230,14 @@ COMPLETION_CASES = [
     ("model number", {"model": 5}, 400, "serves"),
     ("another model", {"model": "gpt-4"}, 400, "serves"),
     ("logit_bias on completions", {"logit_bias": {"1": 5}}, 400, "logit_bias is not honoured"),
+    # integers of 401 digits: `math.isfinite` of one overflows (HTTP 500 before round three)
+    ("temperature of 401 digits", {"temperature": HUGE}, 400, "temperature must be in [0, 2]"),
+    ("top_p of 401 digits", {"top_p": HUGE}, 400, "top_p must be in (0, 1]"),
+    ("frequency_penalty of 401 digits", {"frequency_penalty": HUGE}, 400, "frequency_penalty must be in [0, 2]"),
+    ("generation_config max_new_tokens of 401 digits", {"generation_config": json.dumps({"max_new_tokens": HUGE})},
+     400, "generation_config.max_new_tokens must be in"),
+    ("generation_config top_k of 401 digits", {"generation_config": json.dumps({"top_k": HUGE})}, 400,
+     "generation_config.top_k must be in"),
 ]
 CHAT_CASES = [
     ("no messages", {}, 400, "messages is missing"),
@@ -251,6 +261,12 @@ CHAT_CASES = [
                                            "logit_bias": {"99999999": 1}}, 400, "not a token id"),
     ("chat over the context", {"messages": [{"role": "user", "content": "word " * CONTEXT}]}, 400,
      "max_position_embeddings"),
+    ("chat_template_kwargs return_tensors", {"messages": [{"role": "user", "content": "hi"}],
+                                             "chat_template_kwargs": {"return_tensors": "pt"}}, 400,
+     "chat_template_kwargs.return_tensors is an argument"),
+    ("chat_template_kwargs tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                                       "chat_template_kwargs": {"tokenize": False}}, 400,
+     "chat_template_kwargs.tokenize is an argument"),
 ]
 RAW_CASES = [
     ("malformed JSON", b"{not json", 422, "not valid JSON"),
@@ -282,6 +298,7 @@ def test_every_hostile_request_gets_4xx_naming_the_field_and_the_server_stays_ex
         assert_refused(server, path, body, status, words)
         assert server.get("/health")[0] == 200, what
         assert server.complete() == reference, what  # the same greedy output after every hostile request
+    assert "[transformers] Loading" not in server.output()  # upstream logs loading the model as a warning
 
 
 def test_unserved_routes_get_404_and_models_works_without_a_hub_cache(served):
@@ -422,6 +439,16 @@ def test_without_continuous_batching(tmp_path):
         assert len(sampled) > 1, sampled  # really sampled (upstream kept greedy decoding under temperature 1)
         assert server.complete(temperature=1.0, seed=7, max_tokens=16) == server.complete(temperature=1.0, seed=7,
                                                                                           max_tokens=16)
+        assert server.complete() == reference
+
+        # chat logit_bias with an integer value is the same bias as the float (upstream: HTTP 500 for the integer)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+        answers = []
+        for bias in ({"5": 100}, {"5": 100.0}, None):
+            status, answer = server.post("/v1/chat/completions", {**chat, **({"logit_bias": bias} if bias else {})})
+            assert status == 200, (bias, answer)
+            answers.append(answer["choices"][0]["message"]["content"])
+        assert answers[0] == answers[1] == tokenizer.decode([5] * 4) != answers[2], answers  # honoured, not ignored
         assert server.complete() == reference
 
         server.fault("slow", "0.3")  # one inference thread: an uncancelled 100-token request would block 30 s
@@ -704,3 +731,335 @@ def test_the_paged_cache_bounds_a_request_as_the_context_does(served):
     assert json.loads(body)["max_tokens"] == 32 - prompt and info.sampling is None
     body, info = checker.check("/v1/completions", json.dumps({"prompt": NORMAL_PROMPT, "temperature": 0.5}).encode())
     assert info.sampling is True  # without continuous batching, sampling is honoured per request
+
+
+# ================================================================================================ round three (#38)
+def test_the_lock_never_writes_through_a_link_or_into_another_file(corpus, finished, tmp_path, capsys):
+    """A symbolic link at the lock's path (to a user's file) is refused by train and upcycle, and the file keeps its
+    bytes; so are a FIFO (which would block) and a hard link to the user's file (which O_NOFOLLOW cannot see)."""
+    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+    from switchhead.integrity import FolderLock, FolderLockPathInvalid
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    (run / LOCK_NAME).symlink_to(notes)
+    assert main(train_args(corpus, run, 6, "--resume")) == 2
+    assert "is a symbolic link" in one_error_line(capsys)
+    assert notes.read_text() == "my notes\n" and (run / LOCK_NAME).is_symlink()
+
+    dense = tmp_path / "dense"
+    SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-dense")).save_pretrained(dense)
+    capsys.readouterr()
+    beside = tmp_path / f".up{LOCK_NAME}"  # upcycle locks beside its output, in a folder that may be shared
+    beside.symlink_to(notes)
+    assert main(["upcycle", str(dense), str(tmp_path / "up"), "--heads", "2", "--experts", "2", "--k", "1"]) == 2
+    assert "is a symbolic link" in one_error_line(capsys, "upcycle")
+    assert notes.read_text() == "my notes\n" and not (tmp_path / "up").exists()
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    os.mkfifo(folder / LOCK_NAME)
+    with pytest.raises(FolderLockPathInvalid, match="is not a regular file"):
+        FolderLock(str(folder), "train").acquire()
+    (folder / LOCK_NAME).unlink()
+    os.link(notes, folder / LOCK_NAME)
+    with pytest.raises(FolderLockPathInvalid, match="hard links"):
+        FolderLock(str(folder), "train").acquire()
+    assert notes.read_text() == "my notes\n"
+
+
+def test_export_overwrite_keeps_the_old_file_until_the_new_one_is_complete(tmp_path, capsys, monkeypatch):
+    """--overwrite replaces the file by a rename at the end: an export that dies half way leaves the old file as it
+    was (it used to be deleted first) and no temporary file; a finished one replaces it."""
+    model = tmp_path / "model"
+    save_hub_folder(model, "tiny-switchhead")
+    previous = tmp_path / "prev.onnx"
+    previous.write_bytes(b"the user's previous export")
+
+    def killed(*args, **kwargs):
+        assert previous.read_bytes() == b"the user's previous export"  # still whole while the export runs
+        raise KeyboardInterrupt  # as a kill during the export would end it
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.onnx, "export", killed)
+        assert main(["export", str(model), str(previous), "--overwrite"]) == 130
+    assert previous.read_bytes() == b"the user's previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "prev.onnx"]  # no temporary file left
+    assert main(["export", str(model), str(previous), "--overwrite"]) == 0
+    import onnx
+
+    assert onnx.load(str(previous)).graph.output[0].name == "logits"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "prev.onnx"]
+    capsys.readouterr()
+
+
+def _damage(folder: Path, how: str, marker: Path | None = None) -> None:
+    """Damage a saved tiny model folder in place (see test_every_command_refuses_a_damaged_model_folder)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    if how == "nan":
+        key = next(k for k in sorted(tensors) if k.endswith("q_proj.weight"))
+        tensors[key][0, 0] = float("nan")
+        save_file(tensors, weights, metadata={"format": "pt"})
+    elif how == "pickle-only":
+        weights.unlink()
+        torch.save({"state": Payload(marker)}, folder / "pytorch_model.bin")
+    elif how == "no-weights":
+        weights.unlink()
+    elif how == "shapes":
+        config = json.loads((folder / "config.json").read_text())
+        config["intermediate_size"] = config.get("intermediate_size", 128) * 2
+        (folder / "config.json").write_text(json.dumps(config))
+    elif how == "million-layers":
+        config = json.loads((folder / "config.json").read_text())
+        config["num_hidden_layers"] = 10**6
+        (folder / "config.json").write_text(json.dumps(config))
+    elif how == "old-and-new-names":
+        old = next(k for k in sorted(tensors) if k.endswith("mlp.keys"))
+        tensors[old.replace("mlp.keys", "mlp.expert_keys")] = tensors[old] + 1
+        save_file(tensors, weights, metadata={"format": "pt"})
+
+
+DAMAGES = [  # (how, preset, words of the refusal)
+    ("nan", "tiny-switchhead", "NaN or infinite"),
+    ("pickle-only", "tiny-switchhead", "only as pytorch_model.bin, a pickle, which is never loaded"),
+    ("no-weights", "tiny-switchhead", "it holds no weights"),
+    ("shapes", "tiny-switchhead", "the weights do not belong to this config.json"),
+    ("million-layers", "tiny-switchhead", "num_hidden_layers 1000000, but the weights hold 2 layers"),
+    ("old-and-new-names", "tiny-switchall", "with different values; which one is meant cannot be told"),
+]
+
+
+@pytest.mark.parametrize("how,preset,words", DAMAGES, ids=[d[0] for d in DAMAGES])
+def test_every_command_refuses_a_damaged_model_folder_in_one_line(tmp_path, capsys, how, preset, words):
+    """generate, eval, export, finetune, serve and upcycle run the same check before loading
+    (`switchhead.integrity.check_saved_model`): exit 2 and one line naming the problem, nothing written, no code
+    from a pickle run, no memory spent on 10^6 layers."""
+    folder = tmp_path / "model"
+    save_hub_folder(folder, preset)
+    marker = tmp_path / "code-ran"
+    _damage(folder, how, marker)
+    text = tmp_path / "text.txt"
+    text.write_text("lobsters walk along the sandy floor.\n" * 200)
+    capsys.readouterr()
+    commands = {
+        "generate": ["generate", str(folder), "--max-new-tokens", "2"],
+        "eval": ["eval", str(folder), "--perplexity", str(text)],
+        "export": ["export", str(folder), str(tmp_path / "out.onnx")],
+        "finetune": ["finetune", str(folder), "--data", str(text), "--output-dir", str(tmp_path / "adapter"),
+                     "--max-steps", "1"],
+        "serve": ["serve", str(folder), "--port", str(free_port())],
+    }
+    for command, argv in commands.items():
+        started = time.monotonic()
+        assert main(argv) == 2, (how, command)
+        assert words in one_error_line(capsys, command), (how, command)
+        assert time.monotonic() - started < 60, (how, command)
+    assert not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "text.txt"]  # nothing written
+
+
+def test_serve_verifies_a_run_folders_manifest_like_generate_and_eval(finished, tmp_path, capsys):
+    """A bit flip in a training run's model.safetensors (the manifest no longer matches) stops serve before it
+    starts; --no-verify skips the manifest but not the finite-weights check."""
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    tensors = load_file(run / "model.safetensors")
+    key = sorted(tensors)[0]
+    tensors[key].view(-1)[0] = float("nan")
+    save_file(tensors, run / "model.safetensors", metadata={"format": "pt"})
+    for command in (["serve", str(run), "--port", str(free_port())], ["generate", str(run)],
+                    ["eval", str(run), "--tasks", "none"]):
+        assert main(command) == 2
+        assert "damaged or incomplete (changed model.safetensors)" in one_error_line(capsys, command[0])
+    assert main(["serve", str(run), "--port", str(free_port()), "--no-verify"]) == 2
+    assert "NaN or infinite" in one_error_line(capsys, "serve")
+
+
+def test_sizes_past_the_machines_memory_are_refused_before_anything_is_allocated(corpus, tmp_path, capsys):
+    """config sizes and the paged cache are computed on the meta device and compared with physical memory: each
+    refusal comes in seconds, names what is too large, and writes nothing."""
+    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+
+    data, tokenizer = corpus
+    dense = tmp_path / "dense"
+    SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-dense")).save_pretrained(dense)
+    served_model = tmp_path / "served"
+    save_hub_folder(served_model, "tiny-switchhead")
+    capsys.readouterr()
+    cases = [
+        (["train", "--preset", "tiny-switchhead", "--set", f"hidden_size={10**9}", "--data", data, "--tokenizer",
+          tokenizer, "--output-dir", str(tmp_path / "run"), *SETTINGS], "train", "the model to train"),
+        (["train", "--preset", "tiny-switchhead", "--set", f"num_hidden_layers={10**6}", "--data", data,
+          "--tokenizer", tokenizer, "--output-dir", str(tmp_path / "run"), *SETTINGS], "train", "num_hidden_layers"),
+        (["upcycle", str(dense), str(tmp_path / "up"), "--heads", "2", "--experts", str(10**9), "--k", "1"],
+         "upcycle", "num_attention_experts 1000000000"),
+        (["serve", str(served_model), "--port", str(free_port()), "--cb-num-blocks", str(10**9)], "serve",
+         "--cb-num-blocks 1000000000: the paged KV cache needs"),
+    ]
+    for argv, command, words in cases:
+        started = time.monotonic()
+        assert main(argv) == 2, argv
+        line = one_error_line(capsys, command)
+        assert words in line and "GiB, more than this machine's" in line, line
+        assert time.monotonic() - started < 60, argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense", "served"]
+
+
+def test_an_unverified_trainer_state_cannot_make_a_resume_loop(corpus, finished, tmp_path, capsys):
+    """num_processes 10^12 in a trainer_state.json that no manifest vouches for: refused at once, not 10^12 reads."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    for folder in checkpoint_dirs(str(run)):
+        state = json.loads((Path(folder) / "trainer_state.json").read_text())
+        state["num_processes"] = 10**12
+        (Path(folder) / "trainer_state.json").write_text(json.dumps(state))
+        (Path(folder) / MANIFEST).unlink()
+    started = time.monotonic()
+    assert main(train_args(corpus, run, 6, "--resume")) == 2
+    line = one_error_line(capsys)
+    assert "num_processes 1000000000000 is not an integer in [1, 1048576]" in line, line
+    assert time.monotonic() - started < 60
+
+
+def test_upcycle_refuses_nan_router_noise_and_weights_that_do_not_fit(tmp_path, capsys):
+    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+
+    dense = tmp_path / "dense"
+    SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-dense")).save_pretrained(dense)
+    capsys.readouterr()
+    args = ["--heads", "2", "--experts", "2", "--k", "1"]
+    assert main(["upcycle", str(dense), str(tmp_path / "up"), *args, "--router-noise", "nan"]) == 2
+    assert "--router-noise must be a finite number >= 0, got nan" in one_error_line(capsys, "upcycle")
+    config = json.loads((dense / "config.json").read_text())
+    config["hidden_size"] = 128  # the weights were saved for 64
+    (dense / "config.json").write_text(json.dumps(config))
+    assert main(["upcycle", str(dense), str(tmp_path / "up"), *args]) == 2
+    assert "the weights do not belong to this config.json" in one_error_line(capsys, "upcycle")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
+def test_options_are_refused_not_silently_replaced(tmp_path, capsys):
+    """export --opset outside what the exporter writes (it wrote opset 18 instead); eval --context / --stride without
+    --perplexity (ignored before); a --device this machine does not have (a traceback before)."""
+    model = tmp_path / "model"
+    save_hub_folder(model, "tiny-switchhead")
+    capsys.readouterr()
+    for opset in ("1", "99999", "-1"):
+        assert main(["export", str(model), str(tmp_path / "out.onnx"), "--opset", opset]) == 2
+        assert f"--opset {opset} is not one this exporter can write; choose 17 to" in one_error_line(capsys, "export")
+    assert main(["eval", str(model), "--context", "100000"]) == 2
+    assert "--context applies to --perplexity only" in one_error_line(capsys, "eval")
+    assert main(["eval", str(model), "--tasks", "none", "--stride", "4"]) == 2
+    assert "--stride applies to --perplexity only" in one_error_line(capsys, "eval")
+    text = tmp_path / "text.txt"
+    text.write_text("lobsters walk along the sandy floor.\n" * 20)
+    assert main(["eval", str(model), "--perplexity", str(text), "--device", "tpu:7"]) == 2
+    assert "--device 'tpu:7' is not a device of this machine" in one_error_line(capsys, "eval")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "text.txt"]
+
+
+def test_the_exporter_writes_the_asked_opset_or_nothing(tmp_path):
+    """torch's exporter falls back to its own opset (with a warning only) where it cannot convert the graph; the
+    file is checked before it is renamed into place."""
+    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+    from switchhead.conversion import ConversionError
+    from switchhead.conversion.export import to_onnx
+
+    model = SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-dense")).eval()
+    real = torch.onnx.export
+
+    def falls_back(*args, opset_version=None, **kwargs):  # what the exporter does when conversion fails
+        return real(*args, opset_version=None, **kwargs)
+
+    torch.onnx.export = falls_back
+    try:
+        with pytest.raises(ConversionError, match="could not convert the graph to opset 21"):
+            to_onnx(model, str(tmp_path / "m.onnx"), opset_version=21)
+    finally:
+        torch.onnx.export = real
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_during_the_second_save_of_a_run_exits_2_and_leaves_no_temporary_folder(corpus, tmp_path):
+    """The first checkpoint is written, then the disk fills (here: files may not grow past 64 KiB from then on)."""
+    run = tmp_path / "run"
+    limit = 64 * 1024
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "from switchhead.training import trainer; save = trainer.save_checkpoint\n"
+            "def save_then_fill(*args, **kwargs):\n"
+            "    path = save(*args, **kwargs)\n"
+            f"    resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+            "    return path\n"
+            "trainer.save_checkpoint = save_then_fill\n"
+            "from switchhead.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code, *train_args(corpus, run, 4)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "Writing model shards" not in line]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("switchhead train: error: cannot write the checkpoint of step 4"), lines[0]
+    assert [Path(p).name for p in checkpoint_dirs(str(run))] == ["step-0000002"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-0000002"]  # no .tmp-step-0000004
+
+
+def test_a_failed_save_of_any_kind_leaves_no_temporary_folder(corpus, tmp_path, monkeypatch):
+    """Whatever fails inside a checkpoint save (here an unexpected error, which keeps its traceback), the
+    temporary folder goes; torch's zip writer reports a disk that fills between two records as 'unexpected pos',
+    which is a write failure (one line, exit 2), as a real full tmpfs showed."""
+    from switchhead.training import trainer
+
+    assert trainer._write_failure(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8256 "
+                                               "vs 8148")) is not None
+    assert trainer._write_failure(RuntimeError("shape mismatch")) is None
+    run = tmp_path / "run"
+    write = trainer.write_manifest
+    calls = []
+
+    def fails_on_the_second_checkpoint(folder, *args):
+        if os.path.basename(folder).startswith(".tmp-step-"):
+            calls.append(folder)
+            if len(calls) == 2:
+                raise KeyError("an unexpected failure")
+        return write(folder, *args)
+
+    monkeypatch.setattr(trainer, "write_manifest", fails_on_the_second_checkpoint)
+    with pytest.raises(KeyError):
+        main(train_args(corpus, run, 4))
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-0000002"]
+
+
+def test_other_libraries_noise_stays_off_our_commands_stderr(corpus, finished, tmp_path):
+    """bitsandbytes' 'Failed to load CPU gemm_4bit_forward' (at import, on CPUs with AVX512-BF16, where its Hub
+    kernel cannot be fetched), Transformers' 'You are using a model of type' and torch's pickle-protocol warning
+    (a planted pickle read by the restricted loader): one fresh process, then only our line."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    marker = tmp_path / "code-ran"
+    for folder in checkpoint_dirs(str(run)):  # protocol 4: torch warns before refusing it
+        (Path(folder) / "rng_state_0.safetensors").unlink()
+        (Path(folder) / MANIFEST).unlink()
+        (Path(folder) / "random_states_0.pkl").write_bytes(pickle.dumps({"x": Payload(marker)}, protocol=4))
+    # the two log records are sent while the command runs (where the libraries' imports send them), so that the
+    # test does not depend on this CPU's instruction set
+    code = ("import logging, sys; import switchhead.cli as cli; build = cli.build_parser\n"
+            "def build_and_log():\n"
+            "    logging.getLogger('bitsandbytes.backends.cpu.ops').warning('Failed to load CPU gemm_4bit_forward "
+            "from kernels-community: no network')\n"
+            "    logging.getLogger('transformers.configuration_utils').warning('You are using a model of type "
+            "`llama` to instantiate a model of type `switchhead`.')\n"
+            "    return build()\n"
+            "cli.build_parser = build_and_log\n"
+            "sys.exit(cli.main(sys.argv[1:]))")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code, *train_args(corpus, run, 6, "--resume")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("switchhead train: error: "), result.stderr
+    assert not marker.exists()
