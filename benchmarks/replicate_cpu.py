@@ -61,8 +61,8 @@ MAX_ATTEMPTS = 3  # a run whose child failed this often is left out (and listed 
 # the issue's cpu shapes; the token budget is cut to fit the issue's ~5 h CPU budget (see STEPS_NOTE)
 STEPS = 240
 STEPS_NOTE = (
-    "runs shortened from the issue's 1,200 steps (4.9M tokens, ~2 epochs) to 240 steps (0.98M tokens, ~0.4 epoch of "
-    "the 2.4M-token training split), every model alike, to fit the issue's ~5 h CPU budget: measured before the grid "
+    "runs shortened from the issue's 1,200 steps (4.9M tokens, 1.7 epochs) to 240 steps (0.98M tokens, 0.35 epoch of "
+    "the 2.84M-token training split), every model alike, to fit the issue's ~5 h CPU budget: measured before the grid "
     "on this 2-core machine (shared, load average 3-4) with 1 torch thread, a training step of 16 x 256 tokens took "
     "3.3-5 s wall (820-1,190 tokens/s) and about 2.5 CPU-s (~1,600 tokens per CPU-second); a forward pass ran at "
     "3,100-3,900 tokens/s, so the sliding-window evaluation (first half of valid + all of test, ~1M scored-window "
@@ -369,6 +369,9 @@ def write_results(out: Path, results_dir: Path) -> dict:
                       timespec="seconds"), finished=list(records), planned_not_finished=[
                       s.name for s in runs if s.name not in records], undecided=undecided, failed=failed,
                   summary=summary, runs=records)
+    # the runs' thread count, not this report-writing process's
+    report["machine"]["torch_threads"] = ", ".join(str(t) for t in sorted({r["torch_threads"] for r in
+                                                                            records.values()})) or None
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / f"{STEM}.json").write_text(json.dumps(report, indent=1))
 
@@ -383,6 +386,16 @@ def write_results(out: Path, results_dir: Path) -> dict:
              ANALYSIS.format(LRS=", ".join(f"{lr:g}" for lr in LEARNING_RATES), T=s.block_size, S=s.block_size // 2,
                              EB=s.eval_batches),
              "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None) + ".", ""]
+    timed = [r for r in records.values() if r.get("cpu_seconds")]
+    if timed:
+        first = min(records.values(), key=lambda r: r["code"][0]["at"])
+        per_run = statistics.mean(r["cpu_seconds"] for r in timed)
+        left = len(report["planned_not_finished"])
+        lines += [f"Measured here: the first run ({first['name']}) trained at a median "
+                  f"{first['train']['tokens_per_second_median']:.0f} tokens/s wall ({first['step_seconds_median']:.2f} s "
+                  f"per step), {first['torch_threads']} torch thread(s); the finished runs took {per_run / 60:.1f} CPU-minutes each on average "
+                  f"(training and evaluation). Estimate, not a measurement: the {left} runs decided but not finished "
+                  f"need about {left * per_run / 3600:.1f} more CPU-hours (more if a sweep extends).", ""]
 
     lines += ["## Learning-rate sweep (seed 0; validation perplexity chooses)", "",
               "| model | " + " | ".join(f"lr {lr:g}" for lr in sorted(
