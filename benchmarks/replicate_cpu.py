@@ -531,8 +531,9 @@ def run_grid(args) -> int:
             counts = json.loads(attempts_file.read_text()) if attempts_file.is_file() else {}
             counts[spec.name] = counts.get(spec.name, 0) + 1
             attempts_file.write_text(json.dumps(counts, indent=1))
-        if not args.no_report:
-            write_results(args.out, args.results_dir)
+        if not args.no_report:  # in a fresh process: the pages come from the code as it is now, not as it was
+            subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data", args.data,
+                             "--results-dir", str(args.results_dir), "--report-only"] + (["--tiny"] if args.tiny else []))
 
 
 def zero_shot(args) -> int:
