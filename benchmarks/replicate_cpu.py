@@ -23,7 +23,8 @@ finished and never run again; an interrupted run resumes from its newest checkpo
 data position: the trainer's exact resume, checkpoints every `save_every` steps). After every finished run the
 results pages are rewritten from all finished runs.
 
-    # start or resume the grid in the background (one core, lowest priority, outlives the shell)
+    # start or resume the grid in the background (one core, lowest priority, outlives the shell); when every run
+    # has finished it goes on with the zero-shot step (--then-zero-shot)
     benchmarks/run_cpu_grid.sh
     # pause / resume it (the driver writes its process-group id there)
     kill -STOP -$(cat /work/evidence.pgid); kill -CONT -$(cat /work/evidence.pgid)
@@ -416,16 +417,29 @@ def write_results(out: Path, results_dir: Path) -> dict:
               "sliding window.", ""]
 
     lines += ["## Main comparison: own best lr, seeds 0-2", "",
-              "| model | lr | seeds | valid ppl | test ppl | test ppl per seed |", "|---|---|---|---|---|---|"]
+              "| model | lr | attn MACs/layer | attn mem/layer | seeds | valid ppl | test ppl | test ppl per seed | "
+              "BLiMP % | LAMBADA % |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def costs(run: str) -> str:
+        return (f"{format_count(records[run]['costs']['attention_macs_table'])} | "
+                f"{format_count(records[run]['costs']['attention_memory_table'])}")
+
     for role, seeds in summary["main"].items():
-        lines.append(f"| {role} | {summary['best_lr'][role]:g} | {len(seeds)} | "
+        zero = [z for s in seeds if (z := records[model_spec(role, summary["best_lr"][role], int(s)).name].get(
+            "zero_shot"))]
+        lines.append(f"| {role} | {summary['best_lr'][role]:g} | "
+                     f"{costs(model_spec(role, summary['best_lr'][role], int(next(iter(seeds)))).name)} | {len(seeds)} | "
                      f"{_mean_sd([v['valid'] for v in seeds.values()])} | "
                      f"{_mean_sd([v['test'] for v in seeds.values()])} | "
-                     + ", ".join(f"s{k}: {v['test']:.2f}" for k, v in sorted(seeds.items())) + " |")
+                     + ", ".join(f"s{k}: {v['test']:.2f}" for k, v in sorted(seeds.items())) + " | "
+                     + (f"{_mean_sd([100 * z['blimp_acc'] for z in zero])} ({len(zero)}) | "
+                        f"{_mean_sd([100 * z['lambada_acc'] for z in zero])} ({len(zero)})" if zero else "- | -")
+                     + " |")
     if "dense_active" in summary:
         d = summary["dense_active"]
-        lines.append(f"| dense-active (same active heads) | {summary['best_lr']['dense-total']:g} | 1 | "
-                     f"{d['valid']:.2f} | {d['test']:.2f} | s0: {d['test']:.2f} |")
+        lines.append(f"| dense-active (same active heads) | {summary['best_lr']['dense-total']:g} | "
+                     f"{costs(d['run'])} | 1 | "
+                     f"{d['valid']:.2f} | {d['test']:.2f} | s0: {d['test']:.2f} | - | - |")
     lines += ["", "Paired differences, SwitchHead − baseline, by seed (negative: SwitchHead better):", "",
               "| baseline | split | seeds | per seed | mean ± sd | mean ratio | negative for every seed |",
               "|---|---|---|---|---|---|---|"]
@@ -436,12 +450,17 @@ def write_results(out: Path, results_dir: Path) -> dict:
                      f"{'yes' if p['all_negative'] else 'no'} |")
     lines.append("")
     if summary["experts"]:
-        lines += ["## Expert count and sides (seed 0)", "", "| run | valid ppl | test ppl |", "|---|---|---|"]
-        lines += [f"| {e['run']} | {e['valid']:.2f} | {e['test']:.2f} |" for e in summary["experts"]]
+        lines += ["## Expert count and sides (seed 0)", "",
+                  "| run | model | attn MACs/layer | attn mem/layer | valid ppl | test ppl |", "|---|---|---|---|---|---|"]
+        lines += [f"| {e['run']} | {records[e['run']]['label']} | "
+                  f"{format_count(records[e['run']]['costs']['attention_macs_table'])} | "
+                  f"{format_count(records[e['run']]['costs']['attention_memory_table'])} | {e['valid']:.2f} | "
+                  f"{e['test']:.2f} |" for e in summary["experts"]]
         lines.append("")
     if summary["xl"]:
-        lines += ["## Transformer-XL positions (seed 0)", "", "| run | valid ppl | test ppl |", "|---|---|---|"]
-        lines += [f"| {e['run']} | {e['valid']:.2f} | {e['test']:.2f} |" for e in summary["xl"]]
+        lines += ["## Transformer-XL positions (seed 0)", "", "| run | attn MACs/layer | attn mem/layer | valid ppl | "
+                  "test ppl |", "|---|---|---|---|---|"]
+        lines += [f"| {e['run']} | {costs(e['run'])} | {e['valid']:.2f} | {e['test']:.2f} |" for e in summary["xl"]]
         lines.append("")
 
     lines += ["## Every finished run: costs and routing", "",
@@ -574,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="only rewrite the results pages")
     parser.add_argument("--list", action="store_true", help="print the grid as decided now and exit")
     parser.add_argument("--zero-shot", action="store_true", help="BLiMP / LAMBADA of the 3-seed models")
+    parser.add_argument("--then-zero-shot", action="store_true",
+                        help="when every run of the grid has finished, go on with --zero-shot")
     parser.add_argument("--tiny", action="store_true", help="tiny models and runs (for the tests)")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in a child process
     args = parser.parse_args(argv)
@@ -600,7 +621,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.zero_shot:
         return zero_shot(args)
-    return run_grid(args)
+    code = run_grid(args)
+    if code == 0 and args.then_zero_shot and not args.only:
+        code = subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data",
+                                args.data, "--results-dir", str(args.results_dir), "--threads", str(args.threads),
+                                "--zero-shot"] + (["--tiny"] if args.tiny else []))
+    return code
 
 
 if __name__ == "__main__":
