@@ -362,6 +362,7 @@ def write_results(out: Path, results_dir: Path) -> dict:
     from switchhead.evaluation.flops import format_count
 
     records = finished_records(out)
+    add_timing(out, records)
     runs, undecided = plan(records)
     summary = summarise(records)
     failed = failures(out)
@@ -390,16 +391,21 @@ def write_results(out: Path, results_dir: Path) -> dict:
              ANALYSIS.format(LRS=", ".join(f"{lr:g}" for lr in LEARNING_RATES), T=s.block_size, S=s.block_size // 2,
                              EB=s.eval_batches),
              "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None) + ".", ""]
-    timed = [r for r in records.values() if r.get("cpu_seconds")]
-    if timed:
+    if records:
         first = min(records.values(), key=lambda r: r["code"][0]["at"])
-        per_run = statistics.mean(r["cpu_seconds"] for r in timed)
-        left = len(report["planned_not_finished"])
-        lines += [f"Measured here: the first run ({first['name']}) trained at a median "
-                  f"{first['train']['tokens_per_second_median']:.0f} tokens/s wall ({first['step_seconds_median']:.2f} s "
-                  f"per step), {first['torch_threads']} torch thread(s); the finished runs took {per_run / 60:.1f} CPU-minutes each on average "
-                  f"(training and evaluation). Estimate, not a measurement: the {left} runs decided but not finished "
-                  f"need about {left * per_run / 3600:.1f} more CPU-hours (more if a sweep extends).", ""]
+        lines.append(f"Measured here: the first run ({first['name']}) trained at a median "
+                     f"{first['train']['tokens_per_second_median']:.0f} tokens/s wall "
+                     f"({first['step_seconds_median']:.2f} s per step) with {first['torch_threads']} torch thread(s).")
+        timed = [r for r in records.values() if r["timing_complete"] and not math.isnan(r["wall_seconds"])]
+        if timed:
+            cpu, wall = (statistics.mean(r[k] for r in timed) for k in ("cpu_seconds", "wall_seconds"))
+            left = len(report["planned_not_finished"])
+            lines[-1] += (f" The {len(timed)} run(s) timed from start to end took {cpu / 60:.1f} CPU-minutes and "
+                          f"{wall / 60:.1f} wall-minutes on average, training and evaluation. Estimate, not a "
+                          f"measurement: the {left} runs decided but not finished need about {left * cpu / 3600:.1f} "
+                          f"more CPU-hours ({left * wall / 3600:.1f} h wall at the same load; more if a sweep "
+                          "extends).")
+        lines.append("")
 
     lines += ["## Learning-rate sweep (seed 0; validation perplexity chooses)", "",
               "| model | " + " | ".join(f"lr {lr:g}" for lr in sorted(
@@ -476,7 +482,7 @@ def write_results(out: Path, results_dir: Path) -> dict:
             f"| {name} | {code} | {r['parameters']:,} | {format_count(costs['attention_macs_table'])} | "
             f"{format_count(costs['attention_memory_table'])} | {_ppl(r, 'valid'):.2f} | {_ppl(r, 'test'):.2f} | "
             f"{r['step_seconds_median']:.2f} | {r['train']['tokens_per_second_median']:.0f} | "
-            f"{r['train']['peak_memory_mb']:.0f} | {r.get('cpu_seconds', math.nan):.0f} | "
+            f"{r['train']['peak_memory_mb']:.0f} | {'' if r['timing_complete'] else '>= '}{r['cpu_seconds']:.0f} | "
             f"{load[0]:.1f} / {load[1]:.1f} | "
             + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min']:.3f} | {rs['share_min']:.3f} / {rs['share_max']:.3f}"
                if rs else "- | -") + " | "
@@ -503,6 +509,26 @@ def failures(out: Path) -> list[str]:
     counts = json.loads(attempts.read_text()) if attempts.is_file() else {}
     return sorted(name for name, count in counts.items() if count >= MAX_ATTEMPTS
                   and not (out / name / FINISHED).is_file())
+
+
+def read_timing(specs_dir: Path, name: str) -> dict:
+    """CPU and wall seconds of a run's timed attempts, and their number (a bare number: an older driver's CPU
+    seconds of one attempt)."""
+    path = specs_dir / f"{name}.cpu.json"
+    value = json.loads(path.read_text()) if path.is_file() else dict(cpu_seconds=0.0, wall_seconds=0.0, attempts=0)
+    if not isinstance(value, dict):
+        value = dict(cpu_seconds=float(value), wall_seconds=math.nan, attempts=1)
+    return value
+
+
+def add_timing(out: Path, records: dict[str, dict]) -> None:
+    """Each record's CPU / wall seconds, complete only when every start of the run was timed to its end."""
+    for name, record in records.items():
+        timing = read_timing(out / "specs", name)
+        starts = out / "specs" / f"{name}.starts.json"
+        started = len(json.loads(starts.read_text())) if starts.is_file() else 0
+        record.update(cpu_seconds=timing["cpu_seconds"], wall_seconds=timing["wall_seconds"],
+                      timing_complete=timing["attempts"] >= started > 0)
 
 
 def run_grid(args) -> int:
@@ -541,15 +567,14 @@ def run_grid(args) -> int:
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         print(f"[grid] {spec.name}: exit {code} after {time.time() - started:.0f} s wall, {cpu:.0f} s CPU",
               flush=True)
-        cpu_file = specs_dir / f"{spec.name}.cpu.json"  # CPU seconds of every attempt of this run
-        cpu_total = (json.loads(cpu_file.read_text()) if cpu_file.is_file() else 0.0) + cpu
-        cpu_file.write_text(json.dumps(cpu_total))
-        finished = args.out / spec.name / FINISHED
-        if code == 0 and finished.is_file():
-            record = json.loads(finished.read_text())
-            record["cpu_seconds"] = cpu_total
-            write_json(finished, record)
-        else:  # counted; the next pass resumes it from its checkpoint, until MAX_ATTEMPTS
+        # CPU and wall seconds of the attempts this driver saw end (a driver killed with its child never writes
+        # them: then the run's accounting is incomplete, and the results page says so)
+        timing = read_timing(specs_dir, spec.name)
+        timing = dict(cpu_seconds=timing["cpu_seconds"] + cpu, wall_seconds=timing["wall_seconds"] + time.time() -
+                      started, attempts=timing["attempts"] + 1)
+        write_json(specs_dir / f"{spec.name}.cpu.json", timing)
+        if code != 0 or not (args.out / spec.name / FINISHED).is_file():
+            # counted; the next pass resumes it from its checkpoint, until MAX_ATTEMPTS
             counts = json.loads(attempts_file.read_text()) if attempts_file.is_file() else {}
             counts[spec.name] = counts.get(spec.name, 0) + 1
             attempts_file.write_text(json.dumps(counts, indent=1))

@@ -95,7 +95,13 @@ def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(runs):
     assert a["routing"] == b["routing"] and a["routing_summary"]["routers"] == 2  # one layer: value and output
     # both starts of the interrupted run are recorded with their commit; the uninterrupted run has one
     assert len(b["code"]) == 2 and len(a["code"]) == 1 and len(a["code"][0]["commit"]) == 40
-    assert b["cpu_seconds"] > 0
+    timed = {name: grid.finished_records(runs / name) for name in ("reference", "killed")}
+    for name, records in timed.items():
+        grid.add_timing(runs / name, records)
+    reference_timing, resumed_timing = timed["reference"][RUN], timed["killed"][RUN]
+    assert reference_timing["timing_complete"] and reference_timing["cpu_seconds"] > 0
+    # the killed attempt's driver died with it, so only the resumed attempt was timed: marked incomplete
+    assert not resumed_timing["timing_complete"] and resumed_timing["cpu_seconds"] > 0
 
 
 def test_a_finished_run_is_never_run_again(runs):
