@@ -20,7 +20,8 @@ finished run leaves `run.json` in its folder and is skipped next time; an interr
 latest checkpoint. After every run the results files are rewritten from all finished runs.
 
     python benchmarks/replicate.py --scale session --out /tmp/replication   # the grid of benchmarks/results
-    python benchmarks/replicate.py --scale cpu                              # ~10 min per run on 2 cores
+    python benchmarks/replicate.py --scale cpu                              # the cpu shapes; issue 42 runs them
+                                                                            # with replicate_cpu.py (its own order)
     python benchmarks/replicate.py --scale gpu                              # the paper's 45M/47M sizes
     python benchmarks/replicate.py --smoke --out /tmp/smoke --results-dir /tmp/smoke/results
     python benchmarks/replicate.py --scale session --report-only            # rewrite the results files

@@ -1,0 +1,157 @@
+"""benchmarks/replicate_cpu.py (issue 42's grid): a run killed mid-training and resumed by the grid ends bitwise equal
+to an uninterrupted one; a finished run is never run again; the grid's order and learning-rate choice."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+WIKITEXT2 = REPO.parent / "shared" / "data" / "wikitext-2"
+SCRIPT = REPO / "benchmarks" / "replicate_cpu.py"
+RUN = "lr0.002-switchhead-s0"  # the tiny grid's first run
+TINY_STEPS = 60  # its length (replicate_cpu.use_tiny), checkpoints every 10 steps
+
+pytestmark = pytest.mark.skipif(not WIKITEXT2.is_dir(), reason="needs ../shared/data/wikitext-2")
+
+
+def _load():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("replicate_cpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+grid = _load()
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", RAYON_NUM_THREADS="1",
+           TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+
+
+def command(tmp: Path, out: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp / out), "--data", str(tmp / "data"),
+            "--results-dir", str(tmp / f"results-{out}"), "--only", f"^{RUN}$"]
+
+
+def losses(run: Path) -> list[tuple[str, str, str]]:
+    with open(run / "log.csv", newline="") as handle:
+        return [(row["step"], row["loss"], row["valid_loss"]) for row in csv.DictReader(handle)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The tiny grid's first run three ways: uninterrupted (`reference`), and killed with SIGKILL (driver and child
+    together, as `kill -KILL -PGID` would) after its first checkpoint, then resumed by starting the grid again."""
+    tmp = tmp_path_factory.mktemp("replicate_cpu")
+    (tmp / "data").mkdir()
+    for split in ("train", "valid", "test"):
+        with open(WIKITEXT2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
+            (tmp / "data" / f"wiki.{split}.tokens").write_text(handle.read(60_000), encoding="utf-8")
+    done = subprocess.run(command(tmp, "reference"), capture_output=True, text=True, env=ENV, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    run = tmp / "killed" / RUN
+    process = subprocess.Popen(command(tmp, "killed"), env=ENV, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while process.poll() is None and time.time() < deadline:
+        if (run / "checkpoints").is_dir() and any(p.name.startswith("step-") for p in (run / "checkpoints").iterdir()):
+            os.killpg(process.pid, signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert 0 < len(losses(run)) < TINY_STEPS, "not killed during training"
+    assert not (run / grid.FINISHED).exists()
+    resumed = subprocess.run(command(tmp, "killed"), capture_output=True, text=True, env=ENV, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"[grid] {RUN}: resuming" in resumed.stdout
+    return tmp
+
+
+def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(runs):
+    reference, resumed = runs / "reference" / RUN, runs / "killed" / RUN
+    assert json.loads((resumed / "train_result.json").read_text())["resumed"] is True
+    assert json.loads((reference / "train_result.json").read_text())["resumed"] is False
+    assert losses(resumed) == losses(reference) and len(losses(reference)) == TINY_STEPS  # every step, same loss, same order
+    want, got = load_file(reference / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name  # bitwise
+    a, b = (json.loads((r / grid.FINISHED).read_text()) for r in (reference, resumed))
+    assert a["perplexity"] == {split: {**b["perplexity"][split], "seconds": a["perplexity"][split]["seconds"]}
+                               for split in b["perplexity"]}
+    assert a["routing"] == b["routing"] and a["routing_summary"]["routers"] == 2  # one layer: value and output
+    # both starts of the interrupted run are recorded with their commit; the uninterrupted run has one
+    assert len(b["code"]) == 2 and len(a["code"]) == 1 and len(a["code"][0]["commit"]) == 40
+    timed = {name: grid.finished_records(runs / name) for name in ("reference", "killed")}
+    for name, records in timed.items():
+        grid.add_timing(runs / name, records)
+    reference_timing, resumed_timing = timed["reference"][RUN], timed["killed"][RUN]
+    assert reference_timing["timing_complete"] and reference_timing["cpu_seconds"] > 0
+    # the killed attempt's driver died with it, so only the resumed attempt was timed: marked incomplete
+    assert not resumed_timing["timing_complete"] and resumed_timing["cpu_seconds"] > 0
+
+
+def test_a_finished_run_is_never_run_again(runs):
+    run = runs / "killed" / RUN
+    stamps = {name: (run / name).stat().st_mtime_ns for name in (grid.FINISHED, "model.safetensors", "log.csv")}
+    again = subprocess.run(command(runs, "killed"), capture_output=True, text=True, env=ENV, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "nothing left to run" in again.stdout and "starting" not in again.stdout and "resuming" not in again.stdout
+    assert {name: (run / name).stat().st_mtime_ns for name in stamps} == stamps
+    starts = json.loads((runs / "killed" / "specs" / f"{RUN}.starts.json").read_text())
+    assert len(starts) == 2  # no third start was recorded
+    page = (runs / "results-killed" / "replication_cpu.md").read_text()
+    assert RUN in page and "Analysis, stated before the runs" in page
+
+
+def _record(name: str, valid: float, role: str, seed: int, lr: float, position: str = "rope") -> dict:
+    return dict(name=name, role=role, seed=seed, learning_rate=lr, position=position,
+                perplexity={"valid": {"perplexity": valid}, "test": {"perplexity": valid + 1}})
+
+
+def test_order_and_learning_rate_choice():
+    """The sweep comes first (every lr for the three models), a best lr at an edge of the sweep extends it by a
+    factor of 2 before any seed runs, and the later stages use each model's own best lr."""
+    records: dict[str, dict] = {}
+    runs, undecided = grid.plan(records)
+    first = [(s.role, s.training["learning_rate"], s.seed) for s in runs]
+    assert first == [(role, lr, 0) for lr in grid.LEARNING_RATES for role in grid.MAIN_ROLES]
+    assert undecided
+    # SwitchHead best in the middle; dense-total best at the lowest lr; gate best at the highest lr
+    valid = {"switchhead": {0.004: 150, 0.008: 140, 0.016: 145}, "dense-total": {0.004: 149, 0.008: 150, 0.016: 151},
+             "gate": {0.004: 150, 0.008: 145, 0.016: 140}}
+    for role, by_lr in valid.items():
+        for lr, value in by_lr.items():
+            spec = grid.model_spec(role, lr, 0)
+            records[spec.name] = _record(spec.name, value, role, 0, lr)
+    runs, undecided = grid.plan(records)
+    todo = [s.name for s in runs if s.name not in records]
+    assert todo[:2] == [grid.model_spec("dense-total", 0.002, 0).name, grid.model_spec("gate", 0.032, 0).name]
+    assert any("dense-total" in line for line in undecided) and any("gate" in line for line in undecided)
+    assert not any("switchhead" in line for line in undecided)
+    # the extensions bracket both: 0.002 is worse than 0.004 for dense-total, 0.032 worse than 0.016 for gate
+    for role, lr, value in (("dense-total", 0.002, 152), ("gate", 0.032, 141)):
+        spec = grid.model_spec(role, lr, 0)
+        records[spec.name] = _record(spec.name, value, role, 0, lr)
+    runs, undecided = grid.plan(records)
+    assert undecided == []
+    todo = [s.name for s in runs if s.name not in records]
+    assert todo[:6] == [grid.model_spec(role, lr, seed).name for seed in (1, 2)
+                        for role, lr in (("switchhead", 0.008), ("dense-total", 0.004), ("gate", 0.016))]
+    assert todo[6:] == [grid.model_spec("dense-active", 0.004, 0).name] + [
+        grid.model_spec(role, 0.008, 0).name for role in ("E2", "E8", "Vonly", "Oonly")] + [
+        grid.model_spec(role, lr, 0, "xl").name for role, lr in (("switchhead", 0.008), ("dense-total", 0.004),
+                                                                 ("gate", 0.016))]
