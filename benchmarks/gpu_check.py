@@ -376,10 +376,11 @@ def model_section(smoke: bool, device, log) -> list[dict]:
                 torch.set_float32_matmul_precision(previous)
             (logits, grads), (want_logits, want_grads) = runs["fp32", "triton"], runs["fp32", "torch"]
             errors = {"logits": relative_error(logits, want_logits)}
-            errors["gradients (worst parameter)"] = max(
-                (relative_error(grads[n], want_grads[n]) for n in want_grads if n in grads), default=0.0)
+            worst = max(((relative_error(grads[n], want_grads[n]), n) for n in want_grads if n in grads),
+                        default=(0.0, None))
+            errors["gradients (worst parameter)"] = worst[0]
             row = record("model", f"{variant} triton vs torch fp32", errors, MODEL_TOLERANCE["fp32"],
-                         preset=preset, batch=batch, length=length)
+                         preset=preset, batch=batch, length=length, worst_parameter=worst[1])
             missing = sorted(set(want_grads) ^ set(grads))
             if missing:
                 row.update(status="mismatch", missing_gradients=missing)
