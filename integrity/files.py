@@ -14,6 +14,8 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+PARTIAL = ".partial-"  # the start of every temporary file's name
+
 
 def fsync_folder(folder: str) -> None:
     """Make a rename inside `folder` durable (where the platform can open folders)."""
@@ -50,7 +52,7 @@ def atomic_file(destination: str) -> Iterator[str]:
     destination = os.path.abspath(destination)
     folder = os.path.dirname(destination)
     # ".partial-XXXX-NAME": hidden, and the same extension as NAME for writers that choose a format by it
-    fd, temporary = tempfile.mkstemp(prefix=".partial-", suffix=f"-{os.path.basename(destination)}", dir=folder)
+    fd, temporary = tempfile.mkstemp(prefix=PARTIAL, suffix=f"-{os.path.basename(destination)}", dir=folder)
     os.close(fd)
     os.chmod(temporary, _mode(destination))  # mkstemp makes it 0600: give it what a plain open() would
     try:

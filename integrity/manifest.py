@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 
+from .files import PARTIAL, atomic_file
+
 MANIFEST = "SHA256SUMS"
 
 
@@ -30,7 +32,7 @@ def _listed_files(folder: str) -> list[str]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".tmp"))
         for name in files:
             relative = os.path.relpath(os.path.join(root, name), folder)
-            if relative != MANIFEST and not name.endswith(".tmp"):
+            if relative != MANIFEST and not name.endswith(".tmp") and not name.startswith(PARTIAL):
                 names.append(relative.replace(os.sep, "/"))
     return sorted(names)
 
@@ -45,11 +47,9 @@ def write_manifest(folder: str, names: list[str] | None = None) -> str:
             os.fsync(handle.fileno())
         lines.append(f"{file_sha256(path)}  {name}\n")
     target = os.path.join(folder, MANIFEST)
-    with open(target + ".tmp", "w", encoding="utf-8") as handle:
-        handle.writelines(lines)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(target + ".tmp", target)
+    with atomic_file(target) as temporary:  # a fresh name: a link planted at a fixed ".tmp" name is not followed
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.writelines(lines)
     return target
 
 

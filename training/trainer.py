@@ -57,8 +57,8 @@ from typing import Any
 import torch
 
 from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
-from ..integrity import (LOCK_NAME, MANIFEST, FolderLock, UnloadableModel, check_model_size, read_manifest,
-                         write_manifest)
+from ..integrity import (LOCK_NAME, MANIFEST, FolderLock, UnloadableModel, atomic_file, check_model_size,
+                         read_manifest, write_manifest)
 from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, MAX_PROCESSES, RngStateError, checkpoint_dirs,
                                inspect_checkpoint, read_memory, read_rng_state, restore_rng_state, unloadable_file,
                                write_memory, write_rng_state)
@@ -455,12 +455,11 @@ class RunLog:
         if start_step > 0 and os.path.exists(self.path):
             with open(self.path, newline="") as handle:
                 rows = [row for row in csv.DictReader(handle) if int(row["step"]) <= start_step]
-        temporary = self.path + ".tmp"
-        with open(temporary, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, LOG_FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(temporary, self.path)
+        with atomic_file(self.path) as temporary:  # a fresh name: a link planted in the run folder is not followed
+            with open(temporary, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, LOG_FIELDS)
+                writer.writeheader()
+                writer.writerows(rows)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

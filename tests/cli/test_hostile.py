@@ -770,6 +770,21 @@ def test_the_lock_never_writes_through_a_link_or_into_another_file(corpus, finis
     assert notes.read_text() == "my notes\n"
 
 
+def test_a_resume_writes_through_no_link_planted_at_a_temporary_name(corpus, finished, tmp_path, capsys):
+    """The run's log and manifests are replaced through fresh temporary names (`atomic_file`): links planted at the
+    fixed names used before (`log.csv.tmp`, `SHA256SUMS.tmp`) are never written through."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    for planted in (run / "log.csv.tmp", run / f"{MANIFEST}.tmp"):
+        planted.symlink_to(notes)
+    assert main(train_args(corpus, run, 6, "--resume")) == 0
+    capsys.readouterr()
+    assert notes.read_text() == "my notes\n"
+    assert not [name for name in os.listdir(run) if name.startswith(".partial-")]
+
+
 def test_export_overwrite_keeps_the_old_file_until_the_new_one_is_complete(tmp_path, capsys, monkeypatch):
     """--overwrite replaces the file by a rename at the end: an export that dies half way leaves the old file as it
     was (it used to be deleted first) and no temporary file; a finished one replaces it."""
