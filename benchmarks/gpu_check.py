@@ -385,6 +385,20 @@ def model_section(smoke: bool, device, log) -> list[dict]:
             if missing:
                 row.update(status="mismatch", missing_gradients=missing)
             rows.append(row)
+            if row["status"] != "ok":  # a diagnosis: does it persist without the autotuner's benchmarking?
+                torch.set_float32_matmul_precision("highest")
+                try:
+                    with kernels.use_backend("triton"), pinned_kernel_configs(0) as configs:
+                        pinned_logits, pinned_grads = loss_and_grads(model, ids, None)
+                finally:
+                    torch.set_float32_matmul_precision(previous)
+                worst = max(((relative_error(pinned_grads[n], want_grads[n]), n) for n in want_grads
+                             if n in pinned_grads), default=(0.0, None))
+                rows.append(dict(section="diagnosis", name=f"{variant} fp32, first autotune config pinned",
+                                 status="ok" if worst[0] <= MODEL_TOLERANCE["fp32"] else "mismatch",
+                                 errors={"logits": relative_error(pinned_logits, want_logits),
+                                         "gradients (worst parameter)": worst[0]},
+                                 worst_parameter=worst[1], kernel_configs=configs))
             if ("bf16", "triton") in runs:
                 rows.append(bf16_row(variant, preset, runs["bf16", "triton"], runs["bf16", "torch"],
                                      runs["fp32", "torch"], batch=batch, length=length))
