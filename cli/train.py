@@ -89,7 +89,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from accelerate import PartialState
 
-    from switchhead import PAPER_TRAINING, PRESETS
+    from switchhead import PRESETS
+    from switchhead.training.paper import PAPER_TRAINING
     from switchhead.training.trainer import (TrainingConfig, TrainingDiverged, find_checkpoint, read_checkpoint_state,
                                              train)
 
@@ -125,7 +126,7 @@ def run(args) -> int:
     model_overrides = parse_field_assignments(args.set)
 
     if args.demo:
-        from switchhead.training.demo import run_demo
+        from switchhead.cli.demo import run_demo
 
         if args.resume:
             raise UsageError("--demo always starts fresh; drop --resume")

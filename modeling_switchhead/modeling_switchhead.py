@@ -62,8 +62,7 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .expert_ops import expert_projection, expert_projection_for, expert_projection_torch
-from .expert_ops import formulation_for, head_expert_output, head_expert_values, relu
+from .expert_ops import default_experts_implementation, expert_projection, relu
 from .tensor_parallel import register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
@@ -99,14 +98,9 @@ class ExpertSelection(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_groups * num_experts, hidden_size))
         self.register_buffer("group_offsets", torch.arange(num_groups) * num_experts, persistent=False)
 
-    def forward(self, hidden_states: torch.Tensor, dense: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`);
-        with `dense=True`: (logits, gates `[N, G, E]` float32, zero for the experts not chosen), what the per-head
-        formulation reads (`SwitchHeadAttention.joint_gates`)."""
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`)."""
         logits, gates, index = self.select(F.linear(hidden_states, self.weight))
-        if dense:
-            return logits, gates.new_zeros(*index.shape[:2], self.num_experts).scatter_(-1, index, gates)
         index = index + self.group_offsets.unsqueeze(-1)  # group g's experts are g * E .. g * E + E - 1
         return logits, gates.flatten(1), index.flatten(1)
 
@@ -199,11 +193,6 @@ class SwitchHeadAttentionBase(nn.Module):
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
-    def joint_gates(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Routing that the value and output sides share when both read the same tokens (no XL memory), passed to
-        `project_values` / `project_output` as their last argument; None (the default): each side routes itself."""
-        return None
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -223,9 +212,7 @@ class SwitchHeadAttentionBase(nn.Module):
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
         key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
-        routed = self.joint_gates(hidden_states) if memory is None else None  # both routers in one matmul
-        value = self.project_values(sources) if routed is None else self.project_values(sources, routed[0])
-        value = value.transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
+        value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
@@ -267,9 +254,7 @@ class SwitchHeadAttentionBase(nn.Module):
         # transposed output is contiguous already, so `.contiguous()` recorded nothing) by one whose output is not
         if torch.compiler.is_exporting():
             attended = attended.clone(memory_format=torch.contiguous_format)
-        if routed is None:
-            return self.project_output(attended.reshape(heads_shape), hidden_states), probs
-        return self.project_output(attended.reshape(heads_shape), hidden_states, routed[1]), probs
+        return self.project_output(attended.reshape(heads_shape), hidden_states), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
@@ -304,56 +289,28 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             self.output_experts = nn.Parameter(torch.empty(heads * experts, self.head_dim, d))  # W_O [H*E, dh, d]
         else:
             self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
-        # one router matmul for both sides (see `joint_routing`); tensor parallelism turns it off
-        self.joint_routing = self.expert_values and self.expert_output
 
-    def _projection(self) -> Callable:
-        """The expert projection for the configured experts implementation, told that routing is per head."""
-        project = expert_projection_for(self.config._experts_implementation)
-        return lambda *args, **kwargs: project(*args, **kwargs, grouped_routing=True)
+    def _project(self, tokens, index, weight, gates, out_groups):
+        """The expert projection the configured experts implementation picks, told that routing is per head."""
+        return expert_projection(tokens, index, weight, gates, out_groups, self.config._experts_implementation,
+                                 grouped_routing=True)
 
-    def joint_gates(self, hidden_states):
-        """Both sides' dense per-head gates `[N, H, E]` for a single token (batch-1 decoding), routed up front so that
-        both projections run the per-head formulation directly, without the dispatch (checked here to resolve to
-        it); None where each side routes itself: more tokens, expert dropout, or another formulation. Each router is
-        called as a module, so hooks on it (recorded `router_logits`) see the call."""
-        if not self.joint_routing or math.prod(hidden_states.shape[:-1]) != 1:  # symbolic sizes: no specialisation
-            return None
-        if self.training and self.value_selection.expert_dropout > 0:
-            return None
-        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        heads, slots, implementation = self.num_heads, self.num_heads * self.top_k, self.config._experts_implementation
-        for rows, out_groups, weight in ((1, heads, self.value_experts), (heads, 1, self.output_experts)):
-            if formulation_for(implementation, 1, slots, rows, out_groups, tokens, weight, True) != "per_head":
-                return None
-        return tuple(router(tokens, dense=True)[1].to(tokens.dtype)
-                     for router in (self.value_selection, self.output_selection))
-
-    def project_values(self, hidden_states, routing=None):
-        """`routing`: this side's dense gates from `joint_gates` (projected per head), or None (routed here)."""
+    def project_values(self, hidden_states):
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         tokens = hidden_states.reshape(-1, d)
-        if routing is None:
-            gates, index = self.value_selection(tokens)[1:]
-            project = self._projection()
-            values = project(tokens.unsqueeze(1), index, self.value_experts, gates, out_groups=self.num_heads)
-        else:
-            values = head_expert_values(tokens, routing, self.value_experts)
+        _, gates, index = self.value_selection(tokens)
+        values = self._project(tokens.unsqueeze(1), index, self.value_experts, gates, self.num_heads)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
-    def project_output(self, attended, hidden_states, routing=None):
-        """`routing`: this side's dense gates from `joint_gates` (projected per head), or None (routed here)."""
+    def project_output(self, attended, hidden_states):
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
-        tokens = hidden_states.reshape(-1, d)
         rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
-        if routing is not None:
-            return head_expert_output(rows, routing, self.output_experts).view(batch, length, -1)
-        gates, index = self.output_selection(tokens)[1:]
-        return self._projection()(rows, index, self.output_experts, gates, out_groups=1).view(batch, length, -1)
+        _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
+        return self._project(rows, index, self.output_experts, gates, 1).view(batch, length, -1)
 
 
 class MultiHeadAttention(SwitchHeadAttentionBase):
@@ -403,8 +360,8 @@ class SigmaMoeExperts(nn.Module):
     """The sigma-MoE experts as a Transformers experts module: `act(x keys_e) values_e`, gated and summed.
 
     `config._experts_implementation` picks how they run (`from_pretrained(..., experts_implementation=...)`,
-    `model.set_experts_implementation(...)`): "eager" is this forward (the PyTorch formulations of
-    `expert_projection_torch`), "batched_mm" / "grouped_mm" Transformers' functions, "cvmm" our kernels (registered
+    `model.set_experts_implementation(...)`): "eager" is this forward (the "eager" entry of
+    `expert_ops.EXPERTS_IMPLEMENTATIONS`), "batched_mm" / "grouped_mm" Transformers' functions, "cvmm" our kernels (registered
     when the switchhead package is imported). The flags say what those functions need to know: no gated (GLU)
     projection, no biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
     their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them `mlp.keys` /
@@ -435,8 +392,8 @@ class SigmaMoeExperts(nn.Module):
                 ) -> torch.Tensor:
         """hidden_states `[N, d]`, top_k_index `[N, k]` (experts), top_k_weights `[N, k]` (gates) -> `[N, d]`."""
         tokens = hidden_states.unsqueeze(1)
-        inner = self.act_fn(expert_projection_torch(tokens, top_k_index, self.expert_keys))  # [N, k, S]
-        out = expert_projection_torch(inner, top_k_index, self.expert_values, top_k_weights, out_groups=1)
+        inner = self.act_fn(expert_projection(tokens, top_k_index, self.expert_keys, implementation="eager"))
+        out = expert_projection(inner, top_k_index, self.expert_values, top_k_weights, 1, implementation="eager")
         return out.view(hidden_states.shape)
 
 
@@ -532,7 +489,7 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
         """Transformers' check, with our default: "cvmm" (our kernels) once the switchhead package registered it,
         else "eager" (this file's sync-free PyTorch path), rather than Transformers' "grouped_mm"."""
         if requested_experts is None:
-            requested_experts = "cvmm" if "cvmm" in ALL_EXPERTS_FUNCTIONS else "eager"
+            requested_experts = default_experts_implementation(ALL_EXPERTS_FUNCTIONS)
         return super().get_correct_experts_implementation(requested_experts)
 
     @torch.no_grad()
@@ -894,5 +851,5 @@ class SwitchHeadForQuestionAnswering(TaskHead, GenericForQuestionAnswering, Swit
 __all__ = ["SwitchHeadPreTrainedModel", "SwitchHeadModel", "SwitchHeadForCausalLM",
            "SwitchHeadForSequenceClassification", "SwitchHeadForTokenClassification",
            "SwitchHeadForQuestionAnswering", "SwitchHeadAttention", "MultiHeadAttention", "SigmaMoeMLP",
-           "ExpertSelection", "expert_projection", "expert_projection_torch", "sigma_moe_entropy_loss",
+           "ExpertSelection", "expert_projection", "sigma_moe_entropy_loss",
            "SwitchHeadModelOutputWithPast", "SwitchHeadCausalLMOutputWithPast"]

@@ -56,7 +56,8 @@ from typing import Any
 
 import torch
 
-from .. import PAPER_TRAINING, PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
+from .. import PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
+from .paper import PAPER_TRAINING
 from ..integrity import (LOCK_NAME, MANIFEST, FolderLock, UnloadableModel, atomic_file, check_model_size,
                          read_manifest, write_manifest)
 from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, MAX_PROCESSES, RngStateError, checkpoint_dirs,

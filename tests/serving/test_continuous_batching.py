@@ -3,7 +3,7 @@
 Greedy tokens must equal `generate()` on each prompt alone, for all tiny presets (RoPE and XL), with prompts of
 mixed lengths, also when requests arrive while others are decoding. XL needs its relative bias from the positions
 of each request's keys in the paged cache (`paged_key_distances`). The paged cache's bytes per token must be
-SwitchHead's real cache size (`switchhead.accounting.kv_cache_bytes_per_token`).
+SwitchHead's real cache size (`switchhead.evaluation.accounting.kv_cache_bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from switchhead import PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
-from switchhead.accounting import kv_cache_bytes_per_token
+from switchhead.evaluation.accounting import kv_cache_bytes_per_token
 from switchhead.positions import paged_key_distances, xl_paged_attention_mask, xl_position_bias
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
