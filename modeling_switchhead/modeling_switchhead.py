@@ -35,17 +35,15 @@ from .transformers_compat import (  # first: it checks the installed Transformer
     accepts_past_key_values,
     cache_kwarg,
     incompatible_release,
-    is_paged,
-    is_paged_call,
+    model_cache,
     output_cache,
-    route_paged_cache,
     update_cache,
 )
 
 try:
     from transformers import AutoModel
     from transformers import initialization as init
-    from transformers.cache_utils import Cache, DynamicCache
+    from transformers.cache_utils import Cache
     from transformers.generation import GenerationMixin
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
     from transformers.masking_utils import create_causal_mask
@@ -74,9 +72,6 @@ from .positions import (
     xl_paged_attention_mask,
     xl_position_bias,
 )
-
-register_styles()  # the tensor-parallel styles that `base_model_tp_plan` names
-register_renamed_keys(SwitchHeadConfig.model_type)  # checkpoint names of renamed tensors (checkpoint_format.py)
 
 
 # ==================================================================================================== routers
@@ -193,6 +188,7 @@ class SwitchHeadAttentionBase(nn.Module):
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -206,7 +202,6 @@ class SwitchHeadAttentionBase(nn.Module):
 
         Memory tokens are extra sources: they give keys and (expert-mixed) values, never queries.
         """
-        cache, kwargs = route_paged_cache(cache, kwargs)  # before 5.24 the paged attention function updates it
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, -1, self.head_dim)  # -1: this process's heads under tensor parallelism
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
@@ -217,19 +212,15 @@ class SwitchHeadAttentionBase(nn.Module):
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
-        query_offset = key.shape[2] - length  # index of the first query among the keys: the memory length
-        if cache is not None:
-            if not is_paged(cache):  # a paged cache's queries get their positions from the packed layout below
-                query_offset = cache.get_seq_length(self.layer_idx)  # before the update: what it held
-                if isinstance(query_offset, torch.Tensor):  # a static cache's counter, which `update` bumps in place
-                    query_offset = query_offset.clone()
-            key, value = update_cache(cache, key, value, self.layer_idx, kwargs)
+        key, value, past_length, packed = update_cache(cache, key, value, self.layer_idx, kwargs)
+        # index of the first query among the keys: what the cache held before, else the memory length
+        query_offset = sources.shape[1] - length if past_length is None else past_length
 
         extra = {}
         paged_distance = None
         if self.position_encoding == "xl" and attention_mask is not None:
             paged_distance = paged_key_distances(kwargs, query.shape[2], attention_mask.shape[-1], query.device,
-                                                 paged=is_paged_call(cache, kwargs))
+                                                 paged=packed)
         if paged_distance is not None:  # continuous batching: requests packed, keys read from the paged cache
             attention_mask = xl_paged_attention_mask(self, query, attention_mask, paged_distance)
 
@@ -494,45 +485,33 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """The paper's initialisation, scaled by `config.init_scale` (default sqrt(2 / num_hidden_layers))."""
-        config = self.config
-        scale, d = config.init_scale, config.hidden_size
-        # Dense projections (q, k, W_pk, the baseline's v and o, the dense MLP) are nn.Linear children and get
-        # std init_scale / sqrt(fan_in) in the nn.Linear branch below; here only the tensors that are not Linear.
-        if isinstance(module, SwitchHeadAttention):
-            # a dense side of the V-only / O-only ablation (v_proj, o_proj) is an nn.Linear child: the same std
-            # as its expert tensor would get (init_scale / sqrt(fan_in)), from the nn.Linear branch below
+        """The paper's initialisation: std init_scale / sqrt(fan in) for every projection, dense (nn.Linear: q, k,
+        W_pk, the dense sides' v and o, the dense MLP) or expert, router rows normalised; std 1 / sqrt(d) for the
+        embedding and the output layer. init_scale defaults to sqrt(2 / num_hidden_layers)."""
+        scale, d = self.config.init_scale, self.config.hidden_size
+        if isinstance(module, SwitchHeadAttention):  # its dense side (if any) is an nn.Linear child
             if module.expert_values:
                 init.normal_(module.value_experts, std=scale / math.sqrt(d))
-            if module.expert_output:
+            if module.expert_output:  # fan in: the H * dh inputs of the whole output projection
                 init.normal_(module.output_experts, std=scale / math.sqrt(module.num_heads * module.head_dim))
-            for selection in (getattr(module, "value_selection", None), getattr(module, "output_selection", None)):
-                if selection is not None:
-                    _init_selection(selection.weight, std=scale / math.sqrt(d))
-        elif isinstance(module, MultiHeadAttention):
-            if module.output_gate is not None:  # a selection matrix in the reference: rows renormalised
-                _init_selection(module.output_gate, std=scale / math.sqrt(d))
-        elif isinstance(module, SigmaMoeMLP):
-            experts, size = module.expert_keys.shape[0], module.expert_keys.shape[2]
+            for router in (getattr(module, "value_selection", None), getattr(module, "output_selection", None)):
+                if router is not None:
+                    _init_selection(router.weight, std=scale / math.sqrt(d))
+        elif isinstance(module, MultiHeadAttention) and module.output_gate is not None:
+            _init_selection(module.output_gate, std=scale / math.sqrt(d))  # a router in the reference
+        elif isinstance(module, SigmaMoeMLP):  # fan in of the values: the E * S inputs of all experts
+            experts, size = module.expert_values.shape[:2]
             init.normal_(module.expert_keys, std=scale / math.sqrt(d))
             init.normal_(module.expert_values, std=scale / math.sqrt(experts * size))
             _init_selection(module.expert_selection.weight, std=scale / math.sqrt(d))
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, std=1.0 / math.sqrt(d))
+        elif isinstance(module, (nn.Embedding, nn.Linear)):
+            ends = isinstance(module, nn.Embedding) or module is getattr(self, "lm_head", None)
+            init.normal_(module.weight, std=1.0 / math.sqrt(d) if ends else scale / math.sqrt(module.in_features))
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear) and module is getattr(self, "lm_head", None):
-            init.normal_(module.weight, std=1.0 / math.sqrt(d))
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear):
-            # q, k, W_pk (left uninitialised by the public reference; not here), v, o and the dense MLP: the paper's
-            # std init_scale / sqrt(fan_in). Transformers visits these Linear children itself (it never passes
-            # parameter-less containers such as SwitchHeadMLP to `_init_weights`).
-            init.normal_(module.weight, std=scale / math.sqrt(module.in_features))
-            if module.bias is not None:
-                init.zeros_(module.bias)
         elif isinstance(module, SwitchHeadRotaryEmbedding):  # not saved: rebuilt from the config after loading
             module.reset_frequencies()
         elif isinstance(module, ExpertSelection):
@@ -654,12 +633,10 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             check_xl_memory(self.config, xl_memory, batch, use_cache, cache)
-        cache, kwargs = route_paged_cache(cache, kwargs)
-        if use_cache and cache is None and not is_paged_call(cache, kwargs):
-            cache = DynamicCache(config=self.config)
+        cache, packed = model_cache(cache, kwargs, use_cache, self.config)
         # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding keeps its own state
         keep_memory = (self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
-                       and not is_paged_call(cache, kwargs))
+                       and not packed)
         if inputs_embeds is None:
             inputs_embeds = self._embed(input_ids)
         if position_ids is None:
@@ -829,7 +806,9 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
 # ==================================================================================================== task heads
 class TaskHead:
     """Transformers' generic heads (as for Llama and Mixtral) build their body with `AutoModel.from_config`: point it
-    at the decoder stack for this config's class (a folder's copy of the code loads its own config class)."""
+    at the decoder stack for this config's class. This cannot be done once at import: a saved folder's copy of the
+    code is handed a config class that Transformers loaded apart from the one the copy imported (a registration at
+    import names the wrong class: tests/model/test_task_heads.py, without the package)."""
 
     def __init__(self, config: SwitchHeadConfig):
         AutoModel.register(type(config), SwitchHeadModel, exist_ok=True)
@@ -847,6 +826,17 @@ class SwitchHeadForTokenClassification(TaskHead, GenericForTokenClassification, 
 class SwitchHeadForQuestionAnswering(TaskHead, GenericForQuestionAnswering, SwitchHeadPreTrainedModel):
     """Span start and end logits for every token (extractive question answering)."""
 
+
+def register() -> None:
+    """What this file registers with Transformers, in one place, when it is imported (by the package, or as a saved
+    folder's copy, which is imported without the package): the tensor-parallel styles that `base_model_tp_plan`
+    names and the checkpoint names of renamed tensors (`checkpoint_format.py`). The Auto classes are the package's
+    (`switchhead/__init__.py`); the task heads' body is `TaskHead`'s."""
+    register_styles()
+    register_renamed_keys(SwitchHeadConfig.model_type)
+
+
+register()
 
 __all__ = ["SwitchHeadPreTrainedModel", "SwitchHeadModel", "SwitchHeadForCausalLM",
            "SwitchHeadForSequenceClassification", "SwitchHeadForTokenClassification",
