@@ -91,8 +91,8 @@ def run(args) -> int:
 
     from switchhead import PRESETS
     from switchhead.training.paper import PAPER_TRAINING
-    from switchhead.training.trainer import (TrainingConfig, TrainingDiverged, find_checkpoint, read_checkpoint_state,
-                                             train)
+    from switchhead.training.checkpoints import find_checkpoint, read_checkpoint_state
+    from switchhead.training.trainer import TrainingConfig, TrainingDiverged, train
 
     if args.list_presets:
         for name in sorted(PRESETS):

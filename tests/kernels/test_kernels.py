@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead import kernels
 from switchhead import expert_ops
 from switchhead.expert_ops import expert_projection, naive
 
 from helpers.cvmm_cases import random_case  # noqa: E402
+from helpers.models import tiny_model  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 
@@ -91,21 +91,16 @@ def test_autocast_computes_in_the_autocast_dtype_like_the_reference():
     assert case.weight.grad.dtype == torch.float32 and case.gates.grad.dtype == torch.float32
 
 
-def _tiny_model(preset):
-    torch.manual_seed(0)
-    return SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset)).eval()
-
-
 def test_compile_fullgraph_switchhead_layer_and_training_step():
     # aot_eager runs dynamo, the fake implementations and AOTAutograd (forward and backward graphs) without
     # inductor's C++ build, which takes minutes on 2 cores and is not what a graph break depends on
-    model = _tiny_model("tiny-switchall")
+    model = tiny_model("tiny-switchall").eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     torch._dynamo.reset()
     hidden = torch.randn(2, 12, model.config.hidden_size, requires_grad=True)
     # a layer compiled on its own: SwitchHead (SwitchAll's output hooks, installed for its entropy loss, read a
     # ContextVar that dynamo can trace only from the whole model's forward)
-    attention = _tiny_model("tiny-switchhead").model.layers[0].self_attn
+    attention = tiny_model("tiny-switchhead").eval().model.layers[0].self_attn
     eager_values = attention.project_values(hidden)
     compiled_values = torch.compile(attention.project_values, fullgraph=True, backend="aot_eager")(hidden)
     torch.testing.assert_close(compiled_values, eager_values)

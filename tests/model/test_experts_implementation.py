@@ -210,7 +210,7 @@ def test_experts_benchmark_smoke(tmp_path):
 def test_training_step_compiles_fullgraph_with_the_switch_and_dynamic_rope(implementation):
     """The experts dispatch (MLP and attention) and the dynamic RoPE trace into one graph (aot_eager: dynamo, fake
     tensors and AOTAutograd without inductor's C++ build). "grouped_mm" is left out: fp32 `torch._grouped_mm` has
-    no meta kernel on CPU (bf16 only), which `expert_projection_torch`'s grouped formulation does not yet avoid."""
+    no meta kernel on CPU (bf16 only), which Transformers' grouped_mm experts function (the MLP's) does not avoid."""
     torch.manual_seed(0)
     model = SwitchHeadForCausalLM(_switchall(rope_parameters={"rope_type": "dynamic", "factor": 2.0},
                                              max_position_embeddings=8)).eval()

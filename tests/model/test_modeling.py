@@ -13,14 +13,10 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel
 from switchhead.modeling_switchhead import SwitchHeadAttention, sigma_moe_entropy_loss
+from helpers.models import tiny_model
 from helpers.padding import generate_cached_and_uncached, left_padded_batch, positions_from_mask
 
 VARIANTS = ["tiny-switchhead", "tiny-switchall", "tiny-dense"]
-
-
-def tiny_model(preset: str, **overrides) -> SwitchHeadForCausalLM:
-    torch.manual_seed(0)
-    return SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset, **overrides))
 
 
 # ------------------------------------------------------------------------------------------ must-show 1
