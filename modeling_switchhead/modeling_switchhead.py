@@ -1,8 +1,8 @@
 """SwitchHead and SwitchAll language models for Hugging Face Transformers.
 
-SwitchHead ("SwitchHead: Accelerating Transformers with Mixture-of-Experts Attention", Csordás, Piękos, Irie,
-Schmidhuber, NeurIPS 2024) keeps the query and key projections of each head dense and turns its value and output
-projections into sigma-gated mixtures of experts:
+SwitchHead ("SwitchHead: Accelerating Transformers with Mixture-of-Experts Attention", Csordás,
+Piękos, Irie, Schmidhuber, NeurIPS 2024) keeps the query and key projections of each head dense and
+turns its value and output projections into sigma-gated mixtures of experts:
 
     s_S = sigmoid(x_src W_S^T)  per head, top-k                      (value side, from the attended-to token)
     s_D = sigmoid(x_dst W_D^T)  per head, top-k                      (output side, from the attending token)
@@ -10,19 +10,22 @@ projections into sigma-gated mixtures of experts:
     A_h = softmax(Q_h K_h^T / sqrt(dh))                              (causal)
     y   = sum_h sum_{e in topk(s_D, h)} s_D[h, e] * (A_h V_h) W_O[h, e]
 
-so a layer with few heads (and few attention matrices) matches a dense model with many. SwitchAll also replaces
-the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper's multi-head baseline.
+so a layer with few heads (and few attention matrices) matches a dense model with many. SwitchAll
+also replaces the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper's
+multi-head baseline.
 
-The file is Hub-ready: it imports only torch, transformers and its siblings, which a saved folder carries too:
-`configuration_switchhead.py`, `expert_ops.py` (the expert projection: PyTorch formulations, and the package's
-Triton kernels where installed), `positions.py` (RoPE, Transformer-XL positions and paged-cache helpers),
-`tensor_parallel.py` (the styles of `base_model_tp_plan`), `checkpoint_format.py` (a saved folder's `auto_map`, and
-the tensor names of earlier releases) and `transformers_compat.py` (what differs between the supported Transformers
+The file is Hub-ready: it imports only torch, transformers and its siblings, which a saved folder
+carries too: `configuration_switchhead.py`, `expert_ops.py` (the expert projection: PyTorch
+formulations, and the package's Triton kernels where installed), `positions.py` (RoPE,
+Transformer-XL positions and paged-cache helpers), `tensor_parallel.py` (the styles of
+`base_model_tp_plan`), `checkpoint_format.py` (a saved folder's `auto_map`, and the tensor names of
+earlier releases) and `transformers_compat.py` (what differs between the supported Transformers
 releases).
 """
 
-# No `from __future__ import annotations` here: Transformers reads the `**kwargs: Unpack[TransformersKwargs]`
-# annotations at run time (e.g. to know that forward accepts output_attentions), which needs real objects.
+# No `from __future__ import annotations` here: Transformers reads the `**kwargs:
+# Unpack[TransformersKwargs]` annotations at run time (e.g. to know that forward accepts
+# output_attentions), which needs real objects.
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,15 +77,16 @@ from .positions import (
 )
 
 
-# ==================================================================================================== routers
+# ========================================================================================== routers
 class ExpertSelection(nn.Module):
     """Sigma-gated top-k routing: `scores = sigmoid(x W^T)` in float32, top-k within each group of experts.
 
-    Groups are attention heads (head h chooses among its own experts) or the single group of a sigma-MoE MLP.
-    Gates are the raw sigmoid scores (no renormalisation) and receive gradients.
+    Groups are attention heads (head h chooses among its own experts) or the single group of a
+    sigma-MoE MLP. Gates are the raw sigmoid scores (no renormalisation) and receive gradients.
 
-    Expert dropout (training only) either excludes a score from the top-k but keeps its value as the gate
-    (`drop_to_zero=False`, SwitchHead) or zeroes it before the top-k (`drop_to_zero=True`, sigma-MoE).
+    Expert dropout (training only) either excludes a score from the top-k but keeps its value as the
+    gate (`drop_to_zero=False`, SwitchHead) or zeroes it before the top-k (`drop_to_zero=True`,
+    sigma-MoE).
     """
 
     def __init__(self, hidden_size: int, num_groups: int, num_experts: int, top_k: int, expert_dropout: float,
@@ -116,7 +120,7 @@ class ExpertSelection(nn.Module):
         return logits, scores.gather(-1, index), index
 
 
-# ==================================================================================================== attention
+# ======================================================================================== attention
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -149,17 +153,19 @@ def eager_attention_forward(
 class SwitchHeadAttentionBase(nn.Module):
     """What SwitchHead and dense attention share: dense per-head Q/K, positions, cache and attention backend.
 
-    Subclasses say how values are made from the source tokens (`project_values`) and how the per-head attention
-    results become the layer output (`project_output`).
+    Subclasses say how values are made from the source tokens (`project_values`) and how the
+    per-head attention results become the layer output (`project_output`).
 
-    Backends: `config._attn_implementation` picks eager (`eager_attention_forward`, the reference), sdpa or flex.
-    With XL positions the relative-position term (`positions.xl_position_bias`, `[B, H, Tq, Tk]`) is passed
-    as `position_bias` (eager adds it to the scores, sdpa folds it into a float mask, flex into its score_mod);
-    keys are indexed cache or XL memory first, then the current tokens (query t at key index `query_offset + t`).
+    Backends: `config._attn_implementation` picks eager (`eager_attention_forward`, the reference),
+    sdpa or flex. With XL positions the relative-position term (`positions.xl_position_bias`, `[B,
+    H, Tq, Tk]`) is passed as `position_bias` (eager adds it to the scores, sdpa folds it into a
+    float mask, flex into its score_mod); keys are indexed cache or XL memory first, then the
+    current tokens (query t at key index `query_offset + t`).
 
-    Deviations from the authors' code, on purpose: attention dropout acts on the probabilities (theirs drops
-    entries of k and of the projected positions; the paper's runs use 0), and the dense XL baseline has no u/v
-    biases and a fixed 1/sqrt(dh) scale (their `preln_relative` baseline layer learns both).
+    Deviations from the authors' code, on purpose: attention dropout acts on the probabilities
+    (theirs drops entries of k and of the projected positions; the paper's runs use 0), and the
+    dense XL baseline has no u/v biases and a fixed 1/sqrt(dh) scale (their `preln_relative`
+    baseline layer learns both).
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -177,7 +183,8 @@ class SwitchHeadAttentionBase(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, inner, bias=False)
         self.position_encoding = config.position_encoding
         if self.position_encoding == "xl":
-            # W_pk: projects the sinusoidal encoding of the relative position into each head's key space.
+            # W_pk: projects the sinusoidal encoding of the relative position into each head's key
+            # space.
             self.position_key_proj = nn.Linear(config.hidden_size, inner, bias=False)
 
     def project_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -213,7 +220,8 @@ class SwitchHeadAttentionBase(nn.Module):
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
         key, value, past_length, packed = update_cache(cache, key, value, self.layer_idx, kwargs)
-        # index of the first query among the keys: what the cache held before, else the memory length
+        # index of the first query among the keys: what the cache held before, else the memory
+        # length
         query_offset = sources.shape[1] - length if past_length is None else past_length
 
         extra = {}
@@ -241,8 +249,9 @@ class SwitchHeadAttentionBase(nn.Module):
             **extra,
             **kwargs,
         )  # attended: [B, T, H, dh]
-        # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's CPU kernel (whose
-        # transposed output is contiguous already, so `.contiguous()` recorded nothing) by one whose output is not
+        # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's
+        # CPU kernel (whose transposed output is contiguous already, so `.contiguous()` recorded
+        # nothing) by one whose output is not
         if torch.compiler.is_exporting():
             attended = attended.clone(memory_format=torch.contiguous_format)
         return self.project_output(attended.reshape(heads_shape), hidden_states), probs
@@ -251,10 +260,10 @@ class SwitchHeadAttentionBase(nn.Module):
 class SwitchHeadAttention(SwitchHeadAttentionBase):
     """SwitchHead: sigma-MoE value and output projections, E experts per head, k active per head.
 
-    `config.attention_expert_projections` ("value_output", the default) can make only one side a mixture of
-    experts (the paper's Table 6 ablation): "value" keeps expert values and uses a dense, ungated output
-    projection `o_proj` (H*dh -> d); "output" uses a dense value projection `v_proj` (d -> H*dh) and expert
-    outputs. The dense side has no router.
+    `config.attention_expert_projections` ("value_output", the default) can make only one side a
+    mixture of experts (the paper's Table 6 ablation): "value" keeps expert values and uses a dense,
+    ungated output projection `o_proj` (H*dh -> d); "output" uses a dense value projection `v_proj`
+    (d -> H*dh) and expert outputs. The dense side has no router.
     """
 
     is_transposed = True  # expert tensors are [experts, in, out] (Transformers' / PEFT's flag for that layout)
@@ -307,8 +316,9 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
 class MultiHeadAttention(SwitchHeadAttentionBase):
     """The dense baseline: plain multi-head attention with dense value and output projections.
 
-    With `config.attention_output_gate`, each head's result is scaled by `sigmoid(x_dst W_gate^T)[h]` before the
-    output projection: the authors' SwitchHead module with E = 1 (no value-side gate, no top-k).
+    With `config.attention_output_gate`, each head's result is scaled by `sigmoid(x_dst
+    W_gate^T)[h]` before the output projection: the authors' SwitchHead module with E = 1 (no
+    value-side gate, no top-k).
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -332,7 +342,7 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
 ATTENTION_CLASSES = {"switchhead": SwitchHeadAttention, "dense": MultiHeadAttention}
 
 
-# ==================================================================================================== MLPs
+# ============================================================================================= MLPs
 class SwitchHeadMLP(nn.Module):
     """The paper's dense feed-forward block: Linear (bias) -> ReLU -> Linear (bias)."""
 
@@ -350,13 +360,14 @@ class SwitchHeadMLP(nn.Module):
 class SigmaMoeExperts(nn.Module):
     """The sigma-MoE experts as a Transformers experts module: `act(x keys_e) values_e`, gated and summed.
 
-    `config._experts_implementation` picks how they run (`from_pretrained(..., experts_implementation=...)`,
-    `model.set_experts_implementation(...)`): "eager" is this forward (the "eager" entry of
-    `expert_ops.EXPERTS_IMPLEMENTATIONS`), "batched_mm" / "grouped_mm" Transformers' functions, "cvmm" our kernels (registered
-    when the switchhead package is imported). The flags say what those functions need to know: no gated (GLU)
-    projection, no biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
-    their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them `mlp.keys` /
-    `mlp.values`, as every release has (`checkpoint_format.py`).
+    `config._experts_implementation` picks how they run (`from_pretrained(...,
+    experts_implementation=...)`, `model.set_experts_implementation(...)`): "eager" is this forward
+    (the "eager" entry of `expert_ops.EXPERTS_IMPLEMENTATIONS`), "batched_mm" / "grouped_mm"
+    Transformers' functions, "cvmm" our kernels (registered when the switchhead package is
+    imported). The flags say what those functions need to know: no gated (GLU) projection, no
+    biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
+    their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them
+    `mlp.keys` / `mlp.values`, as every release has (`checkpoint_format.py`).
     """
 
     def __init__(self, config: SwitchHeadConfig):
@@ -391,7 +402,8 @@ class SigmaMoeExperts(nn.Module):
 class SigmaMoeMLP(SigmaMoeExperts):
     """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T).
 
-    The router (`expert_selection`) picks each token's experts; the experts run as `SigmaMoeExperts` says.
+    The router (`expert_selection`) picks each token's experts; the experts run as `SigmaMoeExperts`
+    says.
     """
 
     is_transposed = True  # expert_keys [E, d, S] and expert_values [E, S, d] are [experts, in, out]
@@ -418,12 +430,12 @@ _ACTIVATIONS = {"relu": relu, "gelu": F.gelu, "silu": F.silu}
 MLP_CLASSES = {"dense": SwitchHeadMLP, "sigma_moe": SigmaMoeMLP}
 
 
-# ==================================================================================================== blocks
+# =========================================================================================== blocks
 class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
     """Pre-LayerNorm block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))).
 
-    With XL memory (the detached inputs of this block on the previous segment, `[B, M, d]`), attention also reads
-    LN(memory), normalised by the same LayerNorm, as in the authors' code.
+    With XL memory (the detached inputs of this block on the previous segment, `[B, M, d]`),
+    attention also reads LN(memory), normalised by the same LayerNorm, as in the authors' code.
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -486,7 +498,8 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """The paper's initialisation: std init_scale / sqrt(fan in) for every projection, dense (nn.Linear: q, k,
-        W_pk, the dense sides' v and o, the dense MLP) or expert, router rows normalised; std 1 / sqrt(d) for the
+        W_pk, the dense sides' v and o, the dense MLP) or expert, router rows normalised; std 1 /
+        sqrt(d) for the
         embedding and the output layer. init_scale defaults to sqrt(2 / num_hidden_layers)."""
         scale, d = self.config.init_scale, self.config.hidden_size
         if isinstance(module, SwitchHeadAttention):  # its dense side (if any) is an nn.Linear child
@@ -532,9 +545,10 @@ def _init_selection(weight: torch.Tensor, std: float) -> None:
 class SwitchHeadModelOutputWithPast(MoeModelOutputWithPast):
     r"""
     xl_memory (`list[torch.Tensor]`, *optional*):
-        One detached `[B, M, d]` tensor per layer: the last `config.xl_memory_length` positions of that layer's
-        input hidden states (previous memory, then this segment). Pass it as `xl_memory=` with the next segment.
-        Returned for XL models with `xl_memory_length > 0` when called without a KV cache (`use_cache=False`).
+        One detached `[B, M, d]` tensor per layer: the last `config.xl_memory_length` positions of
+        that layer's input hidden states (previous memory, then this segment). Pass it as
+        `xl_memory=` with the next segment. Returned for XL models with `xl_memory_length > 0` when
+        called without a KV cache (`use_cache=False`).
     """
 
     xl_memory: list[torch.Tensor] | None = None
@@ -571,8 +585,9 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
         self.post_init()
-        # a training step that records router logits (SwitchAll's entropy loss) would install Transformers' output
-        # hooks on its first call, under a lock torch.compile(fullgraph=True) cannot enter: install them now
+        # a training step that records router logits (SwitchAll's entropy loss) would install
+        # Transformers' output hooks on its first call, under a lock torch.compile(fullgraph=True)
+        # cannot enter: install them now
         install_hooks = getattr(output_capturing, "maybe_install_capturing_hooks", None)
         records = config.mlp_type == "sigma_moe" and config.entropy_reg_coef > 0
         if install_hooks is not None and (records or config.output_router_logits):
@@ -613,11 +628,13 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
     ) -> SwitchHeadModelOutputWithPast:
         r"""
         cache (`Cache`, *optional*):
-            The key-value cache (also accepted as `past_key_values`, its name before Transformers 5.24).
+            The key-value cache (also accepted as `past_key_values`, its name before Transformers
+            5.24).
         xl_memory (`list[torch.Tensor]`, *optional*):
-            Transformer-XL memory: one `[B, M, d]` tensor per layer, the `xl_memory` of the previous segment's
-            output. Every query of this segment attends to all M memory positions, and relative positions continue
-            across the boundary. Only for `position_encoding="xl"` and without a KV cache (`use_cache=False`).
+            Transformer-XL memory: one `[B, M, d]` tensor per layer, the `xl_memory` of the previous
+            segment's output. Every query of this segment attends to all M memory positions, and
+            relative positions continue across the boundary. Only for `position_encoding="xl"` and
+            without a KV cache (`use_cache=False`).
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -634,7 +651,8 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             check_xl_memory(self.config, xl_memory, batch, use_cache, cache)
         cache, packed = model_cache(cache, kwargs, use_cache, self.config)
-        # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding keeps its own state
+        # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding
+        # keeps its own state
         keep_memory = (self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
                        and not packed)
         if inputs_embeds is None:
@@ -683,14 +701,15 @@ def sigma_moe_entropy_loss(
 ) -> torch.Tensor:
     """The sigma-MoE regulariser: sum over layers of sum_e p_e log p_e, p = mean over tokens of softmax(logits).
 
-    Minimising it maximises the entropy of the batch's average expert distribution (balanced usage). Padding
-    tokens (attention_mask == 0) are left out of the mean.
+    Minimising it maximises the entropy of the batch's average expert distribution (balanced usage).
+    Padding tokens (attention_mask == 0) are left out of the mean.
     """
     total = 0.0
     for logits in mlp_router_logits:
         log_probs = F.log_softmax(logits.float(), dim=-1)  # [N, E]
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() == logits.shape[0]:
-            # padding drops out of the mean by masking, not indexing: no data-dependent shape (torch.compile)
+            # padding drops out of the mean by masking, not indexing: no data-dependent shape
+            # (torch.compile)
             keep = attention_mask.reshape(-1, 1).bool().to(log_probs.device)
             count = keep.sum().clamp(min=1).to(log_probs.dtype)
             log_mean = torch.logsumexp(log_probs.masked_fill(~keep, float("-inf")), dim=0) - count.log()
@@ -750,17 +769,22 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
     ) -> SwitchHeadCausalLMOutputWithPast:
         r"""
         cache (`Cache`, *optional*):
-            The key-value cache (also accepted as `past_key_values`, its name before Transformers 5.24).
+            The key-value cache (also accepted as `past_key_values`, its name before Transformers
+            5.24).
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            Token ids for the language-modelling loss (shifted inside; -100 is ignored). In training, the sigma-MoE
-            entropy regulariser times `config.entropy_reg_coef` is added to the loss.
+            Token ids for the language-modelling loss (shifted inside; -100 is ignored). In
+            training, the sigma-MoE entropy regulariser times `config.entropy_reg_coef` is added to
+            the loss.
         output_router_logits (`bool`, *optional*):
-            Return the logits of every expert router (value, output and sigma-MoE selections) and `aux_loss`.
+            Return the logits of every expert router (value, output and sigma-MoE selections) and
+            `aux_loss`.
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
-            Compute logits only for the last `logits_to_keep` positions (or the given indices); 0 keeps all.
+            Compute logits only for the last `logits_to_keep` positions (or the given indices); 0
+            keeps all.
         xl_memory (`list[torch.Tensor]`, *optional*):
-            Transformer-XL memory from the previous segment's output (`out.xl_memory`), with `use_cache=False`:
-            `out = model(input_ids=seg, labels=seg, xl_memory=mem, use_cache=False); mem = out.xl_memory`.
+            Transformer-XL memory from the previous segment's output (`out.xl_memory`), with
+            `use_cache=False`: `out = model(input_ids=seg, labels=seg, xl_memory=mem,
+            use_cache=False); mem = out.xl_memory`.
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
@@ -803,11 +827,12 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
         )
 
 
-# ==================================================================================================== task heads
+# ======================================================================================= task heads
 class TaskHead:
     """Transformers' generic heads (as for Llama and Mixtral) build their body with `AutoModel.from_config`: point it
-    at the decoder stack for this config's class. This cannot be done once at import: a saved folder's copy of the
-    code is handed a config class that Transformers loaded apart from the one the copy imported (a registration at
+    at the decoder stack for this config's class. This cannot be done once at import: a saved
+    folder's copy of the code is handed a config class that Transformers loaded apart from the one
+    the copy imported (a registration at
     import names the wrong class: tests/model/test_task_heads.py, without the package)."""
 
     def __init__(self, config: SwitchHeadConfig):
@@ -829,8 +854,9 @@ class SwitchHeadForQuestionAnswering(TaskHead, GenericForQuestionAnswering, Swit
 
 def register() -> None:
     """What this file registers with Transformers, in one place, when it is imported (by the package, or as a saved
-    folder's copy, which is imported without the package): the tensor-parallel styles that `base_model_tp_plan`
-    names and the checkpoint names of renamed tensors (`checkpoint_format.py`). The Auto classes are the package's
+    folder's copy, which is imported without the package): the tensor-parallel styles that
+    `base_model_tp_plan` names and the checkpoint names of renamed tensors (`checkpoint_format.py`).
+    The Auto classes are the package's
     (`switchhead/__init__.py`); the task heads' body is `TaskHead`'s."""
     register_styles()
     register_renamed_keys(SwitchHeadConfig.model_type)
