@@ -2,7 +2,7 @@
 
 For the value and output projections of the 47M and 262M SwitchHead presets and the sigma-MoE keys / values of
 the SwitchAll presets (tokens = batch x context of PAPER_TRAINING), times forward, backward and forward+backward
-of: our `switchhead.kernels.cvmm` (Triton on a GPU), the PyTorch reference (`expert_projection_torch`),
+of: our `switchhead.kernels.cvmm` (Triton on a GPU), the PyTorch reference (the model's "eager" projection),
 `torch.nn.functional.grouped_mm` (bf16), a naive per-expert loop, and a dense `torch.mm` with the same FLOPs (the
 practical limit). Prints TFLOP/s and each one's throughput as a fraction of the dense mm (dense time / its time),
 then times a whole one-layer model of each preset (forward+backward) with our op against the reference, and
@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from switchhead import PAPER_TRAINING, SwitchHeadConfig
+from switchhead import SwitchHeadConfig
+from switchhead.training.paper import PAPER_TRAINING
 from switchhead import kernels
-from switchhead.expert_ops import expert_projection_torch
+from switchhead.expert_ops import expert_projection
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWITCHHEAD_PRESETS = ("wt103-47m-switchhead-xl", "c4-47m-switchhead-xl", "wt103-262m-switchhead-xl",
@@ -168,12 +169,18 @@ def authors_projection(module) -> Callable:
     return run
 
 
+def backend_of(device: torch.device, dtype: torch.dtype) -> str:
+    """What our op runs for tensors on `device` of `dtype`: "triton", or "torch" (the model's "eager" entry)."""
+    return "triton" if kernels.triton_runs(device, dtype) else "torch"
+
+
 def ours(inputs, expert_index, weight, gates, out_groups):
-    return kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
+    """The op's "cvmm" entry: the Triton kernels where they run, else the model's "eager" projection."""
+    return expert_projection(inputs, expert_index, weight, gates, out_groups, implementation="cvmm")
 
 
 def reference(inputs, expert_index, weight, gates, out_groups):
-    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups)
+    return expert_projection(inputs, expert_index, weight, gates, out_groups, implementation="eager")
 
 
 CONTENDERS: dict[str, Callable] = {
@@ -226,7 +233,7 @@ def check_against_reference(problem, inputs, index, weight, gates, fn=None) -> d
     leaves = [t.detach().requires_grad_() for t in (inputs, weight, gates) if t is not None]
     wide = [t.detach().float().requires_grad_() for t in leaves]
     args = lambda ts: (ts[0], index, ts[1], ts[2] if len(ts) > 2 else None, problem["out_groups"])  # noqa: E731
-    out, want = fn(*args(leaves)), expert_projection_torch(*args(wide))
+    out, want = fn(*args(leaves)), reference(*args(wide))
     upstream = torch.randn_like(want)
     grads = torch.autograd.grad(out, leaves, upstream.to(out.dtype))
     want_grads = torch.autograd.grad(want, wide, upstream)
@@ -246,11 +253,11 @@ def bench_problem(problem, device, dtype, reps, generator, check_only=False, con
         try:
             errors = check_against_reference(problem, inputs, index, weight, gates, contenders[name])
             rows.append(dict(problem=problem["name"], impl=name, mode="check", relative_errors=errors,
-                             backend=kernels.resolve_backend(device, dtype) if name == "cvmm" else "authors",
+                             backend=backend_of(device, dtype) if name == "cvmm" else "authors",
                              ok=max(errors.values()) <= CHECK_TOLERANCE[dtype]))
         except Exception as error:  # noqa: BLE001 - reported as a failed check
             rows.append(dict(problem=problem["name"], impl=name, mode="check", relative_errors={}, ok=False,
-                             backend="authors" if name != "cvmm" else kernels.resolve_backend(device, dtype),
+                             backend="authors" if name != "cvmm" else backend_of(device, dtype),
                              error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
     if check_only:
         return rows
@@ -266,7 +273,7 @@ def bench_problem(problem, device, dtype, reps, generator, check_only=False, con
     for name, fn in contenders.items():
         if name == "grouped_mm" and dtype != torch.bfloat16:
             continue  # grouped_mm is a bf16 kernel
-        if name == "cvmm_deterministic" and kernels.resolve_backend(device, dtype) != "triton":
+        if name == "cvmm_deterministic" and backend_of(device, dtype) != "triton":
             continue  # the PyTorch path is always deterministic
         if name == "authors_cvmm" and not any(r["impl"] == name and r["ok"] for r in rows):
             timings[name] = {"error": "skipped: it failed its check on this problem"}
@@ -291,7 +298,7 @@ def bench_problem(problem, device, dtype, reps, generator, check_only=False, con
 
 def autotune_choices() -> dict[str, dict[str, str]]:
     """The configs Triton's autotuner kept for each key of our two kernels (empty when they never ran)."""
-    if kernels.get_backend() == "torch" or "switchhead.kernels.cvmm_triton" not in sys.modules:
+    if "switchhead.kernels.cvmm_triton" not in sys.modules:
         return {}
     module = sys.modules["switchhead.kernels.cvmm_triton"]
     choices = {}
@@ -368,9 +375,9 @@ def bench_layers(device, dtype, token_override, reps, only, deadline=float("inf"
             torch.autograd.grad(hidden.float().square().mean(), [embeds, *model.parameters()], allow_unused=True)
 
         timings = {}
-        for backend in ("auto", "torch"):
-            with kernels.use_backend(backend):
-                timings[backend] = median_ms(step, device, reps)
+        for backend, implementation in (("auto", "cvmm"), ("torch", "eager")):
+            model.set_experts_implementation(implementation)
+            timings[backend] = median_ms(step, device, reps)
         yield dict(problem=f"{preset}/layer", impl="cvmm", mode="layer forward+backward", ms=timings["auto"],
                    batch=batch, length=length, reference_ms=timings["torch"],
                    speedup_over_reference=timings["torch"] / timings["auto"])
@@ -427,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     tokens = None if args.full else (args.tokens or 64)
-    backend = kernels.resolve_backend(device, dtype)
+    backend = backend_of(device, dtype)
     contenders = dict(CONTENDERS)
     if args.authors_cvmm is not None:
         contenders["authors_cvmm"] = authors_projection(load_authors_cvmm(args.authors_cvmm))

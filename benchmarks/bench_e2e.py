@@ -38,7 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from switchhead import PAPER_TRAINING, SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
+from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
+from switchhead.training.paper import PAPER_TRAINING  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402

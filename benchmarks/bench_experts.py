@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     token_counts = [int(t) for t in args.tokens.split(",") if t.strip()]
     load_before = [round(x, 2) for x in os.getloadavg()]
+    backend = "triton" if kernels.triton_runs(device, dtype) else "torch"
     print(f"device: {device_name(device)} | {torch.get_num_threads()} threads | {dtype} | "
-          f"cvmm backend {kernels.resolve_backend(device, dtype)} | torch {torch.__version__} | load {load_before}")
+          f"cvmm backend {backend} | torch {torch.__version__} | load {load_before}")
 
     generator = torch.Generator().manual_seed(0)
     module = make_experts(args.hidden, args.intermediate, args.experts, args.top_k, device, dtype)
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         machine=platform.node(), device=device_name(device), device_type=device.type, cores=cores,
         threads=torch.get_num_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"),
         torch=torch.__version__, transformers=transformers.__version__, dtype=str(dtype),
-        cvmm_backend=kernels.resolve_backend(device, dtype), hidden=args.hidden, intermediate=args.intermediate,
+        cvmm_backend=backend, hidden=args.hidden, intermediate=args.intermediate,
         experts=args.experts, top_k=args.top_k, timing=f"wall-clock median of {args.reps} interleaved repetitions",
         load_before=load_before, load_after=load_after,
         under_load=max(load_before[0], load_after[0]) > 0.5 * cores, check=checks, results=rows,

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
-from switchhead.accounting import kv_cache_bytes_per_token
+from switchhead.evaluation.accounting import kv_cache_bytes_per_token
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402

@@ -174,18 +174,17 @@ def check_op_problem(section: str, problem: dict, tensors, index, fast: Callable
 def triton_op(inputs, index, weight, gates, out_groups):
     from switchhead import kernels
 
-    with kernels.use_backend("triton"):
-        return kernels.cvmm(inputs, index, weight, gates, out_groups)
+    return kernels.cvmm(inputs, index, weight, gates, out_groups)
 
 
 def reference_op(inputs, index, weight, gates, out_groups):
-    """The model's PyTorch path (the Hub file's `expert_projection_torch`, itself held against the simple einsum
-    twin in tests/model/test_expert_ops.py). On a GPU it runs its "all_experts" formulation, whose memory stays near
+    """The model's PyTorch path (the "eager" entry of the Hub file's table, itself held against the naive twin
+    in tests/model/test_expert_ops.py). On a GPU it runs its "all_experts" formulation, whose memory stays near
     G x N x d (the kernels' own PyTorch twin would materialise [G, N * R, d_out]: 34 GB in float64 for SwitchAll
     259M's sigma-MoE values at the paper's 32k tokens)."""
-    from switchhead.expert_ops import expert_projection_torch
+    from switchhead.expert_ops import expert_projection
 
-    return expert_projection_torch(inputs, index, weight, gates, out_groups)
+    return expert_projection(inputs, index, weight, gates, out_groups, implementation="eager")
 
 
 def random_problem(generator, index: int, max_tokens: int, sizes, element_budget: int) -> dict:
@@ -353,8 +352,6 @@ def bf16_row(variant, preset, triton_run, torch_run, fp32_run, **extra) -> dict:
 def model_section(smoke: bool, device, log) -> list[dict]:
     import torch
 
-    from switchhead import kernels
-
     rows = []
     batch, length = (2, 12) if smoke else (4, 128)
     for variant, (preset, overrides) in model_presets(smoke).items():
@@ -369,9 +366,9 @@ def model_section(smoke: bool, device, log) -> list[dict]:
                 for label, autocast in (("fp32", None), ("bf16", torch.bfloat16)):
                     if autocast is not None and device.type != "cuda":
                         continue  # the interpreter has no bf16 dot
-                    for backend in ("triton", "torch"):
-                        with kernels.use_backend(backend):
-                            runs[label, backend] = loss_and_grads(model, ids, autocast)
+                    for backend, implementation in (("triton", "cvmm"), ("torch", "eager")):
+                        model.set_experts_implementation(implementation)
+                        runs[label, backend] = loss_and_grads(model, ids, autocast)
             finally:
                 torch.set_float32_matmul_precision(previous)
             (logits, grads), (want_logits, want_grads) = runs["fp32", "triton"], runs["fp32", "torch"]

@@ -693,7 +693,7 @@ def plot_curves(records: list[dict], comparison: str, path: Path) -> bool:
 
 def write_results(scale: Scale, out: Path, results_dir: Path, command: str) -> dict:
     """Collect every finished run of the grid and rewrite replication.json / .md / PNGs."""
-    from switchhead.evaluation.flops import format_count
+    from switchhead.evaluation.accounting import format_count
 
     specs = plan(scale)
     records = [json.loads((out / s.name / RUN_RECORD).read_text()) for s in specs

@@ -359,7 +359,7 @@ def plot(title: str, runs: list[dict], path: Path) -> bool:
 
 
 def write_results(out: Path, results_dir: Path) -> dict:
-    from switchhead.evaluation.flops import format_count
+    from switchhead.evaluation.accounting import format_count
 
     records = finished_records(out)
     add_timing(out, records)

@@ -16,19 +16,12 @@ keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import json
 import sys
 
 # command modules (in `switchhead --help` order) and the application package each needs; a command whose package
 # is not installed is left out
-COMMANDS = (("switchhead.cli.train", "switchhead.training"), ("switchhead.cli.evaluate", "switchhead.evaluation"),
-            ("switchhead.cli.convert", "switchhead.conversion"), ("switchhead.cli.generate", "switchhead"),
-            ("switchhead.cli.serve", "switchhead.serving"), ("switchhead.cli.finetune", "switchhead.training"),
-            ("switchhead.cli.export", "switchhead.conversion"))
-
-
 class UsageError(Exception):
     """An expected failure (bad input, a damaged file, the Hub unreachable): `main` prints one line
     `switchhead <command>: error: <message>` on stderr, no traceback, and exits with `exit_code` (2)."""
@@ -134,10 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="switchhead", description="SwitchHead / SwitchAll models: train, "
                                      "evaluate, convert, generate, count MACs and publish.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, needs in COMMANDS:
+    from . import convert, evaluate, export, finetune, generate, serve, train  # each imports its part when run
+
+    commands = ((train, "switchhead.training"), (evaluate, "switchhead.evaluation"), (convert, "switchhead.conversion"),
+                (generate, "switchhead"), (serve, "switchhead.serving"), (finetune, "switchhead.training"),
+                (export, "switchhead.conversion"))
+    for command, needs in commands:
         if importlib.util.find_spec(needs) is None:  # that part of the package is not installed
             continue
-        importlib.import_module(name).register(subparsers)
+        command.register(subparsers)
     return parser
 
 

@@ -246,7 +246,7 @@ def load_config(spec: str, assignments: list[str]):
 
 
 def run_flops(args) -> int:
-    from switchhead.evaluation.flops import cost_report, format_report
+    from switchhead.evaluation.accounting import cost_report, format_report
 
     config = load_config(args.config, args.set)
     if args.context is not None and args.context < 1:

@@ -89,9 +89,10 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from accelerate import PartialState
 
-    from switchhead import PAPER_TRAINING, PRESETS
-    from switchhead.training.trainer import (TrainingConfig, TrainingDiverged, find_checkpoint, read_checkpoint_state,
-                                             train)
+    from switchhead import PRESETS
+    from switchhead.training.paper import PAPER_TRAINING
+    from switchhead.training.checkpoints import find_checkpoint, read_checkpoint_state
+    from switchhead.training.trainer import TrainingConfig, TrainingDiverged, train
 
     if args.list_presets:
         for name in sorted(PRESETS):
@@ -125,7 +126,7 @@ def run(args) -> int:
     model_overrides = parse_field_assignments(args.set)
 
     if args.demo:
-        from switchhead.training.demo import run_demo
+        from switchhead.cli.demo import run_demo
 
         if args.resume:
             raise UsageError("--demo always starts fresh; drop --resume")

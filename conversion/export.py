@@ -10,7 +10,7 @@ What is exported: one forward without a KV cache (`use_cache=False`) from token 
 padding) to the logits, `LogitsOnly`; for a causal LM, a task model with `logits` (sequence or token
 classification) alike. The batch and the sequence length are symbols of the graph (`torch.export.Dim`), so one file
 serves every shape up to `max_position_embeddings` tokens; the expert projections run as "all_experts" in it
-(`expert_ops.choose_expert_implementation`). Every variant exports: RoPE and XL, SwitchHead, dense and SwitchAll.
+(`expert_ops.choose_formulation`). Every variant exports: RoPE and XL, SwitchHead, dense and SwitchAll.
 
 Not exported: the KV cache (decoding token by token re-runs the whole prefix), XL memory across segments, router
 logits, and the Triton kernels (the graph holds the PyTorch formulations); `to_onnx` writes one file, so models up

@@ -7,8 +7,8 @@ use `switchhead eval`. Importing this package does not import lm-eval, matplotli
 
 from pathlib import Path
 
-from .flops import (attention_macs, attention_memory, cost_report, kv_cache_bytes_per_token, mlp_macs,
-                    model_forward_macs)
+from .accounting import (attention_macs, attention_memory, cost_report, kv_cache_bytes_per_token, mlp_macs,
+                         model_forward_macs)
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 

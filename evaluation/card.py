@@ -94,7 +94,7 @@ def build_card(model_dir: str | Path, evaluation: dict | None = None, *, repo_id
     from huggingface_hub import ModelCard, ModelCardData
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .flops import attention_macs, attention_memory, format_count, kv_cache_bytes_per_token
+    from .accounting import attention_macs, attention_memory, format_count, kv_cache_bytes_per_token
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():

@@ -1,8 +1,9 @@
-"""switchhead.kernels: the CVMM expert-projection op (Triton kernels, their naive PyTorch twin, the dispatch).
+"""switchhead.kernels: the CVMM expert-projection op on Triton, and the Transformers experts adapter.
 
-`cvmm(inputs, expert_index, weight, gates=None, out_groups=1)` is what `switchhead`'s model calls for every
-expert projection; see `cvmm.py` for the contract and the switches (`set_backend` / `SWITCHHEAD_CVMM_BACKEND`,
-`set_deterministic` / `SWITCHHEAD_CVMM_DETERMINISTIC`). Triton is imported only when a Triton kernel first runs.
+`cvmm(inputs, expert_index, weight, gates=None, out_groups=1)` is the "cvmm" entry of the model's one dispatch table
+(`switchhead.expert_ops.EXPERTS_IMPLEMENTATIONS`) where `triton_runs`; see `cvmm.py` for the contract and the switch
+`set_deterministic` / `SWITCHHEAD_CVMM_DETERMINISTIC`. `experts.py` registers our CVMM as Transformers' experts
+implementation "cvmm". Triton is imported only when a Triton kernel first runs.
 """
 
 if __name__ == "kernels":
@@ -40,34 +41,6 @@ if __name__ == "kernels":
 
     del _machinery, _util, _os, _sys, _checkout, _elsewhere, _spec
 else:
-    from .cvmm import (
-        CHECK_INDEX_ENV,
-        BACKEND_ENV,
-        BACKENDS,
-        DETERMINISTIC_ENV,
-        cvmm,
-        get_backend,
-        is_deterministic,
-        resolve_backend,
-        set_backend,
-        set_deterministic,
-        use_backend,
-    )
-    from .cvmm_reference import cvmm_backward_reference, cvmm_forward_reference, cvmm_naive
+    from .cvmm import CHECK_INDEX_ENV, DETERMINISTIC_ENV, cvmm, is_deterministic, set_deterministic, triton_runs
 
-    __all__ = [
-        "BACKENDS",
-        "BACKEND_ENV",
-        "CHECK_INDEX_ENV",
-        "DETERMINISTIC_ENV",
-        "cvmm",
-        "cvmm_backward_reference",
-        "cvmm_forward_reference",
-        "cvmm_naive",
-        "get_backend",
-        "is_deterministic",
-        "resolve_backend",
-        "set_backend",
-        "set_deterministic",
-        "use_backend",
-    ]
+    __all__ = ["CHECK_INDEX_ENV", "DETERMINISTIC_ENV", "cvmm", "is_deterministic", "set_deterministic", "triton_runs"]

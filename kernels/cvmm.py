@@ -9,82 +9,39 @@ each slot is scaled by its gate and summed into output group `s // (S // out_gro
 In SwitchHead: values (R=1, S=H*k, out_groups=H), output (R=H, S=H*k, out_groups=1: the sum over heads and their
 experts); sigma-MoE: keys (R=1, S=k, no gates), values (R=k, S=k, out_groups=1).
 
-This module is the one dispatch point. The op and its backward are registered with `torch.library` as
+The model's dispatch (`EXPERTS_IMPLEMENTATIONS["cvmm"]` in `switchhead.expert_ops`) calls `cvmm` where
+`triton_runs` says the kernels run: CUDA tensors, and CPU tensors when `TRITON_INTERPRET=1` was set before the first
+use (the Triton interpreter, for tests), in float32 / float16 / bfloat16; everywhere else it runs its PyTorch
+formulations, and `cvmm` itself raises. The op and its backward are registered with `torch.library` as
 `switchhead::cvmm_forward` / `switchhead::cvmm_backward` (custom_op + register_fake + register_autograd), so
-`torch.compile(fullgraph=True)` traces through them. Each call picks its implementation at run time:
+`torch.compile(fullgraph=True)` traces through them.
 
-- `cvmm_triton` (Triton kernels) for CUDA tensors, and for CPU tensors when `TRITON_INTERPRET=1` was set before
-  the first use (the Triton interpreter, for tests);
-- PyTorch otherwise (CPU, float64, or Triton not installed): the naive twin `cvmm_reference.cvmm_naive`, a loop
-  over experts that autograd differentiates. The model does not come here for CPU tensors: its `expert_ops.py`
-  holds the fast PyTorch formulations and calls `cvmm` only where Triton runs. The custom ops keep a PyTorch body
-  too (`cvmm_forward_reference` / `cvmm_backward_reference`, the naive twin) for callers of the op itself.
+No path syncs with the host: expert ids outside `[0, G)` are not read back. Set `SWITCHHEAD_CVMM_CHECK_INDEX=1` for
+an explicit host-side range check before every call (a sync; for debugging, as an out-of-range id in a kernel is
+not reported clearly).
 
-No path syncs with the host: expert ids outside `[0, G)` are caught by a bounds-checked `index_select` (an
-IndexError on the CPU, which `cvmm` reports as a ValueError naming the range when not compiling), not by reading
-the ids back. Set `SWITCHHEAD_CVMM_CHECK_INDEX=1` for an explicit host-side range check before every call (a sync;
-for debugging, e.g. on CUDA where an out-of-range id in a kernel is not reported clearly).
-
-Force one with `set_backend("triton" | "torch" | "auto")`, the `use_backend(...)` context manager, or the
-environment variable `SWITCHHEAD_CVMM_BACKEND`. The Triton forward and input gradient add the slots that share an
-output row with fp32 atomics (fast, not bitwise reproducible); `SWITCHHEAD_CVMM_DETERMINISTIC=1`,
-`set_deterministic(True)` or `torch.use_deterministic_algorithms(True)` make them sum in a fixed order instead.
-Weight gradients never use atomics.
+The Triton forward and input gradient add the slots that share an output row with fp32 atomics (fast, not bitwise
+reproducible); `SWITCHHEAD_CVMM_DETERMINISTIC=1`, `set_deterministic(True)` or
+`torch.use_deterministic_algorithms(True)` make them sum in a fixed order instead. Weight gradients never use
+atomics.
 """
 
 # no `from __future__ import annotations` here: torch.library reads the op signatures' annotations at run time
-import contextlib
 import importlib.util
 import os
-from collections.abc import Iterator
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .cvmm_reference import cvmm_backward_reference, cvmm_forward_reference, cvmm_naive
-
-BACKENDS = ("auto", "triton", "torch")
-BACKEND_ENV = "SWITCHHEAD_CVMM_BACKEND"
 DETERMINISTIC_ENV = "SWITCHHEAD_CVMM_DETERMINISTIC"
 CHECK_INDEX_ENV = "SWITCHHEAD_CVMM_CHECK_INDEX"
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_backend_override: str | None = None
 _deterministic_override: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- switches
-def _check_backend(name: str, source: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"{source} must be one of {', '.join(BACKENDS)}; got {name!r}")
-    return name
-
-
-def get_backend() -> str:
-    """The requested backend: `set_backend`'s value, else `$SWITCHHEAD_CVMM_BACKEND`, else "auto"."""
-    if _backend_override is not None:
-        return _backend_override
-    return _check_backend(os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto", BACKEND_ENV)
-
-
-def set_backend(name: str | None) -> None:
-    """Force "triton" or "torch" for every CVMM call, or "auto" (the default); None defers to the env var."""
-    global _backend_override
-    _backend_override = None if name is None else _check_backend(name, "backend")
-
-
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """`with use_backend("torch"): ...` runs the block with that backend, then restores the previous setting."""
-    global _backend_override
-    previous, _backend_override = _backend_override, _check_backend(name, "backend")
-    try:
-        yield
-    finally:
-        _backend_override = previous
-
-
 def set_deterministic(enabled: bool | None) -> None:
     """Make the Triton path bitwise reproducible (no atomics); None defers to the env var / torch's flag."""
     global _deterministic_override
@@ -112,19 +69,9 @@ def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
-def resolve_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """The implementation ("triton" or "torch") a call with tensors on `device` of `dtype` runs."""
-    requested = get_backend()
-    if requested == "torch":
-        return "torch"
-    usable = triton_installed() and _triton_runs_on(device) and dtype in TRITON_DTYPES
-    if requested == "triton" and not usable:
-        raise RuntimeError(
-            f"CVMM backend 'triton' cannot run {dtype} tensors on {device.type}: it needs triton installed, CUDA "
-            f"tensors (or TRITON_INTERPRET=1 for CPU tensors) and one of {[str(t) for t in TRITON_DTYPES]}; "
-            f"use set_backend('auto') or {BACKEND_ENV}=auto to fall back to PyTorch"
-        )
-    return "triton" if usable else "torch"
+def triton_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels run tensors on `device` of `dtype` (what the model's "cvmm" entry asks)."""
+    return triton_installed() and _triton_runs_on(device) and dtype in TRITON_DTYPES
 
 
 def _triton_module():
@@ -153,11 +100,8 @@ def cvmm_forward(
     groups = out_groups if gates is not None else slots
     if n == 0:
         return inputs.new_zeros(0, groups, weight.shape[2]), sorted_expert, order
-    if resolve_backend(inputs.device, inputs.dtype) == "triton":
-        out = _triton_module().cvmm_forward_triton(inputs, weight, gates, sorted_expert, order, out_groups,
-                                                   is_deterministic())
-    else:
-        out = cvmm_forward_reference(inputs, weight, gates, sorted_expert, order, out_groups)
+    out = _triton_module().cvmm_forward_triton(inputs, weight, gates, sorted_expert, order, out_groups,
+                                               is_deterministic())
     return out, sorted_expert, order
 
 
@@ -178,11 +122,8 @@ def cvmm_backward(
     grad = grad.to(inputs.dtype)
     if inputs.shape[0] == 0:
         return _gradient_buffers(grad, inputs, weight, gates, need_inputs, need_weight, torch.zeros)
-    if resolve_backend(inputs.device, inputs.dtype) == "triton":
-        return _triton_module().cvmm_backward_triton(grad, inputs, weight, gates, sorted_expert, order, out_groups,
-                                                     need_inputs, need_weight, is_deterministic())
-    return cvmm_backward_reference(grad, inputs, weight, gates, sorted_expert, order, out_groups, need_inputs,
-                                   need_weight)
+    return _triton_module().cvmm_backward_triton(grad, inputs, weight, gates, sorted_expert, order, out_groups,
+                                                 need_inputs, need_weight, is_deterministic())
 
 
 def _gradient_buffers(grad, inputs, weight, gates, need_inputs, need_weight, make):
@@ -247,8 +188,9 @@ def _range_error(expert_index: Tensor, num_experts: int) -> ValueError:
 
 
 def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | None = None,
-         out_groups: int = 1, implementation: str = "auto") -> Tensor:
-    """Rows times their selected expert's matrix, with an optional gate-weighted sum (see the module docstring).
+         out_groups: int = 1) -> Tensor:
+    """Rows times their selected expert's matrix, with an optional gate-weighted sum, on the Triton kernels (see the
+    module docstring; where `triton_runs` is false this raises: the model's dispatch runs PyTorch there).
 
     Args:
         inputs: `[N, R, d_in]`.
@@ -256,8 +198,6 @@ def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | N
         weight: `[G, d_in, d_out]`.
         gates: `[N, S]` or None.
         out_groups: output rows per token when `gates` is given.
-        implementation: the model's formulation name (`expert_ops.EXPERT_IMPLEMENTATIONS`), which the model's
-            dispatch passes along; each backend here has one implementation, so it is not used.
 
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them, in the inputs' dtype (the autocast dtype
@@ -276,14 +216,11 @@ def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | N
     checking = os.environ.get(CHECK_INDEX_ENV, "0") == "1" and not torch.compiler.is_compiling()
     if checking and expert_index.numel() and (expert_index.min() < 0 or expert_index.max() >= num_experts):
         raise _range_error(expert_index, num_experts)  # explicit debug mode: reads the ids back (a sync)
-    if resolve_backend(inputs.device, inputs.dtype) == "torch":
-        if torch.compiler.is_compiling():
-            return cvmm_naive(inputs, expert_index, weight, gates, out_groups)
-        try:
-            return cvmm_naive(inputs, expert_index, weight, gates, out_groups)
-        except IndexError as error:  # the bounds-checked gather of an out-of-range expert id
-            if expert_index.numel() and (expert_index.min() < 0 or expert_index.max() >= num_experts):
-                raise _range_error(expert_index, num_experts) from error
-            raise
+    if not triton_runs(inputs.device, inputs.dtype):
+        raise RuntimeError(
+            f"the CVMM Triton kernels cannot run {inputs.dtype} tensors on {device_type}: they need triton "
+            f"installed, CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors) and one of "
+            f"{[str(t) for t in TRITON_DTYPES]}; switchhead.expert_ops.expert_projection runs PyTorch elsewhere"
+        )
     out, _, _ = cvmm_forward(inputs, expert_index, weight, gates, out_groups)
     return out

@@ -1,4 +1,8 @@
-"""The CVMM op in Triton: the fast twin of `cvmm_reference.py` (same arguments, same results).
+"""The CVMM op in Triton: the bodies of the custom ops in `cvmm.py` (tested against `expert_ops.naive`).
+
+Notation: N tokens, S slots per token, M = N * S slots, flat slot m = n * S + s. Slot m reads input row
+`m // (S // R)` of `inputs.view(N * R, d_in)` and, with gates, adds into output row `m // (S // out_groups)` of
+`out.view(N * out_groups, d_out)`.
 
 Two kernels cover the forward and the backward:
 
@@ -277,7 +281,8 @@ def _rows_matmul(a, w, sorted_expert, order, gates, out_rows, out_div, a_div, ou
 
 
 def cvmm_forward_triton(inputs, weight, gates, sorted_expert, order, out_groups, deterministic=False):
-    """Same contract as `cvmm_reference.cvmm_forward_reference`."""
+    """The forward on slots sorted by expert (`sorted_expert`, their slot ids `order`, both `[M]`) -> `[N, groups,
+    d_out]` (groups: `out_groups` with gates, else S)."""
     n, r, d_in = inputs.shape
     slots = order.numel() // n
     groups = out_groups if gates is not None else slots
@@ -290,7 +295,7 @@ def cvmm_forward_triton(inputs, weight, gates, sorted_expert, order, out_groups,
 
 def cvmm_backward_triton(grad, inputs, weight, gates, sorted_expert, order, out_groups, need_inputs, need_weight,
                          deterministic=False):
-    """Same contract as `cvmm_reference.cvmm_backward_reference`."""
+    """(d inputs, d weight, d gates) of `cvmm_forward_triton`; a gradient not needed is an empty tensor."""
     n, r, d_in = inputs.shape
     slots = order.numel() // n
     g_count, _, d_out = weight.shape

@@ -4,7 +4,7 @@ Importing the package registers the model with AutoConfig, AutoModel, AutoModelF
 classes (sequence and token classification, question answering), and marks the classes so that `save_pretrained`
 writes an `auto_map` and copies the model files: a saved folder then loads with `trust_remote_code=True` where this
 package is not installed. It also registers our CVMM kernels as the
-Transformers experts implementation "cvmm" (`switchhead.experts`), usable by any MoE model.
+Transformers experts implementation "cvmm" (`switchhead.kernels.experts`), usable by any MoE model.
 """
 
 import logging as _logging
@@ -38,7 +38,7 @@ try:
         AutoModelForTokenClassification,
     )
 
-    from .configuration_switchhead import PAPER_TRAINING, PRESETS, SwitchHeadConfig
+    from .configuration_switchhead import PRESETS, SwitchHeadConfig
     from .modeling_switchhead import (
         SwitchHeadForCausalLM,
         SwitchHeadForQuestionAnswering,
@@ -47,7 +47,6 @@ try:
         SwitchHeadModel,
         SwitchHeadPreTrainedModel,
         expert_projection,
-        expert_projection_torch,
     )
 finally:
     for _logger in _noisy_loggers:
@@ -68,9 +67,9 @@ for _auto_class, _model_class in _AUTO_CLASSES.items():
 del _auto_class, _model_class
 
 # our CVMM as Transformers' experts implementation "cvmm", for this model and every other MoE model
-from . import experts as _experts  # noqa: E402 - after the registrations above, which it does not need
+from .kernels import experts as _experts  # noqa: E402 - after the registrations above, which it does not need
 
-_experts.register()
+_experts.register(expert_projection)
 
 __all__ = [
     "SwitchHeadConfig",
@@ -81,8 +80,6 @@ __all__ = [
     "SwitchHeadForQuestionAnswering",
     "SwitchHeadPreTrainedModel",
     "PRESETS",
-    "PAPER_TRAINING",
     "expert_projection",
-    "expert_projection_torch",
     "__version__",
 ]

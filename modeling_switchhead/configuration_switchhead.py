@@ -517,11 +517,4 @@ PRESETS: dict[str, dict[str, Any]] = {
                           max_position_embeddings=128, hidden_dropout=0.0),
 }
 
-# The paper's training settings for each preset (PAPER.md section 4), for the training loop and the docs.
-PAPER_TRAINING: dict[str, dict[str, Any]] = {
-    name: dict(context=fields["max_position_embeddings"], batch_size=64, learning_rate=2.5e-4, steps=100_000,
-               grad_clip=0.1 if ("47m" in name or "45m" in name) and "switchall" not in name else 0.25)
-    for name, fields in PRESETS.items() if not name.startswith("tiny")
-}
-
-__all__ = ["SwitchHeadConfig", "PRESETS", "PAPER_TRAINING"]
+__all__ = ["SwitchHeadConfig", "PRESETS"]

@@ -1,7 +1,7 @@
-"""The expert projection of SwitchHead and sigma-MoE ("CVMM"): its PyTorch formulations, the one rule that picks
-among them, and the dispatch to the Triton kernels of `switchhead.kernels`.
+"""The expert projection of SwitchHead and sigma-MoE ("CVMM"): its formulations, the one table that picks among
+them, and the one rule behind "eager".
 
-    expert_projection(inputs, expert_index, weight, gates=None, out_groups=1, implementation="auto",
+    expert_projection(inputs, expert_index, weight, gates=None, out_groups=1, implementation=None,
                       grouped_routing=False)
 
 inputs `[N, R, d_in]` (R input rows per token), expert_index `[N, S]` (indices into weight's first dimension),
@@ -11,51 +11,44 @@ and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`.
 (R=1, S=H*k, out_groups=H), its output (R=H, S=H*k, out_groups=1); sigma-MoE's keys (R=1, S=k, no gates) and values
 (R=k, S=k, out_groups=1).
 
-Formulations (`FORMULATIONS`), all giving the same result:
-- "reference": gather every slot's matrix (`[N, S, d_in, d_out]`), one einsum: the simple twin the others are
-  tested against;
-- "batched": gather the selected matrices, one bmm with the gated sum inside;
-- "all_experts": every expert in dense matmuls, no weight copy. Without gates, every row times every expert, then
-  each slot's result picked; with gates, the gates scattered into a mixing matrix (`_mixing_matrix`), then either
-  every row times every expert, mixed (R <= out groups), or the rows mixed per expert and one matmul with all
-  experts stacked (R > out groups);
-- "grouped": slots sorted by expert, one grouped matmul (`torch._grouped_mm`: CPU tensors in float32 / bfloat16 /
-  float16 with 16-byte aligned rows, not under torch.compile; elsewhere "all_experts" runs) with a backward that
+`EXPERTS_IMPLEMENTATIONS` is the one place a projection is chosen, keyed by the values of
+`config.experts_implementation`:
+- "eager": the PyTorch formulation that `choose_formulation` (the "auto" rule) picks for the call's sizes;
+- "batched_mm": gather the selected matrices, one bmm with the gated sum inside (`_batched`);
+- "grouped_mm": slots sorted by expert, one grouped matmul (`torch._grouped_mm`: CPU tensors in float32 / bfloat16 /
+  float16 with 16-byte aligned rows, not under torch.compile; elsewhere `_all_experts` runs) with a backward that
   keeps no per-slot tensor (`_GroupedExperts`);
-- "per_head": SwitchHead's own case, for grouped routing (slot group h picks among experts h*E .. h*E + E - 1,
-  what `ExpertSelection` produces for heads): the gates become dense `[N, H, E]` and both projections run against
-  every expert of a head with no index arithmetic, with custom autograd functions that keep what their backward
-  needs and no more.
+- "cvmm": the Triton kernels of `switchhead.kernels` (the custom op `switchhead::cvmm_forward`) where they run (CUDA
+  tensors, or CPU tensors under `TRITON_INTERPRET=1`), else "eager".
 
-`choose_expert_implementation` is the one rule behind "auto". Under `torch.export` with a symbolic token count (a
-dynamic batch or length), "auto" is "all_experts" for every size: a choice by size would specialise the exported
-graph to the example's size, and "all_experts" runs any size with the same ops. `expert_projection` runs the Triton
-kernels where they run (CUDA tensors, or `TRITON_INTERPRET=1`), else `expert_projection_torch`. No formulation
-syncs with the host, so the op compiles with `torch.compile(fullgraph=True)`; an expert id outside `[0, G)` raises
-IndexError from an `index_select`.
+The formulations "eager" chooses among besides those two: `_all_experts` (every expert in dense matmuls, no weight
+copy: without gates every row times every expert, then each slot's result picked; with gates, the gates scattered
+into a mixing matrix, `_mixing_matrix`, then either every row times every expert, mixed, for R <= out groups, or the
+rows mixed per expert and one matmul with all experts stacked) and `_per_head` (SwitchHead's own case, for grouped
+routing: slot group h picks among experts h*E .. h*E + E - 1, what `ExpertSelection` produces for heads; the gates
+become dense `[N, H, E]` and both projections run against every expert of a head with no index arithmetic, with
+custom autograd functions that keep what their backward needs and no more). `naive` is the short twin every entry
+and formulation is tested against.
 
-Part of the Hub-ready model: this file imports only torch, and uses `switchhead.kernels` when it is importable.
+Under `torch.export` with a symbolic token count (a dynamic batch or length), "eager" is `_all_experts` for every
+size: a choice by size would specialise the exported graph to the example's size. No formulation syncs with the
+host, so the op compiles with `torch.compile(fullgraph=True)`; an expert id outside `[0, G)` raises IndexError from
+an `index_select`.
+
+Part of the Hub-ready model: this file imports only torch, and uses `switchhead.kernels` when it is installed.
 """
 
-import importlib
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-try:  # the package's fused kernels; a Hub copy of the model runs without them
-    _kernels = importlib.import_module("switchhead.kernels")
-    if not (hasattr(_kernels, "cvmm") and hasattr(_kernels, "resolve_backend")):
-        _kernels = None
-except Exception:  # noqa: BLE001 - any failure means "use the PyTorch formulations"
+try:  # the package's Triton kernels; a Hub copy of the model runs without them
+    from switchhead import kernels as _kernels
+except ImportError:
     _kernels = None
-# Triton runs CPU tensors only in its interpreter, which it reads from the environment when the kernels are defined
-_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# the formulations valid for any routing; "per_head" needs grouped routing and is reached through "auto"
-EXPERT_IMPLEMENTATIONS = ("auto", "reference", "batched", "all_experts", "grouped")
-_FEW_SLOTS = 4  # "auto": gather the selected matrices while N * S (selected matrices in the call) is at most this
+_FEW_SLOTS = 4  # "eager": gather the selected matrices while N * S (selected matrices in the call) is at most this
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -69,39 +62,6 @@ def _grouped_mm_usable(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
         return False  # torch 2.13's fake (meta) kernel of _grouped_mm accepts bf16 only; inductor fuses the rest
     per_16_bytes = 16 // weight.element_size()
     return weight.shape[1] % per_16_bytes == 0 and weight.shape[2] % per_16_bytes == 0
-
-
-def choose_expert_implementation(tokens: int, slots: int, rows: int, out_groups: int | None, num_experts: int,
-                                 inputs: torch.Tensor, weight: torch.Tensor, implementation: str = "auto",
-                                 grouped_routing: bool = False) -> str:
-    """The formulation `expert_projection_torch` runs: `implementation`, with "auto" resolved by problem size.
-
-    "auto": "batched" for a handful of selected matrices (N * S <= 4: decoding one sequence, the weight copy is
-    small); "all_experts" while its extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G
-    matrix products per token where S are needed, so it is taken when that is at most twice S, or for few tokens
-    (N * S <= 512, where the grouped path's sorting and copying cost more than the extra products); else
-    "grouped". With grouped routing and gates (`out_groups` given), "per_head" replaces "batched" and
-    "all_experts": the same work as "all_experts" in fewer ops. "grouped" needs `torch._grouped_mm`
-    (`_grouped_mm_usable`) and runs as "all_experts" otherwise. Exporting with a symbolic token count: "all_experts"
-    (one graph for every size; "per_head" and "batched" are size-dependent choices and "grouped" does not export).
-    """
-    if implementation not in EXPERT_IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {', '.join(EXPERT_IMPLEMENTATIONS)}; got {implementation!r}")
-    if implementation == "auto" and isinstance(tokens, torch.SymInt) and torch.compiler.is_exporting():
-        implementation = "all_experts"
-    if implementation == "auto":
-        mixed = min(rows, out_groups or slots) * num_experts  # products per token of "all_experts"
-        if tokens * slots <= _FEW_SLOTS:
-            implementation = "batched"
-        elif mixed <= 2 * slots or tokens * slots <= 512:
-            implementation = "all_experts"
-        else:
-            implementation = "grouped"
-        if grouped_routing and out_groups is not None and implementation != "grouped" and min(rows, out_groups) == 1:
-            implementation = "per_head"
-    if implementation == "grouped" and (tokens == 0 or not _grouped_mm_usable(inputs, weight)):
-        implementation = "all_experts"
-    return implementation
 
 
 def _expert_gated_sum(per_slot: torch.Tensor, gates: torch.Tensor | None, out_groups: int) -> torch.Tensor:
@@ -190,11 +150,12 @@ class _GroupedExperts(torch.autograd.Function):
         return grad_inputs, grad_weight, grad_gates, None, None
 
 
-def _reference(inputs, expert_index, weight, gates, out_groups):
+def naive(inputs, expert_index, weight, gates=None, out_groups=1):
+    """The naive twin: every slot's matrix gathered (`[N, S, d_in, d_out]`), one einsum, then the gated sum."""
     n, s = expert_index.shape
     r, d_in = inputs.shape[1], inputs.shape[2]
     rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in)
-    matrices = weight.index_select(0, expert_index.reshape(-1)).view(n, s, d_in, weight.shape[2])  # each slot's matrix
+    matrices = weight.index_select(0, expert_index.reshape(-1)).view(n, s, d_in, weight.shape[2])
     return _expert_gated_sum(torch.einsum("nsi,nsio->nso", rows, matrices), gates, out_groups)
 
 
@@ -235,6 +196,8 @@ def _all_experts(inputs, expert_index, weight, gates, out_groups):
 
 
 def _grouped(inputs, expert_index, weight, gates, out_groups):
+    if expert_index.shape[0] == 0 or not _grouped_mm_usable(inputs, weight):
+        return _all_experts(inputs, expert_index, weight, gates, out_groups)
     return _GroupedExperts.apply(inputs, weight, gates, expert_index, out_groups)
 
 
@@ -249,20 +212,80 @@ def _per_head(inputs, expert_index, weight, gates, out_groups):
     return head_expert_output(inputs, dense, weight).unsqueeze(1)  # [N, 1, d_out]
 
 
-FORMULATIONS: dict[str, Callable] = {"reference": _reference, "batched": _batched, "all_experts": _all_experts,
-                                     "grouped": _grouped, "per_head": _per_head}
+def choose_formulation(tokens: int, slots: int, rows: int, out_groups: int | None, num_experts: int,
+                       grouped_routing: bool = False) -> Callable:
+    """The "auto" rule behind "eager": the formulation for a call of these sizes (`out_groups` None: no gates).
+
+    `_batched` for a handful of selected matrices (N * S <= 4: the weight copy is small); `_all_experts` while its
+    extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G matrix products per token where
+    S are needed, so it is taken when that is at most twice S, or for few tokens (N * S <= 512, where sorting and
+    copying cost more than the extra products); else `_grouped`. With grouped routing and gates on a side with one
+    input row or one output group, `_per_head` replaces `_batched` and `_all_experts` (the work of `_all_experts` in
+    fewer ops): this is what one-token decoding runs. Exporting with a symbolic token count: `_all_experts` (one
+    graph for every size; the others are size-dependent choices, and `_grouped` does not export).
+    """
+    if isinstance(tokens, torch.SymInt) and torch.compiler.is_exporting():
+        return _all_experts
+    mixed = min(rows, out_groups or slots) * num_experts  # products per token of `_all_experts`
+    if mixed > 2 * slots and tokens * slots > 512:
+        return _grouped
+    if grouped_routing and out_groups is not None and min(rows, out_groups) == 1:
+        return _per_head
+    return _batched if tokens * slots <= _FEW_SLOTS else _all_experts
 
 
-def expert_projection_torch(
+def _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing):
+    n, s = expert_index.shape
+    groups = out_groups if gates is not None else None
+    formulation = choose_formulation(n, s, inputs.shape[1], groups, weight.shape[0], grouped_routing)
+    return formulation(inputs, expert_index, weight, gates, out_groups)
+
+
+def _triton_runs(inputs: torch.Tensor) -> bool:
+    return _kernels is not None and _kernels.triton_runs(inputs.device, inputs.dtype)
+
+
+def _cvmm(inputs, expert_index, weight, gates, out_groups, grouped_routing):
+    if _triton_runs(inputs):
+        return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
+    return _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing)
+
+
+def _batched_mm(inputs, expert_index, weight, gates, out_groups, grouped_routing):
+    return _batched(inputs, expert_index, weight, gates, out_groups)
+
+
+def _grouped_mm(inputs, expert_index, weight, gates, out_groups, grouped_routing):
+    return _grouped(inputs, expert_index, weight, gates, out_groups)
+
+
+# The one table, keyed by the values of `config.experts_implementation`. Every entry takes
+# (inputs, expert_index, weight, gates, out_groups, grouped_routing).
+EXPERTS_IMPLEMENTATIONS: dict[str, Callable] = {
+    "eager": _eager,
+    "batched_mm": _batched_mm,
+    "grouped_mm": _grouped_mm,
+    "cvmm": _cvmm,
+}
+
+
+def default_experts_implementation(registered) -> str:
+    """The experts implementation a model runs unless told otherwise: "cvmm" (our kernels where they run, else
+    "eager") once the switchhead package has registered it in `registered` (Transformers'
+    `ALL_EXPERTS_FUNCTIONS`), else "eager"."""
+    return "cvmm" if "cvmm" in registered else "eager"
+
+
+def expert_projection(
     inputs: torch.Tensor,
     expert_index: torch.Tensor,
     weight: torch.Tensor,
     gates: torch.Tensor | None = None,
     out_groups: int = 1,
-    implementation: str = "auto",
+    implementation: str | None = None,
     grouped_routing: bool = False,
 ) -> torch.Tensor:
-    """The expert projection in PyTorch (see the module docstring for the contract and the formulations).
+    """The expert projection (see the module docstring for the contract and the table).
 
     Args:
         inputs: `[N, R, d_in]`.
@@ -270,66 +293,16 @@ def expert_projection_torch(
         weight: `[G, d_in, d_out]`.
         gates: `[N, S]` or None.
         out_groups: output rows per token when `gates` is given.
-        implementation: one of `EXPERT_IMPLEMENTATIONS`; "auto" is `choose_expert_implementation`'s rule.
+        implementation: a key of `EXPERTS_IMPLEMENTATIONS`. None, and any other name (an experts function that
+            another package registered with Transformers for MLP-shaped experts), runs "cvmm".
         grouped_routing: the caller guarantees that the slots of group h (input row or output group h) pick among
-            experts h * E .. h * E + E - 1, which lets "auto" take "per_head".
+            experts h * E .. h * E + E - 1, which lets "eager" take the per-head formulation.
 
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them.
     """
-    n, s = expert_index.shape
-    rows = inputs.shape[1]
-    name = choose_expert_implementation(n, s, rows, out_groups if gates is not None else None, weight.shape[0],
-                                        inputs, weight, implementation, grouped_routing)
-    return FORMULATIONS[name](inputs, expert_index.long(), weight, gates, out_groups)
-
-
-def _triton_runs(inputs: torch.Tensor) -> bool:
-    if _kernels is None or (inputs.device.type == "cpu" and not _TRITON_INTERPRET):
-        return False  # no Triton on the CPU outside its interpreter: skip the backend look-up
-    return _kernels.resolve_backend(inputs.device, inputs.dtype) == "triton"
-
-
-def expert_projection(inputs, expert_index, weight, gates=None, out_groups=1, implementation="auto",
-                      grouped_routing=False):
-    """The op's dispatch point: the Triton kernels of `switchhead.kernels` where they run (they ignore
-    `implementation`), else `expert_projection_torch` (the same with or without the package installed)."""
-    if _triton_runs(inputs):
-        return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups, implementation=implementation)
-    return expert_projection_torch(inputs, expert_index, weight, gates, out_groups, implementation=implementation,
-                                   grouped_routing=grouped_routing)
-
-
-# Transformers' experts implementations -> the formulation that runs SwitchHead's V/O experts (and the sigma-MoE
-# MLP's "eager"). "cvmm" (registered by the switchhead package), None (a module used on its own) and other
-# registered ones (MLP-shaped kernels) take `expert_projection`, i.e. the kernels where they run.
-EXPERTS_FORMULATIONS = {"eager": "auto", "batched_mm": "batched", "grouped_mm": "grouped"}
-
-
-def expert_projection_for(experts_implementation: str | None) -> Callable:
-    """The expert projection that `config._experts_implementation` asks for, with `expert_projection`'s signature."""
-    formulation = EXPERTS_FORMULATIONS.get(experts_implementation)
-    if formulation is None:
-        return expert_projection
-
-    def project(inputs, expert_index, weight, gates=None, out_groups=1, grouped_routing=False):
-        return expert_projection_torch(inputs, expert_index, weight, gates, out_groups, implementation=formulation,
-                                       grouped_routing=grouped_routing)
-
-    return project
-
-
-def formulation_for(experts_implementation: str | None, tokens: int, slots: int, rows: int, out_groups: int | None,
-                    inputs: torch.Tensor, weight: torch.Tensor, grouped_routing: bool = False) -> str:
-    """What a call of `expert_projection_for(experts_implementation)` with these sizes runs: "triton" where the
-    kernels take it, else the formulation's name."""
-    formulation = EXPERTS_FORMULATIONS.get(experts_implementation)
-    if formulation is None:
-        if _triton_runs(inputs):
-            return "triton"
-        formulation = "auto"
-    return choose_expert_implementation(tokens, slots, rows, out_groups, weight.shape[0], inputs, weight, formulation,
-                                        grouped_routing)
+    entry = EXPERTS_IMPLEMENTATIONS.get(implementation, _cvmm)
+    return entry(inputs, expert_index.long(), weight, gates, out_groups, grouped_routing)
 
 
 # ---------------------------------------------------------------------------------------------------- per head

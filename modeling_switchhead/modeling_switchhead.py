@@ -1,8 +1,8 @@
 """SwitchHead and SwitchAll language models for Hugging Face Transformers.
 
-SwitchHead ("SwitchHead: Accelerating Transformers with Mixture-of-Experts Attention", Csordás, Piękos, Irie,
-Schmidhuber, NeurIPS 2024) keeps the query and key projections of each head dense and turns its value and output
-projections into sigma-gated mixtures of experts:
+SwitchHead ("SwitchHead: Accelerating Transformers with Mixture-of-Experts Attention", Csordás,
+Piękos, Irie, Schmidhuber, NeurIPS 2024) keeps the query and key projections of each head dense and
+turns its value and output projections into sigma-gated mixtures of experts:
 
     s_S = sigmoid(x_src W_S^T)  per head, top-k                      (value side, from the attended-to token)
     s_D = sigmoid(x_dst W_D^T)  per head, top-k                      (output side, from the attending token)
@@ -10,19 +10,22 @@ projections into sigma-gated mixtures of experts:
     A_h = softmax(Q_h K_h^T / sqrt(dh))                              (causal)
     y   = sum_h sum_{e in topk(s_D, h)} s_D[h, e] * (A_h V_h) W_O[h, e]
 
-so a layer with few heads (and few attention matrices) matches a dense model with many. SwitchAll also replaces
-the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper's multi-head baseline.
+so a layer with few heads (and few attention matrices) matches a dense model with many. SwitchAll
+also replaces the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper's
+multi-head baseline.
 
-The file is Hub-ready: it imports only torch, transformers and its siblings, which a saved folder carries too:
-`configuration_switchhead.py`, `expert_ops.py` (the expert projection: PyTorch formulations, and the package's
-Triton kernels where installed), `positions.py` (RoPE, Transformer-XL positions and paged-cache helpers),
-`tensor_parallel.py` (the styles of `base_model_tp_plan`), `checkpoint_format.py` (a saved folder's `auto_map`, and
-the tensor names of earlier releases) and `transformers_compat.py` (what differs between the supported Transformers
+The file is Hub-ready: it imports only torch, transformers and its siblings, which a saved folder
+carries too: `configuration_switchhead.py`, `expert_ops.py` (the expert projection: PyTorch
+formulations, and the package's Triton kernels where installed), `positions.py` (RoPE,
+Transformer-XL positions and paged-cache helpers), `tensor_parallel.py` (the styles of
+`base_model_tp_plan`), `checkpoint_format.py` (a saved folder's `auto_map`, and the tensor names of
+earlier releases) and `transformers_compat.py` (what differs between the supported Transformers
 releases).
 """
 
-# No `from __future__ import annotations` here: Transformers reads the `**kwargs: Unpack[TransformersKwargs]`
-# annotations at run time (e.g. to know that forward accepts output_attentions), which needs real objects.
+# No `from __future__ import annotations` here: Transformers reads the `**kwargs:
+# Unpack[TransformersKwargs]` annotations at run time (e.g. to know that forward accepts
+# output_attentions), which needs real objects.
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,17 +38,15 @@ from .transformers_compat import (  # first: it checks the installed Transformer
     accepts_past_key_values,
     cache_kwarg,
     incompatible_release,
-    is_paged,
-    is_paged_call,
+    model_cache,
     output_cache,
-    route_paged_cache,
     update_cache,
 )
 
 try:
     from transformers import AutoModel
     from transformers import initialization as init
-    from transformers.cache_utils import Cache, DynamicCache
+    from transformers.cache_utils import Cache
     from transformers.generation import GenerationMixin
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
     from transformers.masking_utils import create_causal_mask
@@ -62,8 +63,7 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .expert_ops import expert_projection, expert_projection_for, expert_projection_torch
-from .expert_ops import formulation_for, head_expert_output, head_expert_values, relu
+from .expert_ops import default_experts_implementation, expert_projection, relu
 from .tensor_parallel import register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
@@ -76,19 +76,17 @@ from .positions import (
     xl_position_bias,
 )
 
-register_styles()  # the tensor-parallel styles that `base_model_tp_plan` names
-register_renamed_keys(SwitchHeadConfig.model_type)  # checkpoint names of renamed tensors (checkpoint_format.py)
 
-
-# ==================================================================================================== routers
+# ========================================================================================== routers
 class ExpertSelection(nn.Module):
     """Sigma-gated top-k routing: `scores = sigmoid(x W^T)` in float32, top-k within each group of experts.
 
-    Groups are attention heads (head h chooses among its own experts) or the single group of a sigma-MoE MLP.
-    Gates are the raw sigmoid scores (no renormalisation) and receive gradients.
+    Groups are attention heads (head h chooses among its own experts) or the single group of a
+    sigma-MoE MLP. Gates are the raw sigmoid scores (no renormalisation) and receive gradients.
 
-    Expert dropout (training only) either excludes a score from the top-k but keeps its value as the gate
-    (`drop_to_zero=False`, SwitchHead) or zeroes it before the top-k (`drop_to_zero=True`, sigma-MoE).
+    Expert dropout (training only) either excludes a score from the top-k but keeps its value as the
+    gate (`drop_to_zero=False`, SwitchHead) or zeroes it before the top-k (`drop_to_zero=True`,
+    sigma-MoE).
     """
 
     def __init__(self, hidden_size: int, num_groups: int, num_experts: int, top_k: int, expert_dropout: float,
@@ -99,14 +97,9 @@ class ExpertSelection(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_groups * num_experts, hidden_size))
         self.register_buffer("group_offsets", torch.arange(num_groups) * num_experts, persistent=False)
 
-    def forward(self, hidden_states: torch.Tensor, dense: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`);
-        with `dense=True`: (logits, gates `[N, G, E]` float32, zero for the experts not chosen), what the per-head
-        formulation reads (`SwitchHeadAttention.joint_gates`)."""
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`)."""
         logits, gates, index = self.select(F.linear(hidden_states, self.weight))
-        if dense:
-            return logits, gates.new_zeros(*index.shape[:2], self.num_experts).scatter_(-1, index, gates)
         index = index + self.group_offsets.unsqueeze(-1)  # group g's experts are g * E .. g * E + E - 1
         return logits, gates.flatten(1), index.flatten(1)
 
@@ -127,7 +120,7 @@ class ExpertSelection(nn.Module):
         return logits, scores.gather(-1, index), index
 
 
-# ==================================================================================================== attention
+# ======================================================================================== attention
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -160,17 +153,19 @@ def eager_attention_forward(
 class SwitchHeadAttentionBase(nn.Module):
     """What SwitchHead and dense attention share: dense per-head Q/K, positions, cache and attention backend.
 
-    Subclasses say how values are made from the source tokens (`project_values`) and how the per-head attention
-    results become the layer output (`project_output`).
+    Subclasses say how values are made from the source tokens (`project_values`) and how the
+    per-head attention results become the layer output (`project_output`).
 
-    Backends: `config._attn_implementation` picks eager (`eager_attention_forward`, the reference), sdpa or flex.
-    With XL positions the relative-position term (`positions.xl_position_bias`, `[B, H, Tq, Tk]`) is passed
-    as `position_bias` (eager adds it to the scores, sdpa folds it into a float mask, flex into its score_mod);
-    keys are indexed cache or XL memory first, then the current tokens (query t at key index `query_offset + t`).
+    Backends: `config._attn_implementation` picks eager (`eager_attention_forward`, the reference),
+    sdpa or flex. With XL positions the relative-position term (`positions.xl_position_bias`, `[B,
+    H, Tq, Tk]`) is passed as `position_bias` (eager adds it to the scores, sdpa folds it into a
+    float mask, flex into its score_mod); keys are indexed cache or XL memory first, then the
+    current tokens (query t at key index `query_offset + t`).
 
-    Deviations from the authors' code, on purpose: attention dropout acts on the probabilities (theirs drops
-    entries of k and of the projected positions; the paper's runs use 0), and the dense XL baseline has no u/v
-    biases and a fixed 1/sqrt(dh) scale (their `preln_relative` baseline layer learns both).
+    Deviations from the authors' code, on purpose: attention dropout acts on the probabilities
+    (theirs drops entries of k and of the projected positions; the paper's runs use 0), and the
+    dense XL baseline has no u/v biases and a fixed 1/sqrt(dh) scale (their `preln_relative`
+    baseline layer learns both).
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -188,7 +183,8 @@ class SwitchHeadAttentionBase(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, inner, bias=False)
         self.position_encoding = config.position_encoding
         if self.position_encoding == "xl":
-            # W_pk: projects the sinusoidal encoding of the relative position into each head's key space.
+            # W_pk: projects the sinusoidal encoding of the relative position into each head's key
+            # space.
             self.position_key_proj = nn.Linear(config.hidden_size, inner, bias=False)
 
     def project_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -199,11 +195,7 @@ class SwitchHeadAttentionBase(nn.Module):
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
-    def joint_gates(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Routing that the value and output sides share when both read the same tokens (no XL memory), passed to
-        `project_values` / `project_output` as their last argument; None (the default): each side routes itself."""
-        return None
-
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -217,32 +209,26 @@ class SwitchHeadAttentionBase(nn.Module):
 
         Memory tokens are extra sources: they give keys and (expert-mixed) values, never queries.
         """
-        cache, kwargs = route_paged_cache(cache, kwargs)  # before 5.24 the paged attention function updates it
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, -1, self.head_dim)  # -1: this process's heads under tensor parallelism
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
         key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
-        routed = self.joint_gates(hidden_states) if memory is None else None  # both routers in one matmul
-        value = self.project_values(sources) if routed is None else self.project_values(sources, routed[0])
-        value = value.transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
+        value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
-        query_offset = key.shape[2] - length  # index of the first query among the keys: the memory length
-        if cache is not None:
-            if not is_paged(cache):  # a paged cache's queries get their positions from the packed layout below
-                query_offset = cache.get_seq_length(self.layer_idx)  # before the update: what it held
-                if isinstance(query_offset, torch.Tensor):  # a static cache's counter, which `update` bumps in place
-                    query_offset = query_offset.clone()
-            key, value = update_cache(cache, key, value, self.layer_idx, kwargs)
+        key, value, past_length, packed = update_cache(cache, key, value, self.layer_idx, kwargs)
+        # index of the first query among the keys: what the cache held before, else the memory
+        # length
+        query_offset = sources.shape[1] - length if past_length is None else past_length
 
         extra = {}
         paged_distance = None
         if self.position_encoding == "xl" and attention_mask is not None:
             paged_distance = paged_key_distances(kwargs, query.shape[2], attention_mask.shape[-1], query.device,
-                                                 paged=is_paged_call(cache, kwargs))
+                                                 paged=packed)
         if paged_distance is not None:  # continuous batching: requests packed, keys read from the paged cache
             attention_mask = xl_paged_attention_mask(self, query, attention_mask, paged_distance)
 
@@ -263,22 +249,21 @@ class SwitchHeadAttentionBase(nn.Module):
             **extra,
             **kwargs,
         )  # attended: [B, T, H, dh]
-        # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's CPU kernel (whose
-        # transposed output is contiguous already, so `.contiguous()` recorded nothing) by one whose output is not
+        # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's
+        # CPU kernel (whose transposed output is contiguous already, so `.contiguous()` recorded
+        # nothing) by one whose output is not
         if torch.compiler.is_exporting():
             attended = attended.clone(memory_format=torch.contiguous_format)
-        if routed is None:
-            return self.project_output(attended.reshape(heads_shape), hidden_states), probs
-        return self.project_output(attended.reshape(heads_shape), hidden_states, routed[1]), probs
+        return self.project_output(attended.reshape(heads_shape), hidden_states), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
     """SwitchHead: sigma-MoE value and output projections, E experts per head, k active per head.
 
-    `config.attention_expert_projections` ("value_output", the default) can make only one side a mixture of
-    experts (the paper's Table 6 ablation): "value" keeps expert values and uses a dense, ungated output
-    projection `o_proj` (H*dh -> d); "output" uses a dense value projection `v_proj` (d -> H*dh) and expert
-    outputs. The dense side has no router.
+    `config.attention_expert_projections` ("value_output", the default) can make only one side a
+    mixture of experts (the paper's Table 6 ablation): "value" keeps expert values and uses a dense,
+    ungated output projection `o_proj` (H*dh -> d); "output" uses a dense value projection `v_proj`
+    (d -> H*dh) and expert outputs. The dense side has no router.
     """
 
     is_transposed = True  # expert tensors are [experts, in, out] (Transformers' / PEFT's flag for that layout)
@@ -304,63 +289,36 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             self.output_experts = nn.Parameter(torch.empty(heads * experts, self.head_dim, d))  # W_O [H*E, dh, d]
         else:
             self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
-        # one router matmul for both sides (see `joint_routing`); tensor parallelism turns it off
-        self.joint_routing = self.expert_values and self.expert_output
 
-    def _projection(self) -> Callable:
-        """The expert projection for the configured experts implementation, told that routing is per head."""
-        project = expert_projection_for(self.config._experts_implementation)
-        return lambda *args, **kwargs: project(*args, **kwargs, grouped_routing=True)
+    def _project(self, tokens, index, weight, gates, out_groups):
+        """The expert projection the configured experts implementation picks, told that routing is per head."""
+        return expert_projection(tokens, index, weight, gates, out_groups, self.config._experts_implementation,
+                                 grouped_routing=True)
 
-    def joint_gates(self, hidden_states):
-        """Both sides' dense per-head gates `[N, H, E]` for a single token (batch-1 decoding), routed up front so that
-        both projections run the per-head formulation directly, without the dispatch (checked here to resolve to
-        it); None where each side routes itself: more tokens, expert dropout, or another formulation. Each router is
-        called as a module, so hooks on it (recorded `router_logits`) see the call."""
-        if not self.joint_routing or math.prod(hidden_states.shape[:-1]) != 1:  # symbolic sizes: no specialisation
-            return None
-        if self.training and self.value_selection.expert_dropout > 0:
-            return None
-        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        heads, slots, implementation = self.num_heads, self.num_heads * self.top_k, self.config._experts_implementation
-        for rows, out_groups, weight in ((1, heads, self.value_experts), (heads, 1, self.output_experts)):
-            if formulation_for(implementation, 1, slots, rows, out_groups, tokens, weight, True) != "per_head":
-                return None
-        return tuple(router(tokens, dense=True)[1].to(tokens.dtype)
-                     for router in (self.value_selection, self.output_selection))
-
-    def project_values(self, hidden_states, routing=None):
-        """`routing`: this side's dense gates from `joint_gates` (projected per head), or None (routed here)."""
+    def project_values(self, hidden_states):
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         tokens = hidden_states.reshape(-1, d)
-        if routing is None:
-            gates, index = self.value_selection(tokens)[1:]
-            project = self._projection()
-            values = project(tokens.unsqueeze(1), index, self.value_experts, gates, out_groups=self.num_heads)
-        else:
-            values = head_expert_values(tokens, routing, self.value_experts)
+        _, gates, index = self.value_selection(tokens)
+        values = self._project(tokens.unsqueeze(1), index, self.value_experts, gates, self.num_heads)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
-    def project_output(self, attended, hidden_states, routing=None):
-        """`routing`: this side's dense gates from `joint_gates` (projected per head), or None (routed here)."""
+    def project_output(self, attended, hidden_states):
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
-        tokens = hidden_states.reshape(-1, d)
         rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
-        if routing is not None:
-            return head_expert_output(rows, routing, self.output_experts).view(batch, length, -1)
-        gates, index = self.output_selection(tokens)[1:]
-        return self._projection()(rows, index, self.output_experts, gates, out_groups=1).view(batch, length, -1)
+        _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
+        return self._project(rows, index, self.output_experts, gates, 1).view(batch, length, -1)
 
 
 class MultiHeadAttention(SwitchHeadAttentionBase):
     """The dense baseline: plain multi-head attention with dense value and output projections.
 
-    With `config.attention_output_gate`, each head's result is scaled by `sigmoid(x_dst W_gate^T)[h]` before the
-    output projection: the authors' SwitchHead module with E = 1 (no value-side gate, no top-k).
+    With `config.attention_output_gate`, each head's result is scaled by `sigmoid(x_dst
+    W_gate^T)[h]` before the output projection: the authors' SwitchHead module with E = 1 (no
+    value-side gate, no top-k).
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -384,7 +342,7 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
 ATTENTION_CLASSES = {"switchhead": SwitchHeadAttention, "dense": MultiHeadAttention}
 
 
-# ==================================================================================================== MLPs
+# ============================================================================================= MLPs
 class SwitchHeadMLP(nn.Module):
     """The paper's dense feed-forward block: Linear (bias) -> ReLU -> Linear (bias)."""
 
@@ -402,13 +360,14 @@ class SwitchHeadMLP(nn.Module):
 class SigmaMoeExperts(nn.Module):
     """The sigma-MoE experts as a Transformers experts module: `act(x keys_e) values_e`, gated and summed.
 
-    `config._experts_implementation` picks how they run (`from_pretrained(..., experts_implementation=...)`,
-    `model.set_experts_implementation(...)`): "eager" is this forward (the PyTorch formulations of
-    `expert_projection_torch`), "batched_mm" / "grouped_mm" Transformers' functions, "cvmm" our kernels (registered
-    when the switchhead package is imported). The flags say what those functions need to know: no gated (GLU)
-    projection, no biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
-    their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them `mlp.keys` /
-    `mlp.values`, as every release has (`checkpoint_format.py`).
+    `config._experts_implementation` picks how they run (`from_pretrained(...,
+    experts_implementation=...)`, `model.set_experts_implementation(...)`): "eager" is this forward
+    (the "eager" entry of `expert_ops.EXPERTS_IMPLEMENTATIONS`), "batched_mm" / "grouped_mm"
+    Transformers' functions, "cvmm" our kernels (registered when the switchhead package is
+    imported). The flags say what those functions need to know: no gated (GLU) projection, no
+    biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
+    their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them
+    `mlp.keys` / `mlp.values`, as every release has (`checkpoint_format.py`).
     """
 
     def __init__(self, config: SwitchHeadConfig):
@@ -435,15 +394,16 @@ class SigmaMoeExperts(nn.Module):
                 ) -> torch.Tensor:
         """hidden_states `[N, d]`, top_k_index `[N, k]` (experts), top_k_weights `[N, k]` (gates) -> `[N, d]`."""
         tokens = hidden_states.unsqueeze(1)
-        inner = self.act_fn(expert_projection_torch(tokens, top_k_index, self.expert_keys))  # [N, k, S]
-        out = expert_projection_torch(inner, top_k_index, self.expert_values, top_k_weights, out_groups=1)
+        inner = self.act_fn(expert_projection(tokens, top_k_index, self.expert_keys, implementation="eager"))
+        out = expert_projection(inner, top_k_index, self.expert_values, top_k_weights, 1, implementation="eager")
         return out.view(hidden_states.shape)
 
 
 class SigmaMoeMLP(SigmaMoeExperts):
     """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T).
 
-    The router (`expert_selection`) picks each token's experts; the experts run as `SigmaMoeExperts` says.
+    The router (`expert_selection`) picks each token's experts; the experts run as `SigmaMoeExperts`
+    says.
     """
 
     is_transposed = True  # expert_keys [E, d, S] and expert_values [E, S, d] are [experts, in, out]
@@ -470,12 +430,12 @@ _ACTIVATIONS = {"relu": relu, "gelu": F.gelu, "silu": F.silu}
 MLP_CLASSES = {"dense": SwitchHeadMLP, "sigma_moe": SigmaMoeMLP}
 
 
-# ==================================================================================================== blocks
+# =========================================================================================== blocks
 class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
     """Pre-LayerNorm block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))).
 
-    With XL memory (the detached inputs of this block on the previous segment, `[B, M, d]`), attention also reads
-    LN(memory), normalised by the same LayerNorm, as in the authors' code.
+    With XL memory (the detached inputs of this block on the previous segment, `[B, M, d]`),
+    attention also reads LN(memory), normalised by the same LayerNorm, as in the authors' code.
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -532,50 +492,39 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
         """Transformers' check, with our default: "cvmm" (our kernels) once the switchhead package registered it,
         else "eager" (this file's sync-free PyTorch path), rather than Transformers' "grouped_mm"."""
         if requested_experts is None:
-            requested_experts = "cvmm" if "cvmm" in ALL_EXPERTS_FUNCTIONS else "eager"
+            requested_experts = default_experts_implementation(ALL_EXPERTS_FUNCTIONS)
         return super().get_correct_experts_implementation(requested_experts)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """The paper's initialisation, scaled by `config.init_scale` (default sqrt(2 / num_hidden_layers))."""
-        config = self.config
-        scale, d = config.init_scale, config.hidden_size
-        # Dense projections (q, k, W_pk, the baseline's v and o, the dense MLP) are nn.Linear children and get
-        # std init_scale / sqrt(fan_in) in the nn.Linear branch below; here only the tensors that are not Linear.
-        if isinstance(module, SwitchHeadAttention):
-            # a dense side of the V-only / O-only ablation (v_proj, o_proj) is an nn.Linear child: the same std
-            # as its expert tensor would get (init_scale / sqrt(fan_in)), from the nn.Linear branch below
+        """The paper's initialisation: std init_scale / sqrt(fan in) for every projection, dense (nn.Linear: q, k,
+        W_pk, the dense sides' v and o, the dense MLP) or expert, router rows normalised; std 1 /
+        sqrt(d) for the
+        embedding and the output layer. init_scale defaults to sqrt(2 / num_hidden_layers)."""
+        scale, d = self.config.init_scale, self.config.hidden_size
+        if isinstance(module, SwitchHeadAttention):  # its dense side (if any) is an nn.Linear child
             if module.expert_values:
                 init.normal_(module.value_experts, std=scale / math.sqrt(d))
-            if module.expert_output:
+            if module.expert_output:  # fan in: the H * dh inputs of the whole output projection
                 init.normal_(module.output_experts, std=scale / math.sqrt(module.num_heads * module.head_dim))
-            for selection in (getattr(module, "value_selection", None), getattr(module, "output_selection", None)):
-                if selection is not None:
-                    _init_selection(selection.weight, std=scale / math.sqrt(d))
-        elif isinstance(module, MultiHeadAttention):
-            if module.output_gate is not None:  # a selection matrix in the reference: rows renormalised
-                _init_selection(module.output_gate, std=scale / math.sqrt(d))
-        elif isinstance(module, SigmaMoeMLP):
-            experts, size = module.expert_keys.shape[0], module.expert_keys.shape[2]
+            for router in (getattr(module, "value_selection", None), getattr(module, "output_selection", None)):
+                if router is not None:
+                    _init_selection(router.weight, std=scale / math.sqrt(d))
+        elif isinstance(module, MultiHeadAttention) and module.output_gate is not None:
+            _init_selection(module.output_gate, std=scale / math.sqrt(d))  # a router in the reference
+        elif isinstance(module, SigmaMoeMLP):  # fan in of the values: the E * S inputs of all experts
+            experts, size = module.expert_values.shape[:2]
             init.normal_(module.expert_keys, std=scale / math.sqrt(d))
             init.normal_(module.expert_values, std=scale / math.sqrt(experts * size))
             _init_selection(module.expert_selection.weight, std=scale / math.sqrt(d))
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, std=1.0 / math.sqrt(d))
+        elif isinstance(module, (nn.Embedding, nn.Linear)):
+            ends = isinstance(module, nn.Embedding) or module is getattr(self, "lm_head", None)
+            init.normal_(module.weight, std=1.0 / math.sqrt(d) if ends else scale / math.sqrt(module.in_features))
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear) and module is getattr(self, "lm_head", None):
-            init.normal_(module.weight, std=1.0 / math.sqrt(d))
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear):
-            # q, k, W_pk (left uninitialised by the public reference; not here), v, o and the dense MLP: the paper's
-            # std init_scale / sqrt(fan_in). Transformers visits these Linear children itself (it never passes
-            # parameter-less containers such as SwitchHeadMLP to `_init_weights`).
-            init.normal_(module.weight, std=scale / math.sqrt(module.in_features))
-            if module.bias is not None:
-                init.zeros_(module.bias)
         elif isinstance(module, SwitchHeadRotaryEmbedding):  # not saved: rebuilt from the config after loading
             module.reset_frequencies()
         elif isinstance(module, ExpertSelection):
@@ -596,9 +545,10 @@ def _init_selection(weight: torch.Tensor, std: float) -> None:
 class SwitchHeadModelOutputWithPast(MoeModelOutputWithPast):
     r"""
     xl_memory (`list[torch.Tensor]`, *optional*):
-        One detached `[B, M, d]` tensor per layer: the last `config.xl_memory_length` positions of that layer's
-        input hidden states (previous memory, then this segment). Pass it as `xl_memory=` with the next segment.
-        Returned for XL models with `xl_memory_length > 0` when called without a KV cache (`use_cache=False`).
+        One detached `[B, M, d]` tensor per layer: the last `config.xl_memory_length` positions of
+        that layer's input hidden states (previous memory, then this segment). Pass it as
+        `xl_memory=` with the next segment. Returned for XL models with `xl_memory_length > 0` when
+        called without a KV cache (`use_cache=False`).
     """
 
     xl_memory: list[torch.Tensor] | None = None
@@ -635,8 +585,9 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
         self.post_init()
-        # a training step that records router logits (SwitchAll's entropy loss) would install Transformers' output
-        # hooks on its first call, under a lock torch.compile(fullgraph=True) cannot enter: install them now
+        # a training step that records router logits (SwitchAll's entropy loss) would install
+        # Transformers' output hooks on its first call, under a lock torch.compile(fullgraph=True)
+        # cannot enter: install them now
         install_hooks = getattr(output_capturing, "maybe_install_capturing_hooks", None)
         records = config.mlp_type == "sigma_moe" and config.entropy_reg_coef > 0
         if install_hooks is not None and (records or config.output_router_logits):
@@ -677,11 +628,13 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
     ) -> SwitchHeadModelOutputWithPast:
         r"""
         cache (`Cache`, *optional*):
-            The key-value cache (also accepted as `past_key_values`, its name before Transformers 5.24).
+            The key-value cache (also accepted as `past_key_values`, its name before Transformers
+            5.24).
         xl_memory (`list[torch.Tensor]`, *optional*):
-            Transformer-XL memory: one `[B, M, d]` tensor per layer, the `xl_memory` of the previous segment's
-            output. Every query of this segment attends to all M memory positions, and relative positions continue
-            across the boundary. Only for `position_encoding="xl"` and without a KV cache (`use_cache=False`).
+            Transformer-XL memory: one `[B, M, d]` tensor per layer, the `xl_memory` of the previous
+            segment's output. Every query of this segment attends to all M memory positions, and
+            relative positions continue across the boundary. Only for `position_encoding="xl"` and
+            without a KV cache (`use_cache=False`).
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
@@ -697,12 +650,11 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             check_xl_memory(self.config, xl_memory, batch, use_cache, cache)
-        cache, kwargs = route_paged_cache(cache, kwargs)
-        if use_cache and cache is None and not is_paged_call(cache, kwargs):
-            cache = DynamicCache(config=self.config)
-        # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding keeps its own state
+        cache, packed = model_cache(cache, kwargs, use_cache, self.config)
+        # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding
+        # keeps its own state
         keep_memory = (self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
-                       and not is_paged_call(cache, kwargs))
+                       and not packed)
         if inputs_embeds is None:
             inputs_embeds = self._embed(input_ids)
         if position_ids is None:
@@ -749,14 +701,15 @@ def sigma_moe_entropy_loss(
 ) -> torch.Tensor:
     """The sigma-MoE regulariser: sum over layers of sum_e p_e log p_e, p = mean over tokens of softmax(logits).
 
-    Minimising it maximises the entropy of the batch's average expert distribution (balanced usage). Padding
-    tokens (attention_mask == 0) are left out of the mean.
+    Minimising it maximises the entropy of the batch's average expert distribution (balanced usage).
+    Padding tokens (attention_mask == 0) are left out of the mean.
     """
     total = 0.0
     for logits in mlp_router_logits:
         log_probs = F.log_softmax(logits.float(), dim=-1)  # [N, E]
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() == logits.shape[0]:
-            # padding drops out of the mean by masking, not indexing: no data-dependent shape (torch.compile)
+            # padding drops out of the mean by masking, not indexing: no data-dependent shape
+            # (torch.compile)
             keep = attention_mask.reshape(-1, 1).bool().to(log_probs.device)
             count = keep.sum().clamp(min=1).to(log_probs.dtype)
             log_mean = torch.logsumexp(log_probs.masked_fill(~keep, float("-inf")), dim=0) - count.log()
@@ -816,17 +769,22 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
     ) -> SwitchHeadCausalLMOutputWithPast:
         r"""
         cache (`Cache`, *optional*):
-            The key-value cache (also accepted as `past_key_values`, its name before Transformers 5.24).
+            The key-value cache (also accepted as `past_key_values`, its name before Transformers
+            5.24).
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            Token ids for the language-modelling loss (shifted inside; -100 is ignored). In training, the sigma-MoE
-            entropy regulariser times `config.entropy_reg_coef` is added to the loss.
+            Token ids for the language-modelling loss (shifted inside; -100 is ignored). In
+            training, the sigma-MoE entropy regulariser times `config.entropy_reg_coef` is added to
+            the loss.
         output_router_logits (`bool`, *optional*):
-            Return the logits of every expert router (value, output and sigma-MoE selections) and `aux_loss`.
+            Return the logits of every expert router (value, output and sigma-MoE selections) and
+            `aux_loss`.
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
-            Compute logits only for the last `logits_to_keep` positions (or the given indices); 0 keeps all.
+            Compute logits only for the last `logits_to_keep` positions (or the given indices); 0
+            keeps all.
         xl_memory (`list[torch.Tensor]`, *optional*):
-            Transformer-XL memory from the previous segment's output (`out.xl_memory`), with `use_cache=False`:
-            `out = model(input_ids=seg, labels=seg, xl_memory=mem, use_cache=False); mem = out.xl_memory`.
+            Transformer-XL memory from the previous segment's output (`out.xl_memory`), with
+            `use_cache=False`: `out = model(input_ids=seg, labels=seg, xl_memory=mem,
+            use_cache=False); mem = out.xl_memory`.
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
@@ -869,10 +827,13 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
         )
 
 
-# ==================================================================================================== task heads
+# ======================================================================================= task heads
 class TaskHead:
     """Transformers' generic heads (as for Llama and Mixtral) build their body with `AutoModel.from_config`: point it
-    at the decoder stack for this config's class (a folder's copy of the code loads its own config class)."""
+    at the decoder stack for this config's class. This cannot be done once at import: a saved
+    folder's copy of the code is handed a config class that Transformers loaded apart from the one
+    the copy imported (a registration at
+    import names the wrong class: tests/model/test_task_heads.py, without the package)."""
 
     def __init__(self, config: SwitchHeadConfig):
         AutoModel.register(type(config), SwitchHeadModel, exist_ok=True)
@@ -891,8 +852,20 @@ class SwitchHeadForQuestionAnswering(TaskHead, GenericForQuestionAnswering, Swit
     """Span start and end logits for every token (extractive question answering)."""
 
 
+def register() -> None:
+    """What this file registers with Transformers, in one place, when it is imported (by the package, or as a saved
+    folder's copy, which is imported without the package): the tensor-parallel styles that
+    `base_model_tp_plan` names and the checkpoint names of renamed tensors (`checkpoint_format.py`).
+    The Auto classes are the package's
+    (`switchhead/__init__.py`); the task heads' body is `TaskHead`'s."""
+    register_styles()
+    register_renamed_keys(SwitchHeadConfig.model_type)
+
+
+register()
+
 __all__ = ["SwitchHeadPreTrainedModel", "SwitchHeadModel", "SwitchHeadForCausalLM",
            "SwitchHeadForSequenceClassification", "SwitchHeadForTokenClassification",
            "SwitchHeadForQuestionAnswering", "SwitchHeadAttention", "MultiHeadAttention", "SigmaMoeMLP",
-           "ExpertSelection", "expert_projection", "expert_projection_torch", "sigma_moe_entropy_loss",
+           "ExpertSelection", "expert_projection", "sigma_moe_entropy_loss",
            "SwitchHeadModelOutputWithPast", "SwitchHeadCausalLMOutputWithPast"]

@@ -4,7 +4,7 @@
 per-head tensors that are not nn.Linear (SwitchHead's V/O experts `[H*E, ...]`, its routers W_S / W_D `[H*E, d]`,
 the dense baseline's output gate `[H, d]`) with "switchhead_heads": each process owns whole heads. The sigma-MoE
 experts take "switchhead_sigma_moe". The styles set on the modules what the model reads (local head and group
-counts, the local routers' group offsets, no joint routing); the model itself holds no tensor-parallel code.
+counts, the local routers' group offsets); the model itself holds no tensor-parallel code.
 
 Part of the Hub-ready model: this file imports only torch and transformers; the model calls `register_styles`.
 """
@@ -83,7 +83,6 @@ if TensorParallelLayer is not None:
             if module.num_heads % mesh.size():
                 raise ValueError(f"{module.num_heads} attention heads do not split over {mesh.size()} processes")
             module.num_heads //= mesh.size()
-            module.joint_routing = False  # the local projections below take no routing from a joint router call
             own = module._parameters
             if own.get("value_experts") is not None:
                 module.project_values = self._local(module, module.project_values, mesh, sum_output=False)

@@ -15,17 +15,22 @@ already passed its paged cache as `cache=`, to travel through `**kwargs` to the 
 
 The model therefore names the argument `cache` and accepts `past_key_values` as well (`accepts_past_key_values`),
 passes the cache to Transformers under the installed release's name (`cache_kwarg`), reads it back from outputs the
-same way (`output_cache`), and lets the installed release decide who updates a paged cache (`route_paged_cache`,
-`update_cache`). Nothing else in the model looks at the Transformers version.
+same way (`output_cache`), and leaves the rest to two adapters: `model_cache` (the decoder stack's cache: a new
+`DynamicCache`, or continuous batching's paged cache where the release wants it) and `update_cache` (the attention
+layer's `cache.update`, which also decides who updates a paged cache). Nothing else in the model looks at the
+Transformers version or names a paged cache.
 """
 
 import functools
 import inspect
 import warnings
+from typing import NamedTuple
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import masking_utils
+from transformers.cache_utils import DynamicCache
 from transformers.utils.deprecation import deprecate_kwarg
 
 try:
@@ -105,29 +110,51 @@ def is_paged(cache) -> bool:
     return isinstance(cache, PagedAttentionCache)
 
 
-def route_paged_cache(cache, kwargs: dict):
-    """Continuous batching's paged cache, where the installed release wants it -> `(model's cache, kwargs)`.
+def _route_paged_cache(cache, kwargs: dict):
+    """Continuous batching's paged cache, where the installed release wants it -> the model's own cache.
 
     Before 5.24 the paged attention function reads the cache from its `**kwargs` and updates it itself: the model
-    passes it on there and runs as if it had no cache. From 5.24 the model keeps it and updates it (`update_cache`).
+    passes it on there and runs as if it had no cache. From 5.24 the model keeps it and updates it.
     """
     if is_paged(cache) and not MODEL_UPDATES_PAGED_CACHE:
         kwargs["cache"] = cache
-        return None, kwargs
-    return cache, kwargs
+        return None
+    return cache
 
 
-def update_cache(cache, key, value, layer_idx: int, kwargs: dict):
-    """Append this step's keys and values to the cache -> all keys and values of the layer.
+def model_cache(cache, kwargs: dict, use_cache: bool | None, config) -> tuple:
+    """The decoder stack's cache -> `(cache, packed)`: the given one (a paged cache moved into `kwargs` where the
+    release's attention function updates it), or a new `DynamicCache` when `use_cache` asks for one; `packed`:
+    whether this is a continuous-batching call (requests packed into one row, keys read from a paged cache)."""
+    packed = is_paged(cache) or is_paged(kwargs.get("cache"))
+    cache = _route_paged_cache(cache, kwargs)
+    if use_cache and cache is None and not packed:
+        cache = DynamicCache(config=config)
+    return cache, packed
 
-    A paged cache (5.24 and newer) also writes into `kwargs` what the attention call needs for this layer (its key
-    lengths, and the block table on the flash path).
+
+class CacheStep(NamedTuple):
+    key: torch.Tensor  # every key of the layer `[B, H, Tk, dh]`: the cached ones, then this step's
+    value: torch.Tensor
+    past_length: int | torch.Tensor | None  # what the cache held before this step (None: no cache, or packed)
+    packed: bool  # a continuous-batching call: positions come from the packed layout (`paged_key_distances`)
+
+
+def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict) -> CacheStep:
+    """The attention layer's `cache.update`, as Transformers' own attention layers call it, on any release.
+
+    A paged cache is updated here from 5.24 (which also writes into `kwargs` what the attention call needs for this
+    layer: its key lengths, and the block table on the flash path); before, it is passed on in `kwargs` to the paged
+    attention function, which updates it. Any other cache reports its length before the update (a static cache's
+    counter is cloned, as `update` bumps it in place).
     """
-    if is_paged(cache):
-        return cache.update(key, value, layer_idx, kwargs=kwargs)
-    return cache.update(key, value, layer_idx)
-
-
-def is_paged_call(cache, kwargs: dict) -> bool:
-    """Whether this attention call is a continuous-batching one (requests packed, keys read from a paged cache)."""
-    return is_paged(cache) or is_paged(kwargs.get("cache"))
+    packed = is_paged(cache) or is_paged(kwargs.get("cache"))
+    cache = _route_paged_cache(cache, kwargs)
+    if cache is None:
+        return CacheStep(key, value, None, packed)
+    if packed:
+        return CacheStep(*cache.update(key, value, layer_idx, kwargs=kwargs), None, True)
+    past_length = cache.get_seq_length(layer_idx)
+    if isinstance(past_length, torch.Tensor):
+        past_length = past_length.clone()
+    return CacheStep(*cache.update(key, value, layer_idx), past_length, False)

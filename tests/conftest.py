@@ -23,7 +23,7 @@ def _seed():
     yield
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The test data folder with every file of the manifest (else the test is skipped: helpers/data.py)."""
     return test_data.require()

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from switchhead import SwitchHeadConfig
+from switchhead.expert_ops import default_experts_implementation
 from switchhead.modeling_switchhead import ATTENTION_CLASSES, MLP_CLASSES
 from switchhead.positions import SwitchHeadRotaryEmbedding, apply_partial_rotary
 
@@ -183,10 +184,10 @@ class SwitchHeadForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_config
         check_supported(config, vllm_config)
         config = copy.deepcopy(config)
-        # the experts implementation generate() runs by default (SwitchHeadPreTrainedModel): our CVMM op
+        # the experts implementation generate() runs by default (SwitchHeadPreTrainedModel)
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-        config._experts_implementation = "cvmm" if "cvmm" in ALL_EXPERTS_FUNCTIONS else "eager"
+        config._experts_implementation = default_experts_implementation(ALL_EXPERTS_FUNCTIONS)
         self.config = config
         needed = xl_folded_head_size(config) if config.position_encoding == "xl" else config.head_dim
         self.head_size = padded_head_size(needed)

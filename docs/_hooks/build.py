@@ -169,7 +169,8 @@ def _config_checks() -> str:
 def _presets() -> str:
     import torch
 
-    from switchhead import PAPER_TRAINING, SwitchHeadConfig, SwitchHeadForCausalLM
+    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+    from switchhead.training.paper import PAPER_TRAINING
 
     rows = ["| preset | attention | positions | MLP | d | L | H | E | k | dh | parameters | paper training "
             "(context, batch, lr, steps, clip) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -1028,13 +1028,13 @@ def test_a_failed_save_of_any_kind_leaves_no_temporary_folder(corpus, tmp_path, 
     """Whatever fails inside a checkpoint save (here an unexpected error, which keeps its traceback), the
     temporary folder goes; torch's zip writer reports a disk that fills between two records as 'unexpected pos',
     which is a write failure (one line, exit 2), as a real full tmpfs showed."""
-    from switchhead.training import trainer
+    from switchhead.training import checkpoints
 
-    assert trainer._write_failure(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8256 "
-                                               "vs 8148")) is not None
-    assert trainer._write_failure(RuntimeError("shape mismatch")) is None
+    assert checkpoints._write_failure(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8256 "
+                                                   "vs 8148")) is not None
+    assert checkpoints._write_failure(RuntimeError("shape mismatch")) is None
     run = tmp_path / "run"
-    write = trainer.write_manifest
+    write = checkpoints.write_manifest
     calls = []
 
     def fails_on_the_second_checkpoint(folder, *args):
@@ -1044,7 +1044,7 @@ def test_a_failed_save_of_any_kind_leaves_no_temporary_folder(corpus, tmp_path, 
                 raise KeyError("an unexpected failure")
         return write(folder, *args)
 
-    monkeypatch.setattr(trainer, "write_manifest", fails_on_the_second_checkpoint)
+    monkeypatch.setattr(checkpoints, "write_manifest", fails_on_the_second_checkpoint)
     with pytest.raises(KeyError):
         main(train_args(corpus, run, 4))
     assert sorted(os.listdir(run / "checkpoints")) == ["step-0000002"]

@@ -40,13 +40,43 @@ def part_of(module: str) -> str | None:
     return names[1] if names[1] in PARTS else "model"
 
 
-def imports_of(path: Path) -> list[tuple[int, str]]:
+def package_of(path: Path) -> str:
+    """The import name of the package that holds `path` (modeling_switchhead/x.py -> switchhead,
+    vllm_plugin/y/z.py -> switchhead.vllm.y), what a relative import in that file starts from."""
+    relative = path.relative_to(ROOT)
+    folder, inner = relative.parts[0], list(relative.parts[1:-1])
+    part = "" if FOLDERS[folder] == "model" else f".{FOLDERS[folder]}"
+    return ".".join([f"switchhead{part}", *inner])
+
+
+def imports_of(path: Path, package: str | None = None) -> list[tuple[int, str]]:
+    """Every import of the file as an absolute module name, relative ones (`from ..x import y`) resolved from
+    `package` (default: the file's own); for `from <package> import name` each name is listed too, as it may be a
+    module."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                names = (package or package_of(path)).split(".")
+                base = ".".join(names[: len(names) - node.level + 1] + ([node.module] if node.module else []))
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names if alias.name != "*"]
+    return found
+
+
+def string_imports_of(path: Path) -> list[tuple[int, str]]:
+    """`importlib.import_module("...")` / `__import__("...")` calls with a constant name of ours."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            target = node.args[0].value
+            if name in ("import_module", "__import__") and isinstance(target, str) \
+                    and (target.startswith(".") or part_of(target) is not None):
+                found.append((node.lineno, target))
     return found
 
 
@@ -61,7 +91,34 @@ def test_imports_point_one_way():
     assert not wrong, "imports against the layout:\n" + "\n".join(wrong)
 
 
+def test_no_string_imports_of_our_modules():
+    found = [f"{path.relative_to(ROOT)}:{line} imports {name!r} by name"
+             for folder in FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))
+             for line, name in string_imports_of(path)]
+    assert not found, "\n".join(found)
+
+
 def test_the_checker_sees_a_wrong_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\nfrom switchhead.cli import main\nimport switchhead.training.trainer\n")
-    assert [part_of(module) for _, module in imports_of(bad)] == [None, "cli", "training"]
+    assert [part_of(module) for _, module in imports_of(bad)] == [None, "cli", "cli", "training"]
+
+
+def test_the_checker_resolves_relative_imports(tmp_path):
+    assert package_of(ROOT / "kernels" / "cvmm.py") == "switchhead.kernels"
+    assert package_of(ROOT / "modeling_switchhead" / "expert_ops.py") == "switchhead"
+    assert package_of(ROOT / "evaluation" / "tasks" / "x.py") == "switchhead.evaluation.tasks"
+    # a file of the kernels folder reaching the model and training by relative imports
+    bad = tmp_path / "bad.py"
+    bad.write_text("from .. import SwitchHeadConfig\nfrom ..training import trainer\nfrom . import cvmm\n")
+    found = imports_of(bad, "switchhead.kernels")
+    assert found == [(1, "switchhead"), (1, "switchhead.SwitchHeadConfig"), (2, "switchhead.training"),
+                     (2, "switchhead.training.trainer"), (3, "switchhead.kernels"), (3, "switchhead.kernels.cvmm")]
+    assert [part_of(module) for _, module in found] == ["model", "model", "training", "training", "kernels",
+                                                        "kernels"]
+
+
+def test_the_checker_sees_a_string_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import importlib\nimportlib.import_module('switchhead.kernels')\n__import__('os')\n")
+    assert string_imports_of(bad) == [(2, "switchhead.kernels")]

@@ -14,6 +14,8 @@ from switchhead.cli import main as cli_main
 from switchhead.conversion import ConversionError
 from switchhead.conversion.upcycle import dense_from_gpt2, upcycle_state_dict
 
+from helpers.models import logits_of
+
 
 def _dense(preset: str = "tiny-dense", seed: int = 0, **overrides) -> SwitchHeadForCausalLM:
     torch.manual_seed(seed)
@@ -32,11 +34,6 @@ def _build(result) -> SwitchHeadForCausalLM:
     return model.eval()
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
-
-
 IDS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(7))
 
 
@@ -50,10 +47,10 @@ def test_keeping_every_head_reproduces_the_dense_model(preset, gate, expert_init
     model = _build(result)
     assert (model.config.attention_type, model.config.num_attention_heads, model.config.num_attention_experts,
             model.config.num_attention_experts_per_tok) == ("switchhead", 4, experts, k)
-    torch.testing.assert_close(_logits(model, IDS), _logits(dense, IDS), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_of(model, IDS), logits_of(dense, IDS), atol=1e-5, rtol=0)
     # a little router noise (to tell experts apart in training) keeps the first forward close
     noisy = _build(upcycle_state_dict(dense.config, dense.state_dict(), 4, experts, k, expert_init, 0.01))
-    assert (_logits(noisy, IDS) - _logits(dense, IDS)).abs().max() < 0.1
+    assert (logits_of(noisy, IDS) - logits_of(dense, IDS)).abs().max() < 0.1
     assert not torch.equal(noisy.model.layers[0].self_attn.value_selection.weight,
                            torch.zeros_like(noisy.model.layers[0].self_attn.value_selection.weight))
 

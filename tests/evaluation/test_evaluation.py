@@ -17,7 +17,6 @@ from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.cli import main
 from switchhead.evaluation import TASKS_DIR
 from switchhead.evaluation.tasks import utils as task_data
-from helpers.data import require
 from switchhead.evaluation.zero_shot import (ContinuationScorer, paper_blimp, paper_cbt, paper_lambada, run_lm_eval,
                                              summarize)
 
@@ -27,17 +26,12 @@ LM_EVAL_TASKS = ["switchhead_lambada"] + [f"switchhead_blimp_{p}" for p in PARAD
 
 
 @pytest.fixture(scope="module")
-def data_dir():
-    return require()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, data_dir):
+def model_dir(tmp_path_factory, shared_data):
     """A tiny SwitchHead model with a 512-token byte-level BPE trained on 100 KB of WikiText-2, saved with auto_map."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    text = (data_dir / "wikitext-2" / "wiki.train.tokens").read_text(encoding="utf-8")[:100_000]
+    text = (shared_data / "wikitext-2" / "wiki.train.tokens").read_text(encoding="utf-8")[:100_000]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -62,8 +56,8 @@ def loaded(model_dir):
 
 
 @pytest.fixture(scope="module")
-def python_run(model_dir, data_dir):
-    return run_lm_eval(str(model_dir), LM_EVAL_TASKS, limit=LIMIT, batch_size=1, metadata={"data_dir": str(data_dir)},
+def python_run(model_dir, shared_data):
+    return run_lm_eval(str(model_dir), LM_EVAL_TASKS, limit=LIMIT, batch_size=1, metadata={"data_dir": str(shared_data)},
                        log_samples=True)
 
 
@@ -85,9 +79,9 @@ def hand_logprob(model, tokenizer, context_ids: list[int], continuation_ids: lis
 
 
 # ---------------------------------------------------------------------------------------------------- lm-eval
-def test_lm_eval_cli_runs_offline_and_python_entry_point_gives_the_same_numbers(model_dir, data_dir, python_run,
+def test_lm_eval_cli_runs_offline_and_python_entry_point_gives_the_same_numbers(model_dir, shared_data, python_run,
                                                                                 tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", SWITCHHEAD_DATA_DIR=str(data_dir))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", SWITCHHEAD_DATA_DIR=str(shared_data))
     command = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
                f"pretrained={model_dir},trust_remote_code=True", "--include_path", str(TASKS_DIR),
                "--tasks", ",".join(LM_EVAL_TASKS), "--limit", str(LIMIT), "--output_path", str(tmp_path / "out.json")]
@@ -105,11 +99,11 @@ def test_lm_eval_cli_runs_offline_and_python_entry_point_gives_the_same_numbers(
     assert {"acc", "perplexity"} <= set(python["switchhead_lambada"])
 
 
-def test_lambada_scores_equal_hand_computed_token_logprobs(python_run, loaded, data_dir):
+def test_lambada_scores_equal_hand_computed_token_logprobs(python_run, loaded, shared_data):
     model, tokenizer = loaded
     samples = python_run["samples"]["switchhead_lambada"]
     assert len(samples) == LIMIT
-    rows = task_data.lambada_rows({"data_dir": str(data_dir)})[:LIMIT]
+    rows = task_data.lambada_rows({"data_dir": str(shared_data)})[:LIMIT]
     hand = []
     for sample, row in zip(samples, rows):
         context, word = row["text"].rsplit(" ", 1)
@@ -127,12 +121,12 @@ def test_lambada_scores_equal_hand_computed_token_logprobs(python_run, loaded, d
     assert paper["acc"] == metrics["acc"] and paper["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-4)
 
 
-def test_blimp_scores_equal_hand_computed_sentence_logprobs(python_run, loaded, data_dir):
+def test_blimp_scores_equal_hand_computed_sentence_logprobs(python_run, loaded, shared_data):
     model, tokenizer = loaded
     eos = tokenizer.eos_token_id
     for paradigm in PARADIGMS:
         samples = python_run["samples"][f"switchhead_blimp_{paradigm}"]
-        rows = task_data.blimp_rows(paradigm, {"data_dir": str(data_dir)})[:LIMIT]
+        rows = task_data.blimp_rows(paradigm, {"data_dir": str(shared_data)})[:LIMIT]
         lm_eval_wins, paper_wins = [], []
         for sample, row in zip(samples, rows):
             # lm-eval: " " + sentence after the EOS token; the authors: the sentence as is
@@ -147,11 +141,11 @@ def test_blimp_scores_equal_hand_computed_sentence_logprobs(python_run, loaded, 
         assert paper_blimp(ContinuationScorer(model, tokenizer), rows)["acc"] == sum(paper_wins) / LIMIT
 
 
-def test_wikitext_articles_and_every_blimp_paradigm_have_tasks(data_dir):
-    pages = task_data.wikitext_documents("wikitext-2", "test", {"data_dir": str(data_dir)})
+def test_wikitext_articles_and_every_blimp_paradigm_have_tasks(shared_data):
+    pages = task_data.wikitext_documents("wikitext-2", "test", {"data_dir": str(shared_data)})
     # 62 articles, as in lm-eval's wikitext-2 test split; each starts with its title line (no leading " \n")
     assert len(pages) == 62 and all(p["page"].startswith(" = ") and p["page"][3] != "=" for p in pages)
-    paradigms = task_data.blimp_paradigms({"data_dir": str(data_dir)})
+    paradigms = task_data.blimp_paradigms({"data_dir": str(shared_data)})
     assert len(paradigms) == 67
     group = yaml.safe_load((TASKS_DIR / "switchhead_blimp.yaml").read_text())
     assert group["task"] == [f"switchhead_blimp_{p}" for p in paradigms]
@@ -217,11 +211,11 @@ def test_perplexity_windows_score_every_token_once():
         windows(100, context=16, stride=16, protocol="sliding")
 
 
-def test_perplexity_equals_a_single_forward_when_the_text_fits(loaded, data_dir):
+def test_perplexity_equals_a_single_forward_when_the_text_fits(loaded, shared_data):
     from switchhead.evaluation.perplexity import evaluate_perplexity
 
     model, tokenizer = loaded
-    text = (data_dir / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:200]
+    text = (shared_data / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:200]
     ids = tokenizer(text).input_ids
     assert len(ids) < 128
     nll = -hand_logprob(model, tokenizer, ids[:1], ids[1:])[0]
@@ -231,7 +225,7 @@ def test_perplexity_equals_a_single_forward_when_the_text_fits(loaded, data_dir)
         assert result.nll == pytest.approx(nll, rel=1e-5)
         assert result.perplexity == pytest.approx(math.exp(nll / (len(ids) - 1)), rel=1e-5)
         assert result.bits_per_byte == pytest.approx(nll / math.log(2) / len(text.encode()), rel=1e-5)
-    long_text = (data_dir / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:3000]
+    long_text = (shared_data / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:3000]
     sliding = evaluate_perplexity(model, tokenizer, long_text, context=32, stride=8, progress=False)
     chunked = evaluate_perplexity(model, tokenizer, long_text, context=32, protocol="chunked", progress=False)
     assert sliding.scored_tokens == sliding.tokens - 1 > chunked.scored_tokens
@@ -272,12 +266,12 @@ def test_expert_selection_gates_keep_top_k_per_head():
 
 
 # ---------------------------------------------------------------------------------------------------- CLI, card, publish
-def test_eval_cli_paper_protocol_perplexity_plots_then_card_with_model_index(model_dir, data_dir, tmp_path):
+def test_eval_cli_paper_protocol_perplexity_plots_then_card_with_model_index(model_dir, shared_data, tmp_path):
     results = tmp_path / "results.json"
     text_file = tmp_path / "text.txt"
-    text_file.write_text((data_dir / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:2000])
+    text_file.write_text((shared_data / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:2000])
     assert main(["eval", str(model_dir), "--tasks", "lambada,blimp", "--blimp-paradigms", ",".join(PARADIGMS),
-                 "--protocol", "paper", "--limit", "4", "--data-dir", str(data_dir), "--perplexity", str(text_file),
+                 "--protocol", "paper", "--limit", "4", "--data-dir", str(shared_data), "--perplexity", str(text_file),
                  "--context", "64", "--plots", str(tmp_path / "plots"), "--output", str(results)]) == 0
     report = json.loads(results.read_text())
     assert set(report["results"]) == {"switchhead_lambada", "switchhead_blimp"} | {
@@ -380,7 +374,7 @@ def test_task_names_follow_lm_eval_and_the_list_names_each_counterpart(capsys):
     assert named == {"lambada_openai", "blimp", "wikitext"} and named <= set(builtin)
 
 
-def test_plots_or_perplexity_alone_run_no_zero_shot_tasks(model_dir, data_dir, tmp_path, monkeypatch):
+def test_plots_or_perplexity_alone_run_no_zero_shot_tasks(model_dir, shared_data, tmp_path, monkeypatch):
     from switchhead.evaluation import zero_shot
 
     def refuse(*args, **kwargs):
@@ -389,7 +383,7 @@ def test_plots_or_perplexity_alone_run_no_zero_shot_tasks(model_dir, data_dir, t
     monkeypatch.setattr(zero_shot, "run_lm_eval", refuse)
     monkeypatch.setattr(zero_shot, "run_paper_protocol", refuse)
     text_file = tmp_path / "text.txt"
-    text_file.write_text((data_dir / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:1000])
+    text_file.write_text((shared_data / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:1000])
     out = tmp_path / "ppl.json"
     assert main(["eval", str(model_dir), "--perplexity", str(text_file), "--context", "64", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -417,14 +411,14 @@ def test_progress_writes_few_plain_lines_to_a_log():
     assert lines[-1].startswith("zero-shot log-likelihood: 139,153/139,153 requests (100%)")
 
 
-def test_one_bar_lm_gives_lm_eval_numbers_without_its_bars(model_dir, data_dir, capfd):
+def test_one_bar_lm_gives_lm_eval_numbers_without_its_bars(model_dir, shared_data, capfd):
     """Our HFLM subclass (one progress report per request type) against lm-eval's own HFLM, same requests."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
     from switchhead.evaluation.zero_shot import _one_bar_hflm_class
 
-    rows = task_data.lambada_rows({"data_dir": str(data_dir)})[:30]
+    rows = task_data.lambada_rows({"data_dir": str(shared_data)})[:30]
     pairs = [(row["text"].rsplit(" ", 1)[0][-100:], " " + row["text"].rsplit(" ", 1)[1]) for row in rows]
     requests = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
     pages = [(row["text"][:300],) for row in rows[:3]]

@@ -5,7 +5,7 @@ import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.cli import main
-from switchhead.evaluation.flops import (attention_macs, attention_memory, format_count, kv_cache_bytes_per_token,
+from switchhead.evaluation.accounting import (attention_macs, attention_memory, format_count, kv_cache_bytes_per_token,
                                          model_forward_macs)
 
 # PAPER.md section 5: (setting, preset, config overrides, memory chunks or None for the preset's, MACs, memory).

@@ -42,13 +42,6 @@ SYNTHETIC = " \n = A = \n \n a b . \n \n = B = \n \n c d . \n \n"
 SYNTHETIC_PAGES = [" = A = \n \n a b . \n ", " = B = \n \n c d . \n \n"]  # the dataset's definition (issue 21)
 
 
-@pytest.fixture(scope="module")
-def data_dir():
-    from helpers.data import require
-
-    return require()
-
-
 @pytest.fixture(autouse=True, scope="module")
 def quiet_and_compiled_once():
     """lm-eval logs a warning and draws a progress bar per task: keep the test output readable. It also compiles
@@ -103,9 +96,9 @@ def test_page_splitting_matches_the_reference_on_random_files():
 
 @pytest.mark.parametrize("corpus", ["wikitext-2", "wikitext-103"])
 @pytest.mark.parametrize("split", ["test", "valid"])
-def test_real_wikitext_pages_match_the_document_level_dataset(corpus, split, data_dir):
-    text = (data_dir / corpus / f"wiki.{split}.tokens").read_text(encoding="utf-8")
-    pages = [row["page"] for row in task_data.wikitext_documents(corpus, split, {"data_dir": str(data_dir)})]
+def test_real_wikitext_pages_match_the_document_level_dataset(corpus, split, shared_data):
+    text = (shared_data / corpus / f"wiki.{split}.tokens").read_text(encoding="utf-8")
+    pages = [row["page"] for row in task_data.wikitext_documents(corpus, split, {"data_dir": str(shared_data)})]
     assert pages == reference_wikitext_pages(text)
     if split == "test":
         assert len(pages) == 62  # the test split of both has 62 articles
@@ -127,8 +120,8 @@ class LocalHub:
     unchanged. WikiText pages come from `reference_wikitext_pages`, not from the code under test.
     """
 
-    def __init__(self, data_dir: Path, wikitext_corpus: str = "wikitext-2"):
-        self.data_dir, self.wikitext_corpus, self.requested = data_dir, wikitext_corpus, []
+    def __init__(self, shared_data: Path, wikitext_corpus: str = "wikitext-2"):
+        self.shared_data, self.wikitext_corpus, self.requested = shared_data, wikitext_corpus, []
 
     def _jsonl(self, path: Path) -> list[dict]:
         with open(path, encoding="utf-8") as handle:
@@ -137,13 +130,13 @@ class LocalHub:
     def __call__(self, path=None, name=None, **kwargs):
         self.requested.append((path, name))
         if (path, name) == ("EleutherAI/lambada_openai", "default"):
-            rows = self._jsonl(self.data_dir / "lambada" / "lambada_test.jsonl")
+            rows = self._jsonl(self.shared_data / "lambada" / "lambada_test.jsonl")
             return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
         if path == "nyu-mll/blimp":
-            rows = self._jsonl(self.data_dir / "blimp" / f"{name}.jsonl")
+            rows = self._jsonl(self.shared_data / "blimp" / f"{name}.jsonl")
             return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
         if (path, name) == ("EleutherAI/wikitext_document_level", "wikitext-2-raw-v1"):
-            folder = self.data_dir / self.wikitext_corpus
+            folder = self.shared_data / self.wikitext_corpus
             splits = {}
             for split, stem in (("train", "train"), ("validation", "valid"), ("test", "test")):
                 file = folder / f"wiki.{stem}.tokens"
@@ -155,11 +148,11 @@ class LocalHub:
         raise AssertionError(f"lm-eval asked for an unexpected dataset {path!r} / {name!r}")
 
 
-def builtin_tasks(monkeypatch, data_dir: Path, names: list[str], wikitext_corpus: str = "wikitext-2") -> dict:
+def builtin_tasks(monkeypatch, shared_data: Path, names: list[str], wikitext_corpus: str = "wikitext-2") -> dict:
     """lm-eval's own built-in tasks `names` (loaded by its TaskManager), reading the local files."""
     from lm_eval.tasks import TaskManager
 
-    hub = LocalHub(data_dir, wikitext_corpus)
+    hub = LocalHub(shared_data, wikitext_corpus)
     folders = [LM_EVAL_TASKS_DIR / folder for folder in ("lambada", "blimp", "wikitext")]
     with monkeypatch.context() as patch:
         patch.setattr(datasets, "load_dataset", hub)
@@ -168,10 +161,10 @@ def builtin_tasks(monkeypatch, data_dir: Path, names: list[str], wikitext_corpus
     return loaded
 
 
-def our_tasks(data_dir: Path, names: list[str]) -> dict:
+def our_tasks(shared_data: Path, names: list[str]) -> dict:
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_defaults=False, include_path=str(TASKS_DIR), metadata={"data_dir": str(data_dir)})
+    manager = TaskManager(include_defaults=False, include_path=str(TASKS_DIR), metadata={"data_dir": str(shared_data)})
     return manager.load(names)
 
 
@@ -193,9 +186,9 @@ def assert_same_requests(ours, theirs, expected_docs: int):
         assert a == b, f"{ours.config.task} vs {theirs.config.task}: document {b[0]} differs: {a} != {b}"
 
 
-def test_lambada_every_passage_builds_lambada_openai_requests(monkeypatch, data_dir):
-    ours = our_tasks(data_dir, ["switchhead_lambada"])["tasks"]["switchhead_lambada"]
-    theirs = builtin_tasks(monkeypatch, data_dir, ["lambada_openai"])["tasks"]["lambada_openai"]
+def test_lambada_every_passage_builds_lambada_openai_requests(monkeypatch, shared_data):
+    ours = our_tasks(shared_data, ["switchhead_lambada"])["tasks"]["switchhead_lambada"]
+    theirs = builtin_tasks(monkeypatch, shared_data, ["lambada_openai"])["tasks"]["lambada_openai"]
     assert_same_requests(ours, theirs, 5153)
     for doc_ours, doc_theirs in zip(ours.eval_docs, theirs.eval_docs):
         assert ours.doc_to_text(doc_ours) == theirs.doc_to_text(doc_theirs)
@@ -204,9 +197,9 @@ def test_lambada_every_passage_builds_lambada_openai_requests(monkeypatch, data_
     assert ours.higher_is_better() == theirs.higher_is_better()
 
 
-def test_blimp_every_paradigm_and_pair_builds_the_builtin_requests(monkeypatch, data_dir):
-    theirs = builtin_tasks(monkeypatch, data_dir, ["blimp"])
-    ours = our_tasks(data_dir, ["switchhead_blimp"])
+def test_blimp_every_paradigm_and_pair_builds_the_builtin_requests(monkeypatch, shared_data):
+    theirs = builtin_tasks(monkeypatch, shared_data, ["blimp"])
+    ours = our_tasks(shared_data, ["switchhead_blimp"])
     paradigms = sorted(name[len("blimp_"):] for name in theirs["tasks"])
     assert len(paradigms) == 67
     assert sorted(name[len("switchhead_blimp_"):] for name in ours["tasks"]) == paradigms
@@ -226,10 +219,10 @@ def test_blimp_every_paradigm_and_pair_builds_the_builtin_requests(monkeypatch, 
 
 @pytest.mark.parametrize("ours_name,corpus", [("switchhead_wikitext2", "wikitext-2"),
                                               ("switchhead_wikitext103", "wikitext-103")])
-def test_wikitext_every_article_builds_the_builtin_rolling_requests(monkeypatch, data_dir, ours_name, corpus):
+def test_wikitext_every_article_builds_the_builtin_rolling_requests(monkeypatch, shared_data, ours_name, corpus):
     """lm-eval's `wikitext` (WikiText-2); for WikiText-103 the same built-in definition given the 103 files."""
-    ours = our_tasks(data_dir, [ours_name])["tasks"][ours_name]
-    theirs = builtin_tasks(monkeypatch, data_dir, ["wikitext"], corpus)["tasks"]["wikitext"]
+    ours = our_tasks(shared_data, [ours_name])["tasks"][ours_name]
+    theirs = builtin_tasks(monkeypatch, shared_data, ["wikitext"], corpus)["tasks"]["wikitext"]
     assert_same_requests(ours, theirs, 62)
     for doc_ours, doc_theirs in zip(ours.eval_docs, theirs.eval_docs):
         assert doc_ours["page"] == doc_theirs["page"]

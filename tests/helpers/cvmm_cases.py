@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
+
+from switchhead import expert_ops
 
 # (name, R, S, out_groups, gated) for H heads and k active experts, as the model calls the op
 USES = {
@@ -71,3 +74,12 @@ def random_case(generator: torch.Generator, use: str, tokens: int, heads: int, e
     case = Case(inputs.requires_grad_(), index, weight.requires_grad_(),
                 None if gates is None else gates.requires_grad_(), out_groups)
     return case
+
+
+def every_projection() -> dict:
+    """Each entry of the op's one table by its name, and each formulation its "eager" rule chooses among (but the
+    per-head one, which needs grouped routing), called directly: all take (inputs, index, weight, gates, groups)."""
+    entries = {name: functools.partial(expert_ops.expert_projection, implementation=name)
+               for name in expert_ops.EXPERTS_IMPLEMENTATIONS}
+    formulations = (expert_ops._batched, expert_ops._all_experts, expert_ops._grouped)
+    return {**entries, **{formulation.__name__: formulation for formulation in formulations}}

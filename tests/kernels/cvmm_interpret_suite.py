@@ -1,4 +1,4 @@
-"""The Triton CVMM kernels on the CPU through the Triton interpreter, held against the PyTorch twin.
+"""The Triton CVMM kernels on the CPU through the Triton interpreter, held against the naive twin.
 
 Run by `test_kernels.py::test_triton_kernels_under_interpreter` in a child process with TRITON_INTERPRET=1 (the
 flag must be set before Triton decorates the kernels, and must not leak into other tests). Small shapes, one
@@ -19,17 +19,22 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
 from switchhead import kernels  # noqa: E402
+from switchhead.expert_ops import expert_projection, naive  # noqa: E402
 
 from helpers.cvmm_cases import USES, Case, random_case  # noqa: E402
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 
 
+def _project(case: Case, backend: str):
+    """"triton": the table's "cvmm" entry (the kernels, which run here); "torch": the naive twin."""
+    return expert_projection(*case.args(), implementation="cvmm") if backend == "triton" else naive(*case.args())
+
+
 def _run(case: Case, backend: str, upstream_seed: int = 11):
-    with kernels.use_backend(backend):
-        out = kernels.cvmm(*case.args())
-        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(upstream_seed)).to(out.dtype)
-        grads = torch.autograd.grad(out, case.leaves(), upstream)
+    out = _project(case, backend)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(upstream_seed)).to(out.dtype)
+    grads = torch.autograd.grad(out, case.leaves(), upstream)
     return out, grads
 
 
@@ -38,7 +43,7 @@ def _assert_matches_reference(case: Case, dtype: torch.dtype):
     low = case.as_dtype(dtype)
     out, grads = _run(low, "triton")
     want_out, want_grads = _run(case.as_dtype(torch.float64, torch.float64), "torch")
-    assert kernels.resolve_backend(low.inputs.device, dtype) == "triton"
+    assert kernels.triton_runs(low.inputs.device, dtype)
     assert out.dtype == dtype and out.shape == want_out.shape
     torch.testing.assert_close(out.double(), want_out, **TOLERANCE[dtype])
     for name, got, want in zip(("inputs", "weight", "gates"), grads, want_grads):
@@ -107,8 +112,7 @@ def test_deterministic_mode_is_bitwise_reproducible_and_agrees_with_atomics():
 def test_opcheck_on_triton_path(use):
     case = random_case(torch.Generator().manual_seed(1), use, tokens=5, heads=2, experts=3, k=2, d_in=9, d_out=7,
                        dtype=torch.float32)
-    with kernels.use_backend("triton"):
-        torch.library.opcheck(torch.ops.switchhead.cvmm_forward.default, case.args())
+    torch.library.opcheck(torch.ops.switchhead.cvmm_forward.default, case.args())
 
 
 @pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchhead-xl"])
@@ -118,10 +122,10 @@ def test_model_forward_backward_triton_equals_reference(preset):
     model = SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset)).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 10))
     results = {}
-    for backend in ("torch", "triton"):
-        with kernels.use_backend(backend):
-            out = model(input_ids=ids, labels=ids)
-            grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    for backend, implementation in (("torch", "eager"), ("triton", "cvmm")):
+        model.set_experts_implementation(implementation)
+        out = model(input_ids=ids, labels=ids)
+        grads = torch.autograd.grad(out.loss, list(model.parameters()))
         results[backend] = (out.logits, out.loss, grads)
     (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results["triton"], results["torch"]
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
@@ -138,7 +142,33 @@ def test_stride_zero_upstream_gradient_from_sum():
                        d_out=20, dtype=torch.float32)
     grads = {}
     for backend in ("triton", "torch"):
-        with kernels.use_backend(backend):
-            grads[backend] = torch.autograd.grad(kernels.cvmm(*case.args()).sum(), case.leaves())
+        grads[backend] = torch.autograd.grad(_project(case, backend).sum(), case.leaves())
     for got, want in zip(grads["triton"], grads["torch"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_gates", [True, False])
+def test_opcheck_forward_and_backward_ops(with_gates):
+    case = random_case(torch.Generator().manual_seed(5), "value" if with_gates else "mlp_keys", tokens=4, heads=2,
+                       experts=3, k=2, d_in=5, d_out=3, dtype=torch.float32)
+    args = (case.inputs, case.expert_index, case.weight, case.gates, case.out_groups)
+    torch.library.opcheck(torch.ops.switchhead.cvmm_forward.default, args)
+    out, sorted_expert, order = torch.ops.switchhead.cvmm_forward(*args)
+    grad = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.switchhead.cvmm_backward.default,
+                          (grad, case.inputs.detach(), case.weight.detach(),
+                           None if case.gates is None else case.gates.detach(), sorted_expert, order,
+                           case.out_groups, True, True))
+
+
+def test_fake_implementation_returns_true_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = random_case(torch.Generator().manual_seed(2), "output", tokens=6, heads=3, experts=4, k=2, d_in=5,
+                       d_out=7, dtype=torch.float32)
+    real = torch.ops.switchhead.cvmm_forward(*case.args())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in case.args()]
+        fake = torch.ops.switchhead.cvmm_forward(*fake_args)
+    assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real] == [(6, 1, 7), (36,), (36,)]
+    assert [t.dtype for t in fake] == [t.dtype for t in real]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import bench_cvmm  # noqa: E402
 import gpu_check  # noqa: E402
 
-from switchhead.expert_ops import expert_projection_torch  # noqa: E402
+from switchhead.expert_ops import expert_projection  # noqa: E402
 
 
 def _run(script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -40,18 +40,22 @@ def _problem(use: str, tokens: int = 6, heads: int = 2, k: int = 2, seed: int = 
                 experts=groups * 3, heads=groups, d_in=5, d_out=7, seed=seed)
 
 
+def eager_projection(inputs, index, weight, gates, out_groups):
+    return expert_projection(inputs, index, weight, gates, out_groups, implementation="eager")
+
+
 # ------------------------------------------------------------------------------------------------ the checker
 def _check(problem, fast):
     tensors_and_index = bench_cvmm.make_inputs(problem, torch.device("cpu"), torch.float32,
                                                torch.Generator().manual_seed(3))
     inputs, index, weight, gates = tensors_and_index
     return gpu_check.check_op_problem("sweep", problem, (inputs, weight, gates), index, fast,
-                                      expert_projection_torch, "cpu")
+                                      eager_projection, "cpu")
 
 
 @pytest.mark.parametrize("use", ["value", "output", "mlp_keys", "mlp_values"])
 def test_checker_passes_a_correct_op_in_every_precision_and_mode(use):
-    rows = _check(_problem(use), expert_projection_torch)
+    rows = _check(_problem(use), eager_projection)
     assert {(r["precision"], r["mode"]) for r in rows} == {(p, m) for p in ("fp32", "fp16")
                                                            for m in ("atomic", "deterministic")}
     assert all(r["status"] == "ok" for r in rows), rows
@@ -64,17 +68,17 @@ def _drop_last_slot(inputs, index, weight, gates, out_groups):
     """A plausible kernel bug: the last slot of every token is skipped (its gate read as zero)."""
     gates = gates.clone()
     gates[:, -1] = 0
-    return expert_projection_torch(inputs, index, weight, gates, out_groups)
+    return eager_projection(inputs, index, weight, gates, out_groups)
 
 
 def _wrong_row(inputs, index, weight, gates, out_groups):
     """Another: slot s reads the input row of its neighbour token (an off-by-one in the row index)."""
-    return expert_projection_torch(inputs.roll(1, 0), index, weight, gates, out_groups)
+    return eager_projection(inputs.roll(1, 0), index, weight, gates, out_groups)
 
 
 def _noisy(inputs, index, weight, gates, out_groups):
     """Right within tolerance, but not the same twice: fails the deterministic mode's bitwise repeat."""
-    out = expert_projection_torch(inputs, index, weight, gates, out_groups)
+    out = eager_projection(inputs, index, weight, gates, out_groups)
     jitter = 2 * torch.finfo(out.dtype).eps * out.detach().abs().max()  # a few ulps: inside every tolerance
     return out + jitter * torch.rand_like(out)
 

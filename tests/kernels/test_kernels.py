@@ -1,4 +1,4 @@
-"""switchhead.kernels on the CPU: the PyTorch twin, the torch.library registration, dispatch, torch.compile.
+"""switchhead.kernels on the CPU: when the kernels run, argument checks, the model through torch.compile.
 
 The Triton kernels themselves run under TRITON_INTERPRET=1 in a child pytest process
 (`cvmm_interpret_suite.py`, started by `test_triton_kernels_under_interpreter`), because the interpreter must be
@@ -16,130 +16,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead import kernels
 from switchhead import expert_ops
-from switchhead.expert_ops import expert_projection_torch
+from switchhead.expert_ops import expert_projection, naive
 
-from helpers.cvmm_cases import USES, random_case  # noqa: E402
+from helpers.cvmm_cases import random_case  # noqa: E402
+from helpers.models import tiny_model  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 
 
-def _grads(out, leaves, seed=1):
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
-    return torch.autograd.grad(out, leaves, upstream)
-
-
 def test_model_calls_the_kernels_package():
-    # the modeling file's try/except must have found our op, so every test below covers the model's path
+    # the model's try/except must have found our op, so the interpreter suite covers the model's "cvmm" entry
     assert expert_ops._kernels is kernels
-    assert kernels.resolve_backend(torch.device("cpu"), torch.float32) == "torch"
 
 
-@pytest.mark.parametrize("use", sorted(USES))
-@pytest.mark.parametrize("seed", range(3))
-def test_reference_twin_equals_expert_projection_torch(use, seed):
-    generator = torch.Generator().manual_seed(seed)
-    heads, experts = 1 + seed % 3, 3 + seed
-    k = 1 + (seed % experts)
-    case = random_case(generator, use, tokens=5 + 4 * seed, heads=heads, experts=experts, k=k, d_in=7, d_out=6,
-                       strided=seed == 2)
-    ours = kernels.cvmm(*case.args())
-    reference = expert_projection_torch(*case.args())
-    assert ours.shape == reference.shape
-    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
-    for got, want in zip(_grads(ours, case.leaves()), _grads(reference, case.leaves())):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("use", sorted(USES))
-def test_gradcheck_inputs_weight_and_gates_float64(use):
-    case = random_case(torch.Generator().manual_seed(7), use, tokens=3, heads=2, experts=3, k=2, d_in=4, d_out=3)
-    index, out_groups = case.expert_index, case.out_groups
-    if case.gates is None:
-        assert torch.autograd.gradcheck(lambda x, w: kernels.cvmm(x, index, w), (case.inputs, case.weight))
-    else:
-        assert torch.autograd.gradcheck(lambda x, w, g: kernels.cvmm(x, index, w, g, out_groups),
-                                        (case.inputs, case.weight, case.gates))
-
-
-def test_edge_cases_single_token_empty_experts_all_experts_no_tokens():
-    generator = torch.Generator().manual_seed(3)
-    cases = [
-        random_case(generator, "value", tokens=1, heads=2, experts=4, k=2, d_in=5, d_out=3),  # a single token
-        random_case(generator, "output", tokens=6, heads=2, experts=5, k=2, d_in=3, d_out=5, used_experts=2),
-        random_case(generator, "mlp_values", tokens=4, heads=1, experts=3, k=3, d_in=4, d_out=4),  # k = E
-    ]
-    for case in cases:
-        ours, reference = kernels.cvmm(*case.args()), expert_projection_torch(*case.args())
-        torch.testing.assert_close(ours, reference)
-        for got, want in zip(_grads(ours, case.leaves()), _grads(reference, case.leaves())):
-            torch.testing.assert_close(got, want)
-    empty_weight_grad = torch.autograd.grad(kernels.cvmm(*cases[1].args()).sum(), cases[1].weight)[0]
-    unused = [e for e in range(10) if e % 5 >= 2]  # experts 2..4 of each head never selected
-    assert torch.count_nonzero(empty_weight_grad[unused]) == 0
-    assert torch.count_nonzero(empty_weight_grad[[0, 1, 5, 6]]) > 0
-    no_tokens = random_case(generator, "value", tokens=0, heads=2, experts=3, k=2, d_in=4, d_out=3)
-    out = kernels.cvmm(*no_tokens.args())
-    assert out.shape == expert_projection_torch(*no_tokens.args()).shape == (0, 2, 3)
-    d_inputs, d_weight, d_gates = torch.autograd.grad(out.sum(), no_tokens.leaves())
-    assert d_inputs.shape == (0, 1, 4) and d_gates.shape == (0, 4) and torch.count_nonzero(d_weight) == 0
-
-
-@pytest.mark.parametrize("with_gates", [True, False])
-def test_opcheck_forward_and_backward_ops(with_gates):
-    case = random_case(torch.Generator().manual_seed(5), "value" if with_gates else "mlp_keys", tokens=4, heads=2,
-                       experts=3, k=2, d_in=5, d_out=3, dtype=torch.float32)
-    args = (case.inputs, case.expert_index, case.weight, case.gates, case.out_groups)
-    torch.library.opcheck(torch.ops.switchhead.cvmm_forward.default, args)
-    out, sorted_expert, order = torch.ops.switchhead.cvmm_forward(*args)
-    grad = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.switchhead.cvmm_backward.default,
-                          (grad, case.inputs.detach(), case.weight.detach(),
-                           None if case.gates is None else case.gates.detach(), sorted_expert, order,
-                           case.out_groups, True, True))
-
-
-def test_fake_implementation_returns_true_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    case = random_case(torch.Generator().manual_seed(2), "output", tokens=6, heads=3, experts=4, k=2, d_in=5,
-                       d_out=7, dtype=torch.float32)
-    real = torch.ops.switchhead.cvmm_forward(*case.args())
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake_args = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in case.args()]
-        fake = torch.ops.switchhead.cvmm_forward(*fake_args)
-    assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real] == [(6, 1, 7), (36,), (36,)]
-    assert [t.dtype for t in fake] == [t.dtype for t in real]
-
-
-def test_backend_switch_function_context_and_env(monkeypatch):
+def test_triton_runs_on_cuda_and_the_interpreter_only(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert kernels.get_backend() == "auto"
-    assert kernels.resolve_backend(cpu, torch.float32) == "torch"
-    assert kernels.resolve_backend(torch.device("cuda"), torch.bfloat16) == "triton"  # resolution needs no GPU
-    assert kernels.resolve_backend(torch.device("cuda"), torch.float64) == "torch"  # no fp64 Triton path
-    monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
-    assert kernels.resolve_backend(torch.device("cuda"), torch.float16) == "torch"
-    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):  # no silent fallback when forced
+    assert not kernels.triton_runs(cpu, torch.float32)
+    assert kernels.triton_runs(torch.device("cuda"), torch.bfloat16)  # the answer needs no GPU
+    assert not kernels.triton_runs(torch.device("cuda"), torch.float64)  # no fp64 Triton path
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):  # the op itself never falls back
         kernels.cvmm(torch.randn(2, 1, 3), torch.zeros(2, 1, dtype=torch.long), torch.randn(1, 3, 2))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert kernels.resolve_backend(cpu, torch.float32) == "triton"
-    monkeypatch.setenv(kernels.BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match="SWITCHHEAD_CVMM_BACKEND must be one of auto, triton, torch"):
-        kernels.get_backend()
-    monkeypatch.delenv(kernels.BACKEND_ENV)
-    with kernels.use_backend("torch"):
-        assert kernels.resolve_backend(cpu, torch.float32) == "torch"
-        kernels.set_backend("triton")
-        assert kernels.get_backend() == "triton"
-    assert kernels.get_backend() == "auto"  # the context manager restores the previous setting
-    with pytest.raises(ValueError, match="backend must be one of"):
-        kernels.set_backend("fast")
+    assert kernels.triton_runs(cpu, torch.float32)
 
 
 def test_deterministic_switch(monkeypatch):
@@ -166,40 +67,40 @@ def test_deterministic_switch(monkeypatch):
     (lambda: kernels.cvmm(torch.randn(2, 1, 3), torch.zeros(2, 4, dtype=torch.long), torch.randn(1, 3, 2),
                           torch.rand(2, 4), out_groups=3), "out_groups=3 must divide"),
     (lambda: kernels.cvmm(torch.randn(2, 1, 3), torch.zeros(2, 2), torch.randn(1, 3, 2)), "integer tensor"),
-    (lambda: kernels.cvmm(torch.randn(2, 1, 3), torch.full((2, 1), 4), torch.randn(3, 3, 2)),
-     "must lie in \\[0, 3\\)"),
 ])
 def test_bad_arguments_say_what_to_change(call, message):
     with pytest.raises(ValueError, match=message):
         call()
 
 
+def test_index_check_mode_names_the_range(monkeypatch):
+    monkeypatch.setenv(kernels.CHECK_INDEX_ENV, "1")
+    with pytest.raises(ValueError, match="must lie in \\[0, 3\\)"):
+        kernels.cvmm(torch.randn(2, 1, 3), torch.full((2, 1), 4), torch.randn(3, 3, 2))
+
+
 def test_autocast_computes_in_the_autocast_dtype_like_the_reference():
     case = random_case(torch.Generator().manual_seed(4), "value", tokens=8, heads=2, experts=3, k=2, d_in=16,
                        d_out=8, dtype=torch.float32)
+    want = naive(*case.as_dtype(torch.bfloat16).args())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours, reference = kernels.cvmm(*case.args()), expert_projection_torch(*case.args())
-    assert ours.dtype == reference.dtype == torch.bfloat16
-    torch.testing.assert_close(ours, reference, rtol=2e-2, atol=2e-2)
+        ours = expert_projection(*case.args(), implementation="cvmm")
+    assert ours.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, want, rtol=2e-2, atol=2e-2)
     ours.float().sum().backward()
     assert case.weight.grad.dtype == torch.float32 and case.gates.grad.dtype == torch.float32
-
-
-def _tiny_model(preset):
-    torch.manual_seed(0)
-    return SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset)).eval()
 
 
 def test_compile_fullgraph_switchhead_layer_and_training_step():
     # aot_eager runs dynamo, the fake implementations and AOTAutograd (forward and backward graphs) without
     # inductor's C++ build, which takes minutes on 2 cores and is not what a graph break depends on
-    model = _tiny_model("tiny-switchall")
+    model = tiny_model("tiny-switchall").eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     torch._dynamo.reset()
     hidden = torch.randn(2, 12, model.config.hidden_size, requires_grad=True)
     # a layer compiled on its own: SwitchHead (SwitchAll's output hooks, installed for its entropy loss, read a
     # ContextVar that dynamo can trace only from the whole model's forward)
-    attention = _tiny_model("tiny-switchhead").model.layers[0].self_attn
+    attention = tiny_model("tiny-switchhead").eval().model.layers[0].self_attn
     eager_values = attention.project_values(hidden)
     compiled_values = torch.compile(attention.project_values, fullgraph=True, backend="aot_eager")(hidden)
     torch.testing.assert_close(compiled_values, eager_values)
@@ -219,7 +120,6 @@ def test_compile_fullgraph_switchhead_layer_and_training_step():
 def test_triton_kernels_under_interpreter():
     """Runs cvmm_interpret_suite.py (forward + three gradients vs the reference, opcheck, model fwd/bwd)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(kernels.BACKEND_ENV, None)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "cvmm_interpret_suite.py")],
         env=env, cwd=TESTS.parents[1], capture_output=True, text=True, timeout=600,

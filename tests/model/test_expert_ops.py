@@ -1,18 +1,19 @@
-"""Every formulation of the expert op (switchhead.expert_ops, switchhead.kernels) held to the reference twin:
-outputs and gradients w.r.t. inputs, weight and gates; the per-head formulation; the routers' fast paths."""
+"""Every entry of the expert op's one table (switchhead.expert_ops.EXPERTS_IMPLEMENTATIONS) and every formulation
+its "eager" rule picks among, held to the naive twin: outputs and gradients w.r.t. inputs, weight and gates; the
+per-head formulation; the routers."""
 
 from __future__ import annotations
+
+import unittest.mock
 
 import pytest
 import torch
 
-from switchhead import kernels
-from switchhead.kernels import cvmm_reference
 from switchhead import expert_ops
 from switchhead import modeling_switchhead as modeling
-from switchhead.expert_ops import EXPERT_IMPLEMENTATIONS, expert_projection_torch
+from switchhead.expert_ops import EXPERTS_IMPLEMENTATIONS, expert_projection, naive
 
-from helpers.cvmm_cases import USES, random_case
+from helpers.cvmm_cases import USES, every_projection, random_case
 from helpers.decoding import variant_model
 
 
@@ -20,7 +21,7 @@ SYNC_OPS = ("aten::item", "aten::_local_scalar_dense")
 
 
 def _twin(case):
-    return expert_projection_torch(*case.args(), implementation="reference")
+    return naive(*case.args())
 
 
 def _grads(out, leaves, seed=1):
@@ -37,7 +38,14 @@ def _assert_same(got_out, want_out, got_grads, want_grads, dtype):
         torch.testing.assert_close(got, want, **tol)
 
 
-def test_reference_twin_is_the_definition():
+def test_the_table_is_keyed_by_the_experts_implementations():
+    # one naming scheme: the values of `config.experts_implementation` that the attention layer passes on
+    assert set(EXPERTS_IMPLEMENTATIONS) == {"eager", "batched_mm", "grouped_mm", "cvmm"}
+    assert expert_ops.default_experts_implementation({"cvmm": None}) == "cvmm"
+    assert expert_ops.default_experts_implementation({}) == "eager"
+
+
+def test_naive_twin_is_the_definition():
     # the twin itself against a per-slot Python loop over the contract's definition
     case = random_case(torch.Generator().manual_seed(0), "output", tokens=4, heads=2, experts=3, k=2, d_in=5,
                        d_out=3)
@@ -55,34 +63,32 @@ def test_reference_twin_is_the_definition():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("use", sorted(USES))
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_every_formulation_matches_the_twin(use, k, dtype):
+def test_every_entry_and_formulation_matches_the_twin(use, k, dtype):
     generator = torch.Generator().manual_seed(10 * k + len(use))
     for tokens, used in ((0, None), (1, None), (9, 2 if k <= 2 else None), (33, None)):
         case = random_case(generator, use, tokens=tokens, heads=2, experts=5, k=k, d_in=8, d_out=12, dtype=dtype,
                            used_experts=used, strided=tokens == 9)
         want = _twin(case)
         want_grads = _grads(want, case.leaves())
-        for implementation in EXPERT_IMPLEMENTATIONS:
-            for name, fn in (("modeling", expert_projection_torch), ("cvmm", kernels.cvmm)):
-                got = fn(*case.args(), implementation=implementation)
-                _assert_same(got, want, _grads(got, case.leaves()), want_grads, dtype)
+        for name, project in every_projection().items():
+            got = project(*case.args())
+            assert got.dtype == want.dtype, name
+            _assert_same(got, want, _grads(got, case.leaves()), want_grads, dtype)
 
 
 def test_grouped_formulation_really_uses_grouped_mm_where_it_can():
+    usable = expert_ops._grouped_mm_usable
     x32, w32 = torch.zeros(3, 1, 8), torch.zeros(4, 8, 12)
-    choose = expert_ops.choose_expert_implementation  # (tokens, slots, rows, out groups, experts, inputs, weight)
-    assert choose(3, 1, 1, None, 4, x32, w32, "grouped") == "grouped"
-    assert choose(3, 1, 1, None, 4, x32.double(), w32.double(), "grouped") == "all_experts"
-    assert choose(3, 1, 1, None, 4, torch.zeros(3, 1, 7), torch.zeros(4, 7, 12), "grouped") \
-        == "all_experts"  # rows not 16-byte aligned
-    assert choose(1, 1, 1, None, 4, torch.zeros(1, 1, 8), w32) == "batched"  # decoding
-    assert choose(4096, 1, 1, None, 4, torch.zeros(4096, 1, 8), w32) == "grouped"  # training
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        expert_projection_torch(x32, torch.zeros(3, 1, dtype=torch.long), w32, implementation="fast")
+    assert usable(x32, w32)
+    assert not usable(x32.double(), w32.double())
+    assert not usable(torch.zeros(3, 1, 7), torch.zeros(4, 7, 12))  # rows not 16-byte aligned
+    choose = expert_ops.choose_formulation  # (tokens, slots, rows, out groups, experts, grouped routing)
+    assert choose(1, 1, 1, None, 4) is expert_ops._batched  # decoding
+    assert choose(4096, 1, 1, None, 4) is expert_ops._grouped  # training
 
 
 @pytest.mark.parametrize("use", sorted(USES))
-def test_every_formulation_with_repeated_and_cross_group_expert_ids(use):
+def test_every_entry_with_repeated_and_cross_group_expert_ids(use):
     # any id in [0, G) for any slot: the same expert twice in one token, from one row or from several, and a
     # head's slot taking another head's expert (the contract allows it; the mixing matrix must add, not overwrite)
     generator = torch.Generator().manual_seed(7)
@@ -91,37 +97,52 @@ def test_every_formulation_with_repeated_and_cross_group_expert_ids(use):
     assert (case.expert_index[:, :1] == case.expert_index[:, 1:2]).any()  # repeats really occur
     want = _twin(case)
     want_grads = _grads(want, case.leaves())
-    for implementation in EXPERT_IMPLEMENTATIONS:
-        got = expert_projection_torch(*case.args(), implementation=implementation)
+    for project in every_projection().values():
+        got = project(*case.args())
         _assert_same(got, want, _grads(got, case.leaves()), want_grads, torch.float64)
-    f32 = case.as_dtype(torch.float32)  # float32: the "grouped" formulation really runs torch._grouped_mm
-    want32 = expert_projection_torch(*f32.args(), implementation="reference")
-    got32 = expert_projection_torch(*f32.args(), implementation="grouped")
+    f32 = case.as_dtype(torch.float32)  # float32: the grouped formulation really runs torch._grouped_mm
+    want32 = naive(*f32.args())
+    got32 = expert_projection(*f32.args(), implementation="grouped_mm")
     _assert_same(got32, want32, _grads(got32, f32.leaves()), _grads(want32, f32.leaves()), torch.float32)
 
 
-def test_auto_picks_by_problem_size():
-    choose = expert_ops.choose_expert_implementation
-    x, w = torch.zeros(1, 1, 8), torch.zeros(10, 8, 12)
+def test_eager_picks_by_problem_size():
+    choose, f = expert_ops.choose_formulation, expert_ops
     # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding one sequence gathers its 4 matrices
-    assert choose(1, 4, 1, 2, 10, x, w) == "batched"
-    assert choose(2, 4, 1, 2, 10, x, w) == "all_experts"  # batch decoding: no weight copies
-    assert choose(8, 4, 1, 2, 10, x, w) == "all_experts"
-    assert choose(4096, 4, 1, 2, 10, x, w) == "grouped"  # training: G / k times the products is too much
+    assert choose(1, 4, 1, 2, 10) is f._batched
+    assert choose(1, 4, 1, 2, 10, grouped_routing=True) is f._per_head  # one-token decoding, per head
+    assert choose(1, 4, 2, 1, 10, grouped_routing=True) is f._per_head  # the output side
+    assert choose(1, 4, 1, None, 10, grouped_routing=True) is f._batched  # no gates: no per-head formulation
+    assert choose(2, 4, 1, 2, 10) is f._all_experts  # batch decoding: no weight copies
+    assert choose(8, 4, 1, 2, 10, grouped_routing=True) is f._per_head
+    assert choose(4096, 4, 1, 2, 10) is f._grouped  # training: G / k times the products is too much
+    assert choose(4096, 4, 1, 2, 10, grouped_routing=True) is f._grouped
     # few experts per slot (G <= 2 S): every expert is cheap even for many tokens
-    assert choose(4096, 4, 1, 2, 6, x, w) == "all_experts"
-    assert choose(4096, 4, 1, 2, 10, x.double(), w.double()) == "all_experts"  # no _grouped_mm for float64
-    assert choose(0, 4, 1, 2, 10, x, w, "grouped") == "all_experts"
-    for explicit in ("reference", "batched", "all_experts"):
-        assert choose(4096, 4, 1, 2, 10, x, w, explicit) == explicit
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        choose(1, 4, 1, 2, 10, x, w, "fast")
+    assert choose(4096, 4, 1, 2, 6) is f._all_experts
+
+
+def test_grouped_mm_falls_back_where_grouped_mm_cannot_run():
+    # float64 (no _grouped_mm) and no tokens: the "grouped_mm" entry runs _all_experts, with the same values
+    for tokens, dtype in ((4096, torch.float64), (0, torch.float32)):
+        case = random_case(torch.Generator().manual_seed(2), "value", tokens=tokens, heads=2, experts=5, k=2,
+                           d_in=8, d_out=4, dtype=dtype)
+        assert torch.equal(expert_projection(*case.args(), implementation="grouped_mm"),
+                           expert_ops._all_experts(*case.args()))
+
+
+def test_cvmm_entry_runs_eager_where_triton_does_not():
+    case = random_case(torch.Generator().manual_seed(3), "output", tokens=5, heads=2, experts=3, k=2, d_in=8,
+                       d_out=4, dtype=torch.float64)
+    assert not expert_ops._triton_runs(case.inputs)
+    for implementation in ("cvmm", None, "another-registered-experts-function"):
+        assert torch.equal(expert_projection(*case.args(), implementation=implementation),
+                           expert_projection(*case.args(), implementation="eager"))
 
 
 @pytest.mark.parametrize("use", ["value", "output", "mlp_keys", "mlp_values"])
-def test_auto_under_torch_export_with_a_dynamic_token_count_is_one_graph_for_every_size(use):
+def test_eager_under_torch_export_with_a_dynamic_token_count_is_one_graph_for_every_size(use):
     """A size-based choice would specialise the exported graph to the example's token count (torch.export refuses
-    a dynamic dimension that the code fixed); under export "auto" is "all_experts" for every size."""
+    a dynamic dimension that the code fixed); under export "eager" is `_all_experts` for every size."""
     def case(tokens):
         return random_case(torch.Generator().manual_seed(tokens), use, tokens=tokens, heads=2, experts=3, k=2,
                            d_in=16, d_out=16, dtype=torch.float32)
@@ -131,8 +152,8 @@ def test_auto_under_torch_export_with_a_dynamic_token_count_is_one_graph_for_eve
 
     class Ungated(torch.nn.Module):
         def forward(self, inputs, expert_index, weight, gates=None):
-            return expert_projection_torch(inputs, expert_index, weight, gates, out_groups,
-                                           grouped_routing=use in ("value", "output"))
+            return expert_projection(inputs, expert_index, weight, gates, out_groups, "eager",
+                                     grouped_routing=use in ("value", "output"))
 
     class Gated(Ungated):
         def forward(self, inputs, expert_index, weight, gates):
@@ -144,9 +165,9 @@ def test_auto_under_torch_export_with_a_dynamic_token_count_is_one_graph_for_eve
     tokens = torch.export.Dim("tokens")
     shapes = ({0: tokens}, {0: tokens}, None, *(({0: tokens},) if gated else ()))
     program = torch.export.export((Gated if gated else Ungated)(), arguments(example), dynamic_shapes=shapes)
-    for n in (1, 2, 600):  # eager "auto" takes "batched" / "per_head", "all_experts", "grouped" at these sizes
+    for n in (1, 2, 600):  # eager takes _batched / _per_head, _all_experts, _grouped at these sizes
         with torch.no_grad():
-            want = expert_projection_torch(*case(n).args(), implementation="reference")
+            want = _twin(case(n))
             got = program.module()(*arguments(case(n)))
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
@@ -163,22 +184,22 @@ def test_grouped_formulation_saves_no_per_slot_tensor():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = expert_projection_torch(*case.args(), implementation="grouped")
+        out = expert_projection(*case.args(), implementation="grouped_mm")
     argument_bytes = sum(t.numel() * t.element_size() for t in case.leaves())
     slots = case.expert_index.numel()
     saved_bytes = sum(t.numel() * t.element_size() for t in saved)
     assert saved_bytes <= argument_bytes + 2 * slots * 8 + 4 * case.weight.shape[0]  # + order (int64), ends
     assert all(t.numel() < slots * case.weight.shape[2] for t in saved)
-    want = expert_projection_torch(*case.args(), implementation="reference")
+    want = _twin(case)
     _assert_same(out, want, _grads(out, case.leaves()), _grads(want, case.leaves()), torch.float32)
 
 
 def test_grouped_formulation_in_bfloat16_with_float32_gates():
     case = random_case(torch.Generator().manual_seed(5), "value", tokens=64, heads=2, experts=5, k=2, d_in=16,
                        d_out=8, dtype=torch.float64).as_dtype(torch.bfloat16)
-    assert expert_ops.choose_expert_implementation(64, 4, 1, 2, 10, case.inputs, case.weight, "grouped") == "grouped"
-    got = expert_projection_torch(*case.args(), implementation="grouped")
-    want = expert_projection_torch(*case.args(), implementation="reference")
+    assert expert_ops._grouped_mm_usable(case.inputs, case.weight)
+    got = expert_projection(*case.args(), implementation="grouped_mm")
+    want = _twin(case)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     for g, w in zip(_grads(got, case.leaves()), _grads(want, case.leaves())):
@@ -186,30 +207,15 @@ def test_grouped_formulation_in_bfloat16_with_float32_gates():
         torch.testing.assert_close(g.float(), w.float(), rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("use", sorted(USES))
-def test_custom_op_bodies_match_the_twin(use, dtype):
-    # the switchhead::cvmm_forward / cvmm_backward ops' PyTorch bodies (sorted slots, hand-written backward)
-    case = random_case(torch.Generator().manual_seed(3), use, tokens=11, heads=2, experts=4, k=2, d_in=8, d_out=4,
-                       dtype=dtype, used_experts=3)
-    want = _twin(case)
-    want_grads = _grads(want, case.leaves())
-    got, _, _ = torch.ops.switchhead.cvmm_forward(case.inputs, case.expert_index, case.weight, case.gates,
-                                                  case.out_groups)
-    _assert_same(got, want, _grads(got, case.leaves()), want_grads, dtype)
-
-
 def test_out_of_range_expert_ids_raise_without_a_sync():
     x, w = torch.randn(3, 1, 8), torch.randn(4, 8, 4)
     for bad in (4, -1):
         index = torch.tensor([[0], [bad], [1]])
-        for implementation in EXPERT_IMPLEMENTATIONS:
+        for name, project in every_projection().items():
             with pytest.raises(IndexError):
-                expert_projection_torch(x, index, w, implementation=implementation)
-            with pytest.raises(ValueError, match=r"must lie in \[0, 4\)"):
-                kernels.cvmm(x, index, w, implementation=implementation)
+                project(x, index, w, None, 1)
         with pytest.raises(IndexError):
-            cvmm_reference.cvmm_forward_reference(x, w, None, *torch.sort(index.reshape(-1), stable=True), 1)
+            naive(x, index, w)
 
 
 def _per_head_case(generator, use, tokens, heads, experts, k, d_in, d_out, dtype, repeats):
@@ -301,30 +307,30 @@ def test_router_select_is_the_forward_routing():
     assert torch.equal(gates, scores.gather(-1, want_index).flatten(1))
     _, local_gates, local_index = router.select(torch.nn.functional.linear(x, router.weight))
     assert torch.equal(local_gates.flatten(1), gates) and torch.equal(local_index, want_index)
-    # dense=True (what the per-head path reads): the same gates scattered into [N, groups, E], zero elsewhere
-    dense_logits, dense = router(x, dense=True)
-    assert torch.equal(dense_logits, logits) and dense.shape == (9, 3, 4)
-    assert torch.equal(dense, expert_ops.dense_head_gates(index, gates, 3, 4, torch.float32))
+    # what the per-head formulation reads: the same gates scattered into [N, groups, E], zero elsewhere
+    dense = expert_ops.dense_head_gates(index, gates, 3, 4, torch.float32)
+    assert torch.equal(dense.gather(-1, want_index), gates.view(9, 3, 2))
     assert torch.equal((dense > 0).sum(-1), torch.full((9, 3), 2))
 
 
 def _two_paths(variant="switchhead-rope"):
-    """Two copies of a model: SwitchHead's per-head path with the joint router, and the generic formulations."""
+    """Two copies of a model: "eager" (the per-head formulation where its rule picks it), and "batched_mm"."""
     per_head, generic = variant_model(variant), variant_model(variant)
     generic.set_experts_implementation("batched_mm")  # explicit: the CVMM formulation, each side routing itself
     return per_head, generic
 
 
 @pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl"])
-def test_joint_router_and_per_head_path_equal_the_generic_path(variant):
+def test_per_head_path_equals_the_generic_path(variant):
     per_head, generic = _two_paths(variant)
-    attention = per_head.model.layers[0].self_attn
+    per_head.set_experts_implementation("eager")
     ids = torch.randint(0, per_head.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    hidden = torch.randn(1, 1, per_head.config.hidden_size)
-    assert attention.joint_gates(hidden) is not None  # one token: routed up front (no memory)
-    assert generic.model.layers[0].self_attn.joint_gates(hidden) is None
-    # more tokens: each side routes itself, through the dispatch that picks a formulation by size
-    assert attention.joint_gates(torch.randn(2, 9, per_head.config.hidden_size)) is None
+    chosen = []
+    choose = expert_ops.choose_formulation
+
+    def spy(*args, **kwargs):
+        chosen.append(choose(*args, **kwargs))
+        return chosen[-1]
     for model in (per_head, generic):
         model.train()
         for module in model.modules():
@@ -341,9 +347,12 @@ def test_joint_router_and_per_head_path_equal_the_generic_path(variant):
     with torch.no_grad():  # decoding steps through the cache: one token per step (the batched mat-vec products)
         caches = [model(input_ids=ids[:1, :5], use_cache=True).past_key_values for model in (per_head, generic)]
         for t in range(5, 9):
-            logits = [model(input_ids=ids[:1, t:t + 1], past_key_values=cache, use_cache=True).logits
-                      for model, cache in zip((per_head, generic), caches)]
-            torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+            with unittest.mock.patch.object(expert_ops, "choose_formulation", spy):
+                stepped = per_head(input_ids=ids[:1, t:t + 1], past_key_values=caches[0], use_cache=True).logits
+            reference = generic(input_ids=ids[:1, t:t + 1], past_key_values=caches[1], use_cache=True).logits
+            torch.testing.assert_close(stepped, reference, rtol=1e-5, atol=1e-5)
+    # one token: the rule chose the per-head formulation for both SwitchHead sides of every layer
+    assert chosen[:2] == [expert_ops._per_head, expert_ops._per_head]
 
 
 def test_recorded_router_logits_keep_each_router_call():
@@ -361,29 +370,29 @@ def test_recorded_router_logits_keep_each_router_call():
         if layer < 2:  # the first layer's V and O routers read the same inputs in both models: bit for bit
             assert torch.equal(got, want)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # later layers: inputs equal up to rounding
-    # one token is routed up front for both sides (joint_gates), each router called once, so its hooks record it
+    # one token: each router is called once as a module, so its hooks record it
     attention = per_head.model.layers[0].self_attn
     calls = []
     handles = [router.register_forward_hook(lambda module, args, out: calls.append(module))
                for router in (attention.value_selection, attention.output_selection)]
-    routed = attention.joint_gates(torch.randn(1, 1, per_head.config.hidden_size))
+    with torch.no_grad():
+        per_head(input_ids=ids[:1, :1])
     for handle in handles:
         handle.remove()
-    assert routed is not None and calls == [attention.value_selection, attention.output_selection]
+    assert calls == [attention.value_selection, attention.output_selection]
 
 
-@pytest.mark.parametrize("project", [expert_projection_torch], ids=["hub-file"])
-def test_many_token_formulations_compile_in_fp32(project):
-    """"auto"/"grouped" with many tokens in fp32 under torch.compile: `_grouped_mm`'s fake kernel takes bf16 only,
+def test_many_token_formulations_compile_in_fp32():
+    """"eager"/"grouped_mm" with many tokens in fp32 under torch.compile: `_grouped_mm`'s fake kernel takes bf16 only,
     so the compiled graph must fall back to a formulation it can trace, with the eager values and gradients."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 1, 64, generator=gen, requires_grad=True)
     w = torch.randn(8, 64, 32, generator=gen, requires_grad=True)
     g = torch.rand(512, 2, generator=gen, requires_grad=True)
     idx = torch.randint(0, 8, (512, 2), generator=gen)
-    for implementation in ("auto", "grouped"):
+    for implementation in ("eager", "grouped_mm"):
         def loss(x, w, g, implementation=implementation):
-            return (project(x, idx, w, g, 1, implementation=implementation) ** 2).sum()
+            return (expert_projection(x, idx, w, g, 1, implementation=implementation) ** 2).sum()
 
         eager = loss(x, w, g)
         want = torch.autograd.grad(eager, (x, w, g))

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel
-from switchhead.accounting import attention_macs, attention_memory, cost_report
+from switchhead.evaluation.accounting import attention_macs, attention_memory, cost_report
 from switchhead.modeling_switchhead import SwitchHeadAttention
 from helpers.padding import generate_cached_and_uncached, left_padded_batch
 

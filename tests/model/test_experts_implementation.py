@@ -27,7 +27,7 @@ from transformers.integrations import moe
 import switchhead.expert_ops as expert_ops
 import switchhead.modeling_switchhead as modeling
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
-from switchhead.experts import cvmm_experts_forward
+from switchhead.kernels.experts import cvmm_experts_forward
 
 IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm", "cvmm"]
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -72,50 +72,29 @@ def test_every_implementation_matches_eager_forward_and_gradients(variant):
 
 
 def test_the_chosen_implementation_is_what_runs():
-    """The MLP calls the registered function of the choice; the attention takes the matching formulation."""
+    """The MLP calls the registered function of the choice; the attention takes the table entry of that name."""
     torch.manual_seed(0)
     model = SwitchHeadForCausalLM(_switchall()).eval()
     ids = torch.randint(0, 101, (2, 12))
     mocks = {name: unittest.mock.Mock(wraps=moe.ALL_EXPERTS_FUNCTIONS[name]) for name in ("batched_mm", "grouped_mm",
                                                                                           "cvmm")}
-    formulations = []
-    torch_projection = expert_ops.expert_projection_torch
-
-    def spy(*args, implementation="auto", **kwargs):
-        formulations.append(implementation)
-        return torch_projection(*args, implementation=implementation, **kwargs)
-
-    def per_head(function):  # "auto" resolved to SwitchHead's per-head formulation (CPU: all of this model's V/O)
-        def run(*args):
-            formulations.append("per_head")
-            return function(*args)
-        return run
-
+    entries = {name: unittest.mock.Mock(wraps=entry) for name, entry in expert_ops.EXPERTS_IMPLEMENTATIONS.items()}
+    layers = model.config.num_hidden_layers
     with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, mocks), \
-            unittest.mock.patch.object(expert_ops, "expert_projection_torch", spy), \
-            unittest.mock.patch.object(expert_ops, "head_expert_values", per_head(expert_ops.head_expert_values)), \
-            unittest.mock.patch.object(expert_ops, "head_expert_output", per_head(expert_ops.head_expert_output)):
-        for implementation, formulation in (("eager", "auto"), ("batched_mm", "batched"), ("grouped_mm", "grouped")):
+            unittest.mock.patch.dict(expert_ops.EXPERTS_IMPLEMENTATIONS, entries):
+        for implementation in ("eager", "batched_mm", "grouped_mm", "cvmm"):
             model.set_experts_implementation(implementation)
-            formulations.clear()
             with torch.no_grad():
                 model(ids)
-            layers = model.config.num_hidden_layers
-            # V and O of every layer in this formulation; the MLP's eager forward uses the default one
-            taken = formulations.count(formulation) + (formulations.count("per_head") if formulation == "auto" else 0)
-            assert taken >= 2 * layers, (implementation, formulations)
+            # V and O of every layer take the entry of that name; "eager" also runs the MLP's two projections
+            mlp = 2 * layers if implementation == "eager" else 0
+            for name, entry in entries.items():
+                want = 2 * layers + mlp if name == implementation else 0
+                assert entry.call_count == want, (implementation, name, entry.call_count)
+                entry.reset_mock()
             for name, mock in mocks.items():
                 assert mock.call_count == (layers if name == implementation else 0), (implementation, name)
                 mock.reset_mock()
-        model.set_experts_implementation("cvmm")
-        formulations.clear()
-        # the Triton route of the dispatcher (CPU tensors never take it)
-        with unittest.mock.patch.object(expert_ops._kernels, "cvmm", wraps=expert_ops._kernels.cvmm) as kernel:
-            with torch.no_grad():
-                model(ids)
-        assert mocks["cvmm"].call_count == model.config.num_hidden_layers
-        # attention V/O on our kernels, or (CPU tensors: no Triton) on the per-head formulation of the PyTorch path
-        assert kernel.call_count + formulations.count("per_head") == 2 * model.config.num_hidden_layers
 
 
 def test_choosing_through_config_and_from_pretrained(tmp_path):
@@ -189,7 +168,7 @@ def test_cvmm_runs_stock_moe_models_like_eager(name):
     ids = torch.randint(0, 97, (2, 24))
     model.set_experts_implementation("eager")
     eager = _forward_backward(model, ids)
-    experts_calls = unittest.mock.Mock(wraps=cvmm_experts_forward)
+    experts_calls = unittest.mock.Mock(wraps=moe.ALL_EXPERTS_FUNCTIONS["cvmm"])
     with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, {"cvmm": experts_calls}):
         model.set_experts_implementation("cvmm")
         assert model.config._experts_implementation == "cvmm"
@@ -203,7 +182,8 @@ def test_cvmm_refuses_expert_parallel_modules():
     experts = model.model.layers[0].mlp.experts
     experts._is_expert_parallel = True
     with pytest.raises(NotImplementedError, match="expert parallelism"):
-        cvmm_experts_forward(experts, torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+        cvmm_experts_forward(experts, torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2),
+                             cvmm=expert_ops.expert_projection)
 
 
 def test_experts_benchmark_smoke(tmp_path):
@@ -230,7 +210,7 @@ def test_experts_benchmark_smoke(tmp_path):
 def test_training_step_compiles_fullgraph_with_the_switch_and_dynamic_rope(implementation):
     """The experts dispatch (MLP and attention) and the dynamic RoPE trace into one graph (aot_eager: dynamo, fake
     tensors and AOTAutograd without inductor's C++ build). "grouped_mm" is left out: fp32 `torch._grouped_mm` has
-    no meta kernel on CPU (bf16 only), which `expert_projection_torch`'s grouped formulation does not yet avoid."""
+    no meta kernel on CPU (bf16 only), which Transformers' grouped_mm experts function (the MLP's) does not avoid."""
     torch.manual_seed(0)
     model = SwitchHeadForCausalLM(_switchall(rope_parameters={"rope_type": "dynamic", "factor": 2.0},
                                              max_position_embeddings=8)).eval()

@@ -8,11 +8,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import StaticCache
 
-from switchhead import kernels
 from switchhead import positions as position_ops
-from switchhead.expert_ops import EXPERT_IMPLEMENTATIONS, expert_projection_torch
 
-from helpers.cvmm_cases import random_case
+from helpers.cvmm_cases import every_projection, random_case
 from helpers.decoding import MODEL_VARIANTS, host_syncs, next_step, prefill, variant_model
 from helpers.padding import left_padded_batch, positions_from_mask
 
@@ -31,27 +29,22 @@ def test_sync_counter_sees_a_sync():
     assert host_syncs(lambda: torch.tensor([1.0]).item()) == ["aten::item"]  # the counter below is not blind
 
 
-@pytest.mark.parametrize("implementation", EXPERT_IMPLEMENTATIONS)
-def test_no_host_sync_forward_and_backward(implementation):
+@pytest.mark.parametrize("name", sorted(every_projection()))
+def test_no_host_sync_forward_and_backward(name):
+    project = every_projection()[name]
     case = random_case(torch.Generator().manual_seed(1), "value", tokens=700, heads=2, experts=5, k=2, d_in=8,
                        d_out=4, dtype=torch.float32)
 
     def run():
-        for fn in (expert_projection_torch, kernels.cvmm):
-            out = fn(*case.args(), implementation=implementation)
-            torch.autograd.grad(out.sum(), case.leaves())
-        out, sorted_expert, order = torch.ops.switchhead.cvmm_forward(*case.args())
+        out = project(*case.args())
         torch.autograd.grad(out.sum(), case.leaves())
 
     syncs = host_syncs(run)
     assert all(name == "aten::_grouped_mm" for name in syncs), syncs  # none from our code
-    if implementation not in ("grouped", "auto"):  # 700 tokens: "auto" is "grouped"
-        assert len(syncs) <= 3 * case.weight.shape[0]  # only those of the custom op's three grouped matmuls
     decode = random_case(torch.Generator().manual_seed(2), "output", tokens=8, heads=2, experts=5, k=2, d_in=8,
                          d_out=4, dtype=torch.float32)
-    decode_syncs = host_syncs(lambda: [fn(*decode.args(), implementation=implementation)
-                                       for fn in (expert_projection_torch, kernels.cvmm)])
-    assert decode_syncs == [] or implementation == "grouped", decode_syncs
+    decode_syncs = host_syncs(lambda: project(*decode.args()))
+    assert decode_syncs == [] or name in ("grouped_mm", "_grouped"), decode_syncs
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])

@@ -11,16 +11,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel, expert_projection_torch
+from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel
 from switchhead.modeling_switchhead import SwitchHeadAttention, sigma_moe_entropy_loss
+from helpers.models import tiny_model
 from helpers.padding import generate_cached_and_uncached, left_padded_batch, positions_from_mask
 
 VARIANTS = ["tiny-switchhead", "tiny-switchall", "tiny-dense"]
-
-
-def tiny_model(preset: str, **overrides) -> SwitchHeadForCausalLM:
-    torch.manual_seed(0)
-    return SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset, **overrides))
 
 
 # ------------------------------------------------------------------------------------------ must-show 1
@@ -306,35 +302,6 @@ def test_switchhead_attention_matches_slow_formula_with_gradients(implementation
     names = ["input", "q", "k", "value gate (W_S)", "output gate (W_D)", "value experts", "output experts"]
     for name, got, want in zip(names, fast_grads, slow_grads):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, msg=f"gradient of {name}")
-
-
-def naive_cvmm(inputs, index, weight, gates, out_groups):
-    n, s = index.shape
-    r = inputs.shape[1]
-    out = torch.zeros(n, s, weight.shape[-1], dtype=inputs.dtype)
-    for token in range(n):
-        for slot in range(s):
-            out[token, slot] = inputs[token, slot // (s // r)] @ weight[index[token, slot]]
-    if gates is None:
-        return out
-    grouped = torch.zeros(n, out_groups, weight.shape[-1], dtype=inputs.dtype)
-    for slot in range(s):
-        grouped[:, slot // (s // out_groups)] += gates[:, slot, None] * out[:, slot]
-    return grouped
-
-
-@pytest.mark.parametrize("rows,slots,groups,gated", [(1, 6, 3, True), (3, 6, 1, True), (1, 4, None, False),
-                                                      (4, 4, 1, True), (2, 2, 2, True)])
-def test_expert_projection_torch_matches_naive_loop(rows, slots, groups, gated):
-    torch.manual_seed(rows * 10 + slots)
-    n, d_in, d_out, experts = 7, 5, 3, 6
-    inputs = torch.randn(n, rows, d_in, dtype=torch.float64)
-    index = torch.randint(0, experts, (n, slots))
-    index[0] = 2  # an expert chosen several times by one token, and some experts never chosen
-    weight = torch.randn(experts, d_in, d_out, dtype=torch.float64)
-    gates = torch.rand(n, slots, dtype=torch.float64) if gated else None
-    got = expert_projection_torch(inputs, index, weight, gates, groups or 1)
-    torch.testing.assert_close(got, naive_cvmm(inputs, index, weight, gates, groups))
 
 
 def test_expert_dropout_changes_selection_only_in_training():

@@ -17,6 +17,8 @@ pytest.importorskip("torchao", reason="the [quant] extra (installed by the test 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
 from switchhead.training.finetune import apply_lora, load_quantized  # noqa: E402
 
+from helpers.models import logits_of  # noqa: E402
+
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
 FULL_PRECISION = ("value_experts", "output_experts", "expert_keys", "expert_values", "selection", "output_gate")
 
@@ -57,11 +59,6 @@ def _twin(quantised, folder):
     return twin, names
 
 
-def _logits(model):
-    with torch.no_grad():
-        return model(input_ids=IDS, use_cache=False).logits.float()
-
-
 def _relative(a, b) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
@@ -75,8 +72,8 @@ def test_dense_projections_are_quantised_and_match_their_dequantised_twin(folder
     twin, names = _twin(model, folders["tiny-dense"])
     assert set(names) == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}  # lm_head kept
     assert type(model.lm_head.weight).__name__ == "Parameter" and model.lm_head.weight.dtype == torch.float32
-    quantised, reference = _logits(model), _logits(twin)
-    full = _logits(SwitchHeadForCausalLM.from_pretrained(folders["tiny-dense"]).eval())
+    quantised, reference = logits_of(model, IDS).float(), logits_of(twin, IDS).float()
+    full = logits_of(SwitchHeadForCausalLM.from_pretrained(folders["tiny-dense"]).eval(), IDS).float()
     if atol is not None:
         torch.testing.assert_close(quantised, reference, atol=atol, rtol=0)
     else:
@@ -99,7 +96,7 @@ def test_expert_tensors_and_routers_stay_full_precision_and_unchanged(folders, k
     assert checked == 2 * (2 + 2 + 3)  # per layer: V/O experts, keys/values, three routers
     _, names = _twin(model, folders["tiny-switchall"])
     assert set(names) == {"q_proj", "k_proj"}
-    assert torch.isfinite(_logits(model)).all()
+    assert torch.isfinite(logits_of(model, IDS).float()).all()
 
 
 def test_qlora_trains_adapters_on_an_nf4_base_including_the_expert_tensors(folders):

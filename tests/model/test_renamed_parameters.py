@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from helpers.clean_venv import clean_venv, run_checked
+from helpers.models import logits_of
 
 OLD_NAMES = {"expert_keys": "keys", "expert_values": "values"}  # parameter name -> checkpoint name
 IDS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -31,11 +32,6 @@ def _model(preset: str = "tiny-switchall") -> SwitchHeadForCausalLM:
     name, _, xl = preset.partition("+")
     config = SwitchHeadConfig.from_preset(name, vocab_size=96, **({"position_encoding": "xl"} if xl else {}))
     return SwitchHeadForCausalLM(config).eval()
-
-
-def _logits(model, ids=IDS) -> torch.Tensor:
-    with torch.no_grad():
-        return model.eval()(input_ids=ids, use_cache=False).logits
 
 
 def _old_names(key: str) -> str:
@@ -57,7 +53,7 @@ def test_folder_under_old_names_loads_with_identical_logits(preset, tmp_path):
     for loader in (SwitchHeadForCausalLM, AutoModelForCausalLM):
         reloaded, info = loader.from_pretrained(tmp_path / "old", output_loading_info=True)
         assert not any(info.values()), info
-        assert torch.equal(_logits(reloaded), _logits(model))
+        assert torch.equal(logits_of(reloaded, IDS), logits_of(model, IDS))
     # a task head takes the body from the same folder
     classifier, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "old", num_labels=2,
                                                                           output_loading_info=True)
@@ -71,10 +67,10 @@ def test_folder_under_todays_names_loads(tmp_path):
     assert "model.layers.0.mlp.expert_keys" in load_file(tmp_path / "today" / "model.safetensors")
     loaded, info = SwitchHeadForCausalLM.from_pretrained(tmp_path / "today", output_loading_info=True)
     assert not any(info.values()), info
-    assert torch.equal(_logits(loaded), _logits(model))
+    assert torch.equal(logits_of(loaded, IDS), logits_of(model, IDS))
     loaded.save_pretrained(tmp_path / "again")  # Transformers saves a loaded model in the format it was loaded from
     assert "model.layers.0.mlp.expert_keys" in load_file(tmp_path / "again" / "model.safetensors")
-    assert torch.equal(_logits(SwitchHeadForCausalLM.from_pretrained(tmp_path / "again")), _logits(model))
+    assert torch.equal(logits_of(SwitchHeadForCausalLM.from_pretrained(tmp_path / "again"), IDS), logits_of(model, IDS))
 
 
 def test_load_state_dict_takes_old_names(tmp_path):
@@ -86,7 +82,7 @@ def test_load_state_dict_takes_old_names(tmp_path):
         for parameter in fresh.parameters():
             parameter.zero_()
     assert fresh.load_state_dict(old, strict=True) is not None  # no missing or unexpected key
-    assert torch.equal(_logits(fresh), _logits(model))
+    assert torch.equal(logits_of(fresh, IDS), logits_of(model, IDS))
     # a module on its own takes its own old names too
     mlp = fresh.model.layers[0].mlp
     mlp.load_state_dict({"keys": torch.ones_like(mlp.expert_keys), "values": mlp.expert_values.detach().clone(),
@@ -110,7 +106,7 @@ def test_sigma_moe_experts_take_a_torch_parametrization():
     for layer, keys in zip(model.model.layers, expected):
         assert torch.equal(layer.mlp.expert_keys, keys)
         assert layer.mlp.up_proj is not None and torch.equal(layer.mlp.up_proj, keys)  # Transformers' experts name
-    assert torch.isfinite(_logits(model)).all()
+    assert torch.isfinite(logits_of(model, IDS)).all()
 
 
 CLEAN_SCRIPT = """
@@ -132,4 +128,4 @@ def test_folder_under_old_names_loads_with_its_own_code_without_the_package(tmp_
     result = run_checked([str(clean_venv()), "-c", CLEAN_SCRIPT, str(tmp_path / "old"), str(IDS.tolist())],
                          env=env, cwd=tmp_path)
     logits = torch.tensor(json.loads(result.stdout.strip().splitlines()[-1]))
-    torch.testing.assert_close(logits, _logits(model), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits, logits_of(model, IDS), rtol=0, atol=1e-6)

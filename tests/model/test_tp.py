@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,6 +19,8 @@ import pytest
 import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+
+from helpers.network import free_port
 
 WORKER = r'''
 import json, os, sys, torch
@@ -56,12 +57,6 @@ CASES = {
     "tiny-switchhead-value": {"attention_expert_projections": "value"},  # expert V, dense o_proj (rowwise)
     "tiny-switchhead-output": {"attention_expert_projections": "output"},  # dense v_proj (colwise), expert O
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def expected_shards(config: SwitchHeadConfig) -> dict[str, list[int]]:

@@ -8,16 +8,10 @@ import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.positions import sinusoidal_embedding
+from helpers.models import tiny_model
 from helpers.padding import left_padded_batch, positions_from_mask
 
 XL_PRESETS = ["tiny-switchhead-xl", "tiny-dense-xl"]
-
-
-def tiny_model(preset: str, implementation: str = "eager", dtype=torch.float32, **overrides) -> SwitchHeadForCausalLM:
-    torch.manual_seed(0)
-    config = SwitchHeadConfig.from_preset(preset, **overrides)
-    config._attn_implementation = implementation
-    return SwitchHeadForCausalLM(config).to(dtype).eval()
 
 
 def assert_real_tokens_close(actual, expected, mask, atol):
@@ -98,7 +92,7 @@ def slow_xl_attention(attention, x, memory=None):
                                               ("tiny-dense-xl", {"attention_output_gate": True})])
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_xl_layer_equals_slow_relative_position_loop_fp64(preset, overrides, implementation):
-    model = tiny_model(preset, implementation, torch.float64, **overrides)
+    model = tiny_model(preset, implementation, torch.float64, **overrides).eval()
     attention = model.model.layers[0].self_attn
     torch.manual_seed(5)
     x = torch.randn(2, 5, model.config.hidden_size, dtype=torch.float64)
@@ -121,7 +115,7 @@ def _memory_mask(model, x, memory_length):
 @pytest.mark.parametrize("preset", XL_PRESETS + ["tiny-switchhead"])
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_cached_decoding_equals_full_forward_with_left_padding(preset, implementation):
-    model = tiny_model(preset, implementation)
+    model = tiny_model(preset, implementation).eval()
     ids, mask = left_padded_batch(model.config.vocab_size, lengths=(9, 5, 7))
     positions = positions_from_mask(mask)
     with torch.no_grad():
@@ -140,7 +134,7 @@ def test_cached_decoding_equals_full_forward_with_left_padding(preset, implement
 @pytest.mark.parametrize("preset", XL_PRESETS)
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_three_chunks_through_the_cache_equal_one_pass(preset, implementation):
-    model = tiny_model(preset, implementation)
+    model = tiny_model(preset, implementation).eval()
     ids, mask = left_padded_batch(model.config.vocab_size, lengths=(12, 8, 11))
     positions = positions_from_mask(mask)
     with torch.no_grad():
@@ -155,7 +149,7 @@ def test_three_chunks_through_the_cache_equal_one_pass(preset, implementation):
 
 
 def test_xl_generate_with_cache_equals_without():
-    model = tiny_model("tiny-switchhead-xl", "sdpa")
+    model = tiny_model("tiny-switchhead-xl", "sdpa").eval()
     ids, mask = left_padded_batch(model.config.vocab_size, lengths=(9, 5, 7))
     common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, use_cache=True, **common), model.generate(ids, use_cache=False, **common))
@@ -174,7 +168,7 @@ def test_eager_sdpa_and_flex_agree_on_padding_cache_and_memory(monkeypatch):
         return flex_attention(query, key, value, **kwargs)
 
     monkeypatch.setattr(flex_integration, "compile_friendly_flex_attention", uncompiled)
-    models = {impl: tiny_model("tiny-switchhead-xl", impl, xl_memory_length=6)
+    models = {impl: tiny_model("tiny-switchhead-xl", impl, xl_memory_length=6).eval()
               for impl in ("eager", "sdpa", "flex_attention")}
     ids, mask = left_padded_batch(512, lengths=(9, 5, 7))
     positions = positions_from_mask(mask)
@@ -199,7 +193,7 @@ def test_eager_sdpa_and_flex_agree_on_padding_cache_and_memory(monkeypatch):
 @pytest.mark.parametrize("preset", XL_PRESETS)
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_segment_with_previous_segment_as_memory_equals_rows_of_the_concatenation(preset, implementation):
-    model = tiny_model(preset, implementation, xl_memory_length=6)
+    model = tiny_model(preset, implementation, xl_memory_length=6).eval()
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         first = model(ids[:, :6], use_cache=False)
@@ -216,7 +210,7 @@ def test_memory_shorter_than_segment_follows_the_papers_masking_over_three_segme
     them, whatever t) and positions <= t of its own segment. One forward over the concatenation with exactly that
     mask must give the same logits as three chained segment forwards."""
     segment, memory = 6, 4
-    model = tiny_model("tiny-switchhead-xl", implementation, xl_memory_length=memory)
+    model = tiny_model("tiny-switchhead-xl", implementation, xl_memory_length=memory).eval()
     ids = torch.randint(0, 512, (2, 3 * segment), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         chained, state = [], None
@@ -233,7 +227,7 @@ def test_memory_shorter_than_segment_follows_the_papers_masking_over_three_segme
 
 
 def test_memory_with_padding_mask_over_current_tokens_only():
-    model = tiny_model("tiny-dense-xl", "sdpa", xl_memory_length=5)
+    model = tiny_model("tiny-dense-xl", "sdpa", xl_memory_length=5).eval()
     ids = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         first = model(ids[:, :5], use_cache=False)
@@ -250,12 +244,13 @@ def test_memory_with_padding_mask_over_current_tokens_only():
 
 
 def test_xl_memory_output_presence():
-    model = tiny_model("tiny-switchhead-xl", xl_memory_length=3)
+    model = tiny_model("tiny-switchhead-xl", "eager", xl_memory_length=3).eval()
     ids = torch.randint(0, 512, (1, 5))
     with torch.no_grad():
         assert model(ids, use_cache=True).xl_memory is None
         assert model(ids, use_cache=False).xl_memory[0].shape == (1, 3, 64)
-        assert tiny_model("tiny-switchhead-xl")(ids, use_cache=False).xl_memory is None  # xl_memory_length 0
+        without = tiny_model("tiny-switchhead-xl", "eager").eval()  # xl_memory_length 0
+        assert without(ids, use_cache=False).xl_memory is None
 
 
 @pytest.mark.parametrize("preset,kwargs,message", [
@@ -265,7 +260,7 @@ def test_xl_memory_output_presence():
     ("tiny-switchhead-xl", dict(use_cache=False, batch=3), "batch=1"),
 ])
 def test_unusable_xl_memory_is_rejected_with_a_clear_error(preset, kwargs, message):
-    model = tiny_model(preset)
+    model = tiny_model(preset, "eager").eval()
     memory = [torch.zeros(kwargs.pop("batch", 1), 4, 64)] * kwargs.pop("layers", 2)
     with pytest.raises(ValueError, match=message):
         model(torch.zeros(1, 3, dtype=torch.long), xl_memory=memory, **kwargs)
@@ -278,8 +273,8 @@ def test_output_gate_option_is_validated_and_off_in_presets():
     with pytest.raises(ValueError, match="attention_output_gate"):
         SwitchHeadConfig.from_preset("tiny-dense", attention_output_gate="yes")
     assert not any(SwitchHeadConfig.from_preset(name).attention_output_gate for name in SwitchHeadConfig.preset_names())
-    gated = tiny_model("tiny-dense", attention_output_gate=True)
-    plain = tiny_model("tiny-dense")
+    gated = tiny_model("tiny-dense", "eager", attention_output_gate=True).eval()
+    plain = tiny_model("tiny-dense", "eager").eval()
     extra = sum(p.numel() for p in gated.parameters()) - sum(p.numel() for p in plain.parameters())
     assert extra == gated.config.num_hidden_layers * gated.config.num_attention_heads * gated.config.hidden_size
 

@@ -3,7 +3,7 @@
 Greedy tokens must equal `generate()` on each prompt alone, for all tiny presets (RoPE and XL), with prompts of
 mixed lengths, also when requests arrive while others are decoding. XL needs its relative bias from the positions
 of each request's keys in the paged cache (`paged_key_distances`). The paged cache's bytes per token must be
-SwitchHead's real cache size (`switchhead.accounting.kv_cache_bytes_per_token`).
+SwitchHead's real cache size (`switchhead.evaluation.accounting.kv_cache_bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 from transformers import GenerationConfig
 
 from switchhead import PRESETS, SwitchHeadConfig, SwitchHeadForCausalLM
-from switchhead.accounting import kv_cache_bytes_per_token
+from switchhead.evaluation.accounting import kv_cache_bytes_per_token
 from switchhead.positions import paged_key_distances, xl_paged_attention_mask, xl_position_bias
+
+from helpers.models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_serve import cb_config, resolved_cb_config  # noqa: E402  (across Transformers versions)
@@ -28,11 +30,9 @@ NEW_TOKENS = 10
 CB_CONFIG = dict(num_blocks=16, page_size=32, max_batch_tokens=128)  # small cache: several pages per request
 
 
-def tiny_model(preset: str, attn: str = "sdpa") -> SwitchHeadForCausalLM:
-    config = SwitchHeadConfig.from_preset(preset, eos_token_id=None, pad_token_id=0, bos_token_id=None)
-    config._attn_implementation = attn
-    torch.manual_seed(0)
-    return SwitchHeadForCausalLM(config).eval()
+def batching_model(preset: str, attn: str = "sdpa") -> SwitchHeadForCausalLM:
+    """No end-of-sequence token (every request generates its full length), padding id 0."""
+    return tiny_model(preset, attn, eos_token_id=None, pad_token_id=0, bos_token_id=None).eval()
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -53,7 +53,7 @@ def greedy_config(new_tokens: int = NEW_TOKENS) -> GenerationConfig:
 
 @pytest.mark.parametrize("preset", TINY)
 def test_generate_batch_equals_generate(preset):
-    model = tiny_model(preset)
+    model = batching_model(preset)
     inputs = prompts(model.config.vocab_size)
     results = model.generate_batch(inputs=inputs, generation_config=greedy_config(),
                                    continuous_batching_config=cb_config(**CB_CONFIG))
@@ -68,7 +68,7 @@ def test_generate_batch_equals_generate(preset):
 @pytest.mark.parametrize("preset", ["tiny-switchhead-xl"])
 def test_requests_arriving_while_others_decode(preset):
     """Requests join a running batch: some prefill while others decode (mixed packed steps), chunked prompts."""
-    model = tiny_model(preset)
+    model = batching_model(preset)
     inputs = prompts(model.config.vocab_size)
     long_tokens = 24
     manager = model.init_continuous_batching(
@@ -99,7 +99,7 @@ def test_requests_arriving_while_others_decode(preset):
 @pytest.mark.parametrize("preset", ["tiny-dense-xl"])
 def test_xl_eager_paged(preset):
     """The XL bias is folded into the paged mask, so `paged|eager` applies it too."""
-    model = tiny_model(preset, attn="eager")
+    model = batching_model(preset, attn="eager")
     inputs = prompts(model.config.vocab_size)[:3]
     results = model.generate_batch(inputs=inputs, generation_config=greedy_config(),
                                    continuous_batching_config=cb_config(**CB_CONFIG))
@@ -108,7 +108,7 @@ def test_xl_eager_paged(preset):
 
 
 def test_sampling_runs():
-    model = tiny_model("tiny-switchhead-xl")
+    model = batching_model("tiny-switchhead-xl")
     inputs = prompts(model.config.vocab_size)
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0, top_k=50, pad_token_id=0,
                               eos_token_id=None)
@@ -138,7 +138,7 @@ def test_xl_paged_mask_equals_per_request_bias_without_host_sync(preset):
     """The packed XL bias (two requests as above) equals `xl_position_bias` of each request alone, and building it
     (distances included) traces as one graph with no host sync in it (no `.item()` / `.tolist()` read of a tensor
     value: torch 2.13 traces those into the graph, so the graph's nodes are checked)."""
-    attention = tiny_model(preset).model.layers[0].self_attn
+    attention = batching_model(preset).model.layers[0].self_attn
     heads, head_dim = attention.num_heads, attention.head_dim
     query = torch.randn(1, heads, 6, head_dim, generator=torch.Generator().manual_seed(0))
     cu_q, cu_k = torch.tensor([0, 2, 6]), torch.tensor([0, 5, 9])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,15 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.network import free_port
+
 WORKER = str(Path(__file__).with_name("fsdp_worker.py"))
 STEPS = 8
 COMMON = ["--steps", str(STEPS), "--preset", "tiny-switchall", "--no-entropy-reg"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def env() -> dict:

@@ -30,6 +30,8 @@ from switchhead.training.finetune import (  # noqa: E402
     lora_targets,
 )
 
+from helpers.models import logits_of  # noqa: E402
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 PRESETS = ["tiny-switchhead", "tiny-switchall", "tiny-dense", "tiny-switchhead-xl", "tiny-dense-xl",
@@ -48,16 +50,10 @@ def _ids(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(seed))
 
 
-def _logits(model, ids) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
-
-
 @pytest.mark.parametrize("preset", PRESETS)
 def test_lora_everywhere_trains_saves_adapter_only_reloads_and_merges(preset, tmp_path):
     ids = _ids()
-    base_logits = _logits(_base(preset), ids)
+    base_logits = logits_of(_base(preset), ids)
     model = apply_lora(_base(preset), r=2, init_lora_weights=False)
     modules, parameters = default_lora_targets(model.config)
     # every targeted tensor got LoRA factors, and only they train
@@ -74,7 +70,7 @@ def test_lora_everywhere_trains_saves_adapter_only_reloads_and_merges(preset, tm
         if parameter.requires_grad:
             assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
 
-    adapted = _logits(model, ids)
+    adapted = logits_of(model, ids)
     assert (adapted - base_logits).abs().max() > 1e-3  # the adapter changes the model
 
     model.save_pretrained(tmp_path / "adapter", save_embedding_layers=False)
@@ -83,14 +79,14 @@ def test_lora_everywhere_trains_saves_adapter_only_reloads_and_merges(preset, tm
     assert sum(t.numel() for t in saved.values()) == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     reloaded = load_lora(_base(preset), str(tmp_path / "adapter"))
-    assert torch.equal(_logits(reloaded, ids), adapted)
+    assert torch.equal(logits_of(reloaded, ids), adapted)
 
     merged = reloaded.merge_and_unload()
     assert type(merged) is SwitchHeadForCausalLM
     assert merged.state_dict().keys() == _base(preset).state_dict().keys()
-    torch.testing.assert_close(_logits(merged, ids), adapted, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_of(merged, ids), adapted, atol=1e-5, rtol=0)
     merged.save_pretrained(tmp_path / "merged")
-    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), ids), adapted,
+    torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), ids), adapted,
                                atol=1e-5, rtol=0)
 
 
@@ -122,7 +118,7 @@ def test_expert_lora_equals_a_model_with_each_expert_updated_by_hand(preset):
             tensor = getattr(reference.get_submodule(owner_name), wrapper.parameter_name)
             assert wrapper.in_features == tensor.shape[1] and wrapper.out_features == tensor.shape[2]
             tensor.add_(_hand_delta(wrapper))
-    torch.testing.assert_close(_logits(model, ids), _logits(reference, ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_of(model, ids), logits_of(reference, ids), atol=1e-5, rtol=0)
 
 
 def _tuner_layers(model) -> list[str]:
@@ -139,7 +135,7 @@ def test_stock_peft_with_lora_targets_adapts_every_expert_saves_reloads_and_merg
 
     ids = _ids(4)
     base = _base(preset)
-    base_logits = _logits(base, ids)
+    base_logits = logits_of(base, ids)
     targets = lora_targets(base)
     model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **targets))
     wrapped = [(type(m).__name__, m.parameter_name) for m in model.modules() if hasattr(m, "parameter_name")]
@@ -147,12 +143,12 @@ def test_stock_peft_with_lora_targets_adapts_every_expert_saves_reloads_and_merg
     assert len(wrapped) == len(targets["target_parameters"]) * base.config.num_hidden_layers  # ... in every layer
     assert {kind for kind, _ in wrapped} <= {"ParamWrapper"}  # PEFT's own
     assert set(targets["target_parameters"]) >= ({"expert_keys", "expert_values"} if "switchall" in preset else set())
-    adapted = _logits(model, ids)
+    adapted = logits_of(model, ids)
     assert (adapted - base_logits).abs().max() > 1e-3
 
     model.save_pretrained(tmp_path / "adapter")
     reloaded = PeftModel.from_pretrained(_base(preset), tmp_path / "adapter")
-    assert torch.equal(_logits(reloaded, ids), adapted)
+    assert torch.equal(logits_of(reloaded, ids), adapted)
 
     merged = reloaded.merge_and_unload()
     # PEFT 0.21 skips LoRA layers inside a module it has wrapped itself: q_proj / k_proj of an attention layer whose
@@ -164,7 +160,7 @@ def test_stock_peft_with_lora_targets_adapts_every_expert_saves_reloads_and_merg
     assert not _tuner_layers(merged)
     assert type(merged) is SwitchHeadForCausalLM
     assert merged.state_dict().keys() == _base(preset).state_dict().keys()
-    torch.testing.assert_close(_logits(merged, ids), adapted, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_of(merged, ids), adapted, atol=1e-5, rtol=0)
 
 
 def test_adapter_saved_before_the_rename_loads_with_identical_logits():
@@ -174,13 +170,13 @@ def test_adapter_saved_before_the_rename_loads_with_identical_logits():
     assert {"keys", "values"} <= set(json.loads((folder / "adapter_config.json").read_text())["target_parameters"])
     base = SwitchHeadForCausalLM.from_pretrained(FIXTURES / "pre_redesign" / "switchall", dtype=torch.float32)
     expected = load_file(str(folder / "expected.safetensors"))
-    base_logits = _logits(base, expected["input_ids"])
+    base_logits = logits_of(base, expected["input_ids"])
     model = load_lora(base, str(folder))
     assert {m.parameter_name for m in model.modules() if hasattr(m, "parameter_name")} == \
         {"value_experts", "output_experts", "expert_keys", "expert_values"}
     # 1e-5 as for the pre-redesign checkpoints: the code that wrote expected.safetensors (on an AMD EPYC) gives logits
     # 3.1e-6 from them on an Intel Xeon (its matmul kernels round differently); the adapter itself moves them by 4.7
-    torch.testing.assert_close(_logits(model, expected["input_ids"]), expected["logits"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_of(model, expected["input_ids"]), expected["logits"], atol=1e-5, rtol=0)
     assert (base_logits - expected["logits"]).abs().max() > 1e-1
 
 
@@ -233,9 +229,9 @@ def test_finetune_cli_lowers_the_loss_and_writes_a_loadable_adapter(shared_data,
     assert not os.path.exists(os.path.join(out, "trainer"))
 
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
-    adapted = _logits(load_lora(AutoModelForCausalLM.from_pretrained(base), out), ids)
+    adapted = logits_of(load_lora(AutoModelForCausalLM.from_pretrained(base), out), ids)
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "merged"))
-    torch.testing.assert_close(_logits(merged, ids), adapted, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_of(merged, ids), adapted, atol=1e-5, rtol=0)
     assert math.isfinite(report["valid_loss_after"])
 
 

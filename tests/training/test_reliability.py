@@ -18,24 +18,13 @@ from safetensors.torch import load_file
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.cli import main
 from switchhead.integrity import MANIFEST, verify_manifest
-from switchhead.training import TrainingConfig, checkpoint_dirs, train, train_tokenizer
-from switchhead.training.data import load_documents
+from switchhead.training import TrainingConfig, checkpoint_dirs, train
 from switchhead.training.trainer import TrainingDiverged, TrainingError
+
+from helpers.runs import corpus  # noqa: F401 - the module-scoped fixture: data, tokenizer
 
 SETTINGS = dict(block_size=32, batch_size=8, max_steps=6, warmup_steps=0, log_every=1, eval_every=6,
                 eval_batches=2, save_every=2, keep_checkpoints=3, progress=False, tensorboard=False)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> tuple[str, str]:
-    """(text file, tokenizer folder): WikiText-2 validation text and a 512-token BPE trained on it once."""
-    from helpers.data import require
-
-    data = require("wikitext-2") / "wikitext-2" / "wiki.valid.tokens"
-    folder = tmp_path_factory.mktemp("tokenizer")
-    documents, _ = load_documents(str(data))
-    train_tokenizer(documents, 512).save_pretrained(folder)
-    return str(data), str(folder)
 
 
 def config_for(corpus, output: Path, **overrides) -> TrainingConfig:

@@ -16,7 +16,7 @@ from switchhead.cli import main
 from switchhead.training import (TokenBatches, TrainingConfig, checkpoint_dirs, learning_rate_at, load_tokenizer,
                                  train, train_tokenizer)
 from switchhead.training.data import load_documents
-from switchhead.training.demo import parameter_matched_dense
+from switchhead.cli.demo import parameter_matched_dense
 
 SMALL_RUN = ["--vocab-size", "512", "--block-size", "32", "--batch-size", "8", "--max-steps", "4", "--log-every", "1",
              "--eval-every", "2", "--eval-batches", "2", "--save-every", "2", "--no-progress", "--no-tensorboard"]

@@ -9,22 +9,17 @@ ACCELERATE_USE_CPU=true forms the 2-process gloo group; the checkpoint's `num_pr
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.network import free_port
+
 RUN = ["--preset", "tiny-switchhead", "--vocab-size", "512", "--block-size", "32", "--batch-size", "8",
        "--max-steps", "8", "--log-every", "1", "--eval-every", "4", "--eval-batches", "2", "--save-every", "8",
        "--no-progress", "--no-tensorboard"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def losses(output: Path) -> tuple[list[float], list[float]]:

@@ -14,9 +14,9 @@ import os
 import torch
 
 from .. import SwitchHeadConfig, SwitchHeadForCausalLM
-from ..accounting import attention_macs, attention_memory
-from .data import load_documents, train_tokenizer
-from .trainer import TrainingConfig, TrainingError, train
+from ..evaluation.accounting import attention_macs, attention_memory
+from ..training.data import load_documents, train_tokenizer
+from ..training.trainer import TrainingConfig, TrainingError, train
 
 DEMO_PRESET = "tiny-switchhead"
 DEMO_DENSE_HEADS = 4  # the baseline has as many heads as SwitchHead has (heads x active experts)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from switchhead.configuration_switchhead import SwitchHeadConfig
+from .. import SwitchHeadConfig
 
 FORMULAS = ("table", "eq13")
 MOE_PROJECTIONS = 2  # V and O are mixtures of experts (n_exp in the authors' script), by default

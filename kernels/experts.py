@@ -8,9 +8,10 @@ top_k_index [N, k], top_k_weights [N, k]) -> [N, d]` chosen by `config._experts_
     model = AutoModelForCausalLM.from_pretrained(..., experts_implementation="cvmm")   # or
     model.set_experts_implementation("cvmm")
 
-runs a stock model's experts on our CVMM (`modeling_switchhead.expert_projection`): the Triton kernels of
-`switchhead.kernels` on CUDA (forward and backward, expert-sorted, no host sync), the sync-free PyTorch formulations
-of the modeling file on CPU (the same ones SwitchHead's own layers run). The function reads the module's layout
+runs a stock model's experts on our CVMM: the projection that `register` is given, the model's
+`switchhead.expert_ops.expert_projection` (its "cvmm" entry: the Triton kernels of this folder on CUDA, forward and
+backward, expert-sorted, no host sync; its sync-free PyTorch formulations on CPU, the ones SwitchHead's own layers
+run). The projection is passed in because the kernels never import the model (the layout's arrows point one way). The function reads the module's layout
 from the flags `@use_experts_implementation` sets: a fused gate/up projection (`has_gate`, then the module's
 `_apply_gate`) or a plain up projection with `act_fn`, weights `[E, out, in]` or `[E, in, out]` (`is_transposed`),
 optional per-expert biases and a post-expert norm. Expert parallelism (sentinel expert ids) is not supported.
@@ -18,10 +19,11 @@ optional per-expert biases and a post-expert norm. Expert parallelism (sentinel 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-from switchhead.modeling_switchhead import expert_projection as cvmm  # Triton where it runs, else the PyTorch path
 
 NAME = "cvmm"
 
@@ -32,8 +34,8 @@ def _as_in_out(weight: torch.Tensor, is_transposed: bool) -> torch.Tensor:
 
 
 def cvmm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts of a Transformers MoE layer on our CVMM: `[N, d]` -> `[N, d]`.
+                         top_k_weights: torch.Tensor, cvmm: Callable) -> torch.Tensor:
+    """The experts of a Transformers MoE layer on our CVMM (`cvmm`, the expert projection): `[N, d]` -> `[N, d]`.
 
     Slot j of token n runs expert `top_k_index[n, j]`: up (or fused gate/up) projection, gate or activation, down
     projection, scaled by `top_k_weights[n, j]` and summed over the k slots (inside the kernel when there is no
@@ -76,9 +78,10 @@ def cvmm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top
     return out.to(hidden_states.dtype)
 
 
-def register() -> None:
-    """Register `cvmm_experts_forward` as the experts implementation "cvmm" (idempotent)."""
-    ALL_EXPERTS_FUNCTIONS.register(NAME, cvmm_experts_forward)
+def register(project: Callable) -> None:
+    """Register `cvmm_experts_forward` on the expert projection `project` as the experts implementation "cvmm"
+    (idempotent)."""
+    ALL_EXPERTS_FUNCTIONS.register(NAME, functools.partial(cvmm_experts_forward, cvmm=project))
 
 
 __all__ = ["NAME", "cvmm_experts_forward", "register"]

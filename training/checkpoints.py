@@ -1,0 +1,218 @@
+"""Writing a run's checkpoints (closed with a SHA-256 manifest, renamed into place when complete) and choosing the
+one a resume continues from (the newest intact one, with its notes); the files inside a checkpoint are
+`checkpoint_files`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..integrity import write_manifest
+from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, MAX_PROCESSES, RngStateError, checkpoint_dirs,
+                               inspect_checkpoint, read_memory, read_rng_state, restore_rng_state, unloadable_file,
+                               write_memory, write_rng_state)
+from .run_config import CHANGEABLE_ON_RESUME, TrainingConfig, TrainingError
+
+
+EVENTS = "events.log"
+
+
+def log_event(output_dir: str, message: str) -> None:
+    """Append one line to the run's events.log (main process only)."""
+    with open(os.path.join(output_dir, EVENTS), "a", encoding="utf-8") as handle:
+        handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}\n")
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingConfig, memory: list,
+                    skipped_updates: int = 0) -> str:
+    """Write model, optimizer, RNG states, XL memory and the step, then the SHA-256 manifest; atomically
+    (temporary folder, then rename). A failed write (a full disk, a quota) raises TrainingError naming the folder
+    and leaves every earlier checkpoint as it was."""
+    root = os.path.join(output_dir, "checkpoints")
+    final = os.path.join(root, f"step-{step:07d}")
+    temporary = os.path.join(root, f".tmp-step-{step:07d}")
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)  # leftovers of a save that was killed
+            os.makedirs(temporary)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(temporary)  # model, optimizer, and Accelerate's pickled RNG states ...
+        index = accelerator.process_index
+        legacy = os.path.join(temporary, LEGACY_RNG_FILE.format(index))
+        if os.path.exists(legacy):
+            os.remove(legacy)  # ... which are replaced by a format that loads without unpickling
+        write_rng_state(temporary, index)
+        write_memory(temporary, index, memory)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            state = dict(step=step, num_processes=accelerator.num_processes, config=config.to_dict(),
+                         skipped_updates=skipped_updates)
+            with open(os.path.join(temporary, CHECKPOINT_STATE), "w") as handle:
+                json.dump(state, handle, indent=1)
+                handle.flush()
+                os.fsync(handle.fileno())
+            write_manifest(temporary)  # last: its presence marks the checkpoint complete
+            if os.path.exists(final):  # the same step saved again (a resumed run): replace the whole folder
+                shutil.rmtree(final)
+            os.replace(temporary, final)
+            for old in checkpoint_dirs(output_dir)[: -config.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+    except Exception as error:  # noqa: BLE001 - only write failures are turned into a message, see _write_failure
+        if accelerator.is_main_process:  # an incomplete checkpoint is never left behind, whatever failed
+            shutil.rmtree(temporary, ignore_errors=True)  # gives the space back; earlier checkpoints are untouched
+        reason = _write_failure(error)
+        if reason is None:
+            raise
+        found = checkpoint_dirs(output_dir)
+        raise TrainingError(f"cannot write the checkpoint of step {step} into {root!r} ({reason}); earlier "
+                            f"checkpoints are intact ({'newest: ' + found[-1] if found else 'none yet'}); free some "
+                            "space and resume with --resume") from None
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """A short reason when `error` (or an exception it was raised from) is a failed write (disk full, quota, file
+    too large, I/O error), else None. torch.save reports a full disk as a RuntimeError of its zip writer
+    ('basic_ios::clear', 'PytorchStreamWriter failed writing', or, when the disk fills between two records,
+    'unexpected pos N vs M'); safetensors as a SafetensorError quoting the OS error."""
+    markers = ("basic_ios", "PytorchStreamWriter failed", "No space left", "Disk quota", "File too large",
+               "failed writing", "I/O error", "Input/output error", "unexpected pos", "StorageFull",
+               "FilesystemQuotaExceeded", "FileTooLarge")
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if isinstance(error, OSError):  # a full disk is the folder's, whichever file (a copy's source) it names
+            full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+            return f"{error.strerror or text}" + (f": {error.filename}" if error.filename and not full else "")
+        if isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError":
+            if any(marker in str(error) for marker in markers):
+                return f"write failed, is the disk full? {text[:160]}"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _problems(items: list[str]) -> str:
+    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+
+def choose_checkpoint(config: TrainingConfig) -> tuple[str, list[str], bool]:
+    """(folder, notes, exact) for `config.resume` ("latest": the newest intact checkpoint of `output_dir`,
+    falling back past damaged ones; a folder: that one, refused when damaged). `notes` says what was skipped;
+    `exact` is False when the RNG state is damaged or missing and `inexact_resume` allows going on."""
+    if config.resume in ("latest", True):
+        candidates = checkpoint_dirs(config.output_dir)[::-1]
+        if not candidates:
+            raise TrainingError(f"--resume: {config.output_dir!r} has no complete checkpoint to resume from")
+    else:
+        path = str(config.resume)
+        if not os.path.isdir(path):
+            raise TrainingError(f"--resume: checkpoint folder {path!r} does not exist")
+        candidates = [path]
+    notes = []
+    for path in candidates:
+        other, rng = inspect_checkpoint(path, config.allow_pickle)
+        if other:
+            notes.append(f"checkpoint {path} is damaged or incomplete ({_problems(other)})")
+            continue
+        if rng and not config.inexact_resume:
+            raise TrainingError(f"--resume: the RNG state of checkpoint {path!r} is damaged or missing "
+                                f"({_problems(rng)}), so the continuation would not be exact; pass --inexact-resume "
+                                "to continue anyway")
+        if rng:
+            notes.append(f"inexact resume from {path}: RNG state damaged or missing ({_problems(rng)}); dropout, "
+                         "expert dropout and data-independent randomness will differ from an uninterrupted run")
+        elif notes:
+            notes.append(f"falling back to the newest intact checkpoint, {path}")
+        return path, notes, not rng
+    raise TrainingError(f"--resume: {'; '.join(notes)}; no intact checkpoint is left to resume from")
+
+
+def find_checkpoint(config: TrainingConfig) -> str:
+    """The folder `config.resume` names, checked ("latest": the newest intact checkpoint of `output_dir`)."""
+    return choose_checkpoint(config)[0]
+
+
+def read_checkpoint_state(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, CHECKPOINT_STATE)) as handle:
+            state = json.load(handle)
+        state["config"]["adam_betas"] = tuple(state["config"]["adam_betas"])
+        for name, low, high in (("step", 0, None), ("num_processes", 1, MAX_PROCESSES), ("skipped_updates", 0, None)):
+            value = state.get(name, low)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                raise ValueError(f"{name} {str(value)[:40]} is not an integer in [{low}, {high or 'inf'}]")
+        return state
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise TrainingError(f"--resume: checkpoint {path!r} is corrupt ({CHECKPOINT_STATE}: {error})") from None
+
+
+def merge_resumed_config(config: TrainingConfig, stored: dict[str, Any]) -> TrainingConfig:
+    """The stored configuration of the run being resumed; the new one may only change harmless options."""
+    known = {f.name for f in dataclasses.fields(TrainingConfig)}
+    resumed = TrainingConfig(**{name: value for name, value in stored.items() if name in known})
+    different = [f"{name} ({getattr(resumed, name)!r} -> {getattr(config, name)!r})"
+                 for name in stored if name in known and name not in CHANGEABLE_ON_RESUME
+                 and getattr(config, name) != stored[name]]
+    if different:
+        raise TrainingError("--resume continues a run with its own settings; these differ: " + ", ".join(different))
+    for name in CHANGEABLE_ON_RESUME:
+        setattr(resumed, name, getattr(config, name))
+    return resumed
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from: its folder, its trainer state, notes for the user and events.log, and
+    whether its RNG state allows an exact continuation."""
+
+    path: str
+    state: dict[str, Any]
+    notes: list[str]
+    exact: bool
+
+
+def restore_checkpoint(accelerator, config: TrainingConfig, resume: "Resume") -> tuple[int, int, list]:
+    """Load `resume`'s model, optimizer and XL memory, and its RNG states when they allow an exact continuation;
+    returns (step, skipped updates, XL memory). The main process reports the resume notes (and writes them to
+    events.log) and removes the folders of interrupted saves."""
+    checkpoint = resume.path
+    try:
+        # model (safetensors) and optimizer (torch's restricted loader); Accelerate also tries its pickled RNG
+        # file, with the same restricted loader, and says nothing when there is none: ours is restored below
+        accelerator.load_state(checkpoint)
+        memory = read_memory(checkpoint, accelerator.process_index, accelerator.device)
+    except Exception as error:  # noqa: BLE001 - truncated or foreign files fail in many ways
+        culprit = unloadable_file(checkpoint, accelerator.process_index) or \
+            f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        raise TrainingError(f"--resume: checkpoint {checkpoint!r} is corrupt or incomplete ({culprit})") from None
+    if resume.exact:
+        try:
+            restore_rng_state(read_rng_state(checkpoint, accelerator.process_index, config.allow_pickle))
+        except RngStateError as error:
+            if not config.inexact_resume:
+                raise TrainingError(f"--resume: the RNG state of checkpoint {checkpoint!r} does not load "
+                                    f"({error}), so the continuation would not be exact; pass --inexact-resume "
+                                    "to continue anyway") from None
+            resume.notes.append(f"inexact resume from {checkpoint}: RNG state does not load ({error}); dropout, "
+                                "expert dropout and data-independent randomness will differ from an "
+                                "uninterrupted run")
+    step = resume.state["step"]
+    skipped_updates = int(resume.state.get("skipped_updates", 0))
+    if accelerator.is_main_process:
+        for note in resume.notes:
+            accelerator.print(f"switchhead train: {note}")
+            log_event(config.output_dir, f"step {step}: {note}")
+        root = os.path.join(config.output_dir, "checkpoints")  # folders of interrupted saves are not checkpoints
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return step, skipped_updates, memory
