@@ -385,7 +385,8 @@ def model_section(smoke: bool, device, log) -> list[dict]:
             if row["status"] != "ok":  # a diagnosis: does it persist without the autotuner's benchmarking?
                 torch.set_float32_matmul_precision("highest")
                 try:
-                    with kernels.use_backend("triton"), pinned_kernel_configs(0) as configs:
+                    model.set_experts_implementation("cvmm")
+                    with pinned_kernel_configs(0) as configs:
                         pinned_logits, pinned_grads = loss_and_grads(model, ids, None)
                 finally:
                     torch.set_float32_matmul_precision(previous)
