@@ -139,9 +139,9 @@ def finished_records(out: Path) -> dict[str, dict]:
 def sweep_of(role: str, records: dict[str, dict]) -> tuple[list[float], float | None]:
     """(the lrs of `role`'s seed-0 sweep as far as decided now, its best lr or None while undecided).
 
-    Best = lowest validation perplexity (sliding window, first half of the split). When the best is at an edge, the sweep grows by the next lr
-    beyond it (at most MAX_EXTENSIONS times); the best is decided once every lr of the sweep has finished and the
-    best is bracketed or the extensions are used up."""
+    Best = lowest validation perplexity (sliding window, first half of the split). When the best is at an edge,
+    the sweep grows by the next lr beyond it (at most MAX_EXTENSIONS times); the best is decided once every lr of
+    the sweep has finished and the best is bracketed or the extensions are used up."""
     lrs = list(LEARNING_RATES)
     for _ in range(MAX_EXTENSIONS + 1):
         valid = {}
@@ -275,7 +275,8 @@ def summarise(records: dict[str, dict]) -> dict:
                                   for lr in sorted(lrs) if (n := model_spec(role, lr, 0).name) in records}
     for role in MAIN_ROLES:
         if role in best:
-            seeds = {s: records[n] for s in range(SCALE.seeds) if (n := model_spec(role, best[role], s).name) in records}
+            seeds = {s: records[n] for s in range(SCALE.seeds)
+                     if (n := model_spec(role, best[role], s).name) in records}
             summary["main"][role] = {str(s): {k: _ppl(r, k) for k in ("valid", "test")} for s, r in seeds.items()}
     main = summary["main"]
     for baseline in ("gate", "dense-total"):
@@ -419,7 +420,8 @@ def write_results(out: Path, results_dir: Path) -> dict:
                  for lr in all_lrs]
         chosen = summary["best_lr"].get(role)
         lines.append(f"| {role} | " + " | ".join(cells) + f" | {f'{chosen:g}' if chosen else 'not yet'} |")
-    lines += ["", "Cells: validation perplexity (first half of the split) and, in brackets, test perplexity (the whole split); "
+    lines += ["", "Cells: validation perplexity (first half of the split) and, in brackets, test perplexity (the "
+              "whole split); "
               "sliding window.", ""]
 
     lines += ["## Main comparison: own best lr, seeds 0-2", "",
@@ -434,7 +436,8 @@ def write_results(out: Path, results_dir: Path) -> dict:
         zero = [z for s in seeds if (z := records[model_spec(role, summary["best_lr"][role], int(s)).name].get(
             "zero_shot"))]
         lines.append(f"| {role} | {summary['best_lr'][role]:g} | "
-                     f"{costs(model_spec(role, summary['best_lr'][role], int(next(iter(seeds)))).name)} | {len(seeds)} | "
+                     f"{costs(model_spec(role, summary['best_lr'][role], int(next(iter(seeds)))).name)} | "
+                     f"{len(seeds)} | "
                      f"{_mean_sd([v['valid'] for v in seeds.values()])} | "
                      f"{_mean_sd([v['test'] for v in seeds.values()])} | "
                      + ", ".join(f"s{k}: {v['test']:.2f}" for k, v in sorted(seeds.items())) + " | "
@@ -457,7 +460,8 @@ def write_results(out: Path, results_dir: Path) -> dict:
     lines.append("")
     if summary["experts"]:
         lines += ["## Expert count and sides (seed 0)", "",
-                  "| run | model | attn MACs/layer | attn mem/layer | valid ppl | test ppl |", "|---|---|---|---|---|---|"]
+                  "| run | model | attn MACs/layer | attn mem/layer | valid ppl | test ppl |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {e['run']} | {records[e['run']]['label']} | "
                   f"{format_count(records[e['run']]['costs']['attention_macs_table'])} | "
                   f"{format_count(records[e['run']]['costs']['attention_memory_table'])} | {e['valid']:.2f} | "
@@ -562,7 +566,8 @@ def run_grid(args) -> int:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.time()
         code = subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data",
-                                args.data, "--threads", str(args.threads), "--run", spec.name] + (["--tiny"] if args.tiny else []))
+                                args.data, "--threads", str(args.threads), "--run", spec.name]
+                               + (["--tiny"] if args.tiny else []))
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         print(f"[grid] {spec.name}: exit {code} after {time.time() - started:.0f} s wall, {cpu:.0f} s CPU",
@@ -580,7 +585,8 @@ def run_grid(args) -> int:
             attempts_file.write_text(json.dumps(counts, indent=1))
         if not args.no_report:  # in a fresh process: the pages come from the code as it is now, not as it was
             subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data", args.data,
-                             "--results-dir", str(args.results_dir), "--report-only"] + (["--tiny"] if args.tiny else []))
+                             "--results-dir", str(args.results_dir), "--report-only"]
+                            + (["--tiny"] if args.tiny else []))
 
 
 def zero_shot(args) -> int:
