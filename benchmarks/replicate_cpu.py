@@ -128,8 +128,16 @@ def model_spec(role: str, lr: float, seed: int, position: str = "rope") -> repli
                              match=match, training={"learning_rate": lr})
 
 
-def finished_records(out: Path) -> dict[str, dict]:
+def finished_records(out: Path, results_dir: Path | None = None) -> dict[str, dict]:
+    """The finished runs' records: those of `results_dir`'s committed results page (runs an earlier machine
+    finished: a fresh checkout has no run folders, and a run recorded there is never run again) when it was written
+    at this scale, then those of the run folders under `out`, which take precedence."""
     records = {}
+    committed = results_dir / f"{STEM}.json" if results_dir is not None else None
+    if committed is not None and committed.is_file():
+        page = json.loads(committed.read_text())
+        if page.get("scale") == json.loads(json.dumps(dataclasses.asdict(SCALE))):  # as the page stores it
+            records.update(page.get("runs", {}))
     for path in sorted(out.glob(f"*/{FINISHED}")):
         record = json.loads(path.read_text())
         records[record["name"]] = record
@@ -362,7 +370,7 @@ def plot(title: str, runs: list[dict], path: Path) -> bool:
 def write_results(out: Path, results_dir: Path) -> dict:
     from switchhead.evaluation.flops import format_count
 
-    records = finished_records(out)
+    records = finished_records(out, results_dir)
     add_timing(out, records)
     runs, undecided = plan(records)
     summary = summarise(records)
@@ -528,8 +536,10 @@ def read_timing(specs_dir: Path, name: str) -> dict:
 def add_timing(out: Path, records: dict[str, dict]) -> None:
     """Each record's CPU / wall seconds, complete only when every start of the run was timed to its end."""
     for name, record in records.items():
-        timing = read_timing(out / "specs", name)
         starts = out / "specs" / f"{name}.starts.json"
+        if not starts.is_file() and "cpu_seconds" in record:
+            continue  # a run an earlier machine finished: its record keeps the timing measured there
+        timing = read_timing(out / "specs", name)
         started = len(json.loads(starts.read_text())) if starts.is_file() else 0
         record.update(cpu_seconds=timing["cpu_seconds"], wall_seconds=timing["wall_seconds"],
                       timing_complete=timing["attempts"] >= started > 0)
@@ -541,7 +551,7 @@ def run_grid(args) -> int:
     specs_dir.mkdir(exist_ok=True)
     attempts_file = args.out / "attempts.json"
     while True:
-        records = finished_records(args.out)
+        records = finished_records(args.out, args.results_dir)
         runs, undecided = plan(records)
         failed = set(failures(args.out))
         todo = [s for s in runs if s.name not in records and s.name not in failed]
@@ -594,12 +604,16 @@ def zero_shot(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    records = finished_records(args.out)
+    records = finished_records(args.out, args.results_dir)
     best = summarise(records)["best_lr"]
     for role, lr in best.items():
         for seed in range(SCALE.seeds):
             name = model_spec(role, lr, seed).name
-            if name not in records:
+            if name not in records or "zero_shot" in records[name]:
+                continue
+            if not (args.out / name).is_dir():
+                print(f"[zero-shot] {name}: finished on an earlier machine, its weights are not here; not scored",
+                      flush=True)
                 continue
             scored = args.out / name / "zero_shot.json"
             if not scored.is_file():
@@ -640,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pgid_file.write_text(f"{os.getpgid(0)}\n")
     replicate.ensure_tokenizer(args.out, args.data, SCALE.vocab_size)
     if args.list:
-        records = finished_records(args.out)
+        records = finished_records(args.out, args.results_dir)
         runs, undecided = plan(records)
         for spec in runs:
             print(f"{spec.name:32s} {'finished' if spec.name in records else '-':9s} {spec.label}")
