@@ -128,8 +128,16 @@ def model_spec(role: str, lr: float, seed: int, position: str = "rope") -> repli
                              match=match, training={"learning_rate": lr})
 
 
-def finished_records(out: Path) -> dict[str, dict]:
+def finished_records(out: Path, results_dir: Path | None = None) -> dict[str, dict]:
+    """The finished runs' records: those of `results_dir`'s committed results page (runs an earlier machine
+    finished: a fresh checkout has no run folders, and a run recorded there is never run again) when it was written
+    at this scale, then those of the run folders under `out`, which take precedence."""
     records = {}
+    committed = results_dir / f"{STEM}.json" if results_dir is not None else None
+    if committed is not None and committed.is_file():
+        page = json.loads(committed.read_text())
+        if page.get("scale") == json.loads(json.dumps(dataclasses.asdict(SCALE))):  # as the page stores it
+            records.update(page.get("runs", {}))
     for path in sorted(out.glob(f"*/{FINISHED}")):
         record = json.loads(path.read_text())
         records[record["name"]] = record
@@ -139,9 +147,9 @@ def finished_records(out: Path) -> dict[str, dict]:
 def sweep_of(role: str, records: dict[str, dict]) -> tuple[list[float], float | None]:
     """(the lrs of `role`'s seed-0 sweep as far as decided now, its best lr or None while undecided).
 
-    Best = lowest validation perplexity (sliding window, first half of the split). When the best is at an edge, the sweep grows by the next lr
-    beyond it (at most MAX_EXTENSIONS times); the best is decided once every lr of the sweep has finished and the
-    best is bracketed or the extensions are used up."""
+    Best = lowest validation perplexity (sliding window, first half of the split). When the best is at an edge,
+    the sweep grows by the next lr beyond it (at most MAX_EXTENSIONS times); the best is decided once every lr of
+    the sweep has finished and the best is bracketed or the extensions are used up."""
     lrs = list(LEARNING_RATES)
     for _ in range(MAX_EXTENSIONS + 1):
         valid = {}
@@ -275,7 +283,8 @@ def summarise(records: dict[str, dict]) -> dict:
                                   for lr in sorted(lrs) if (n := model_spec(role, lr, 0).name) in records}
     for role in MAIN_ROLES:
         if role in best:
-            seeds = {s: records[n] for s in range(SCALE.seeds) if (n := model_spec(role, best[role], s).name) in records}
+            seeds = {s: records[n] for s in range(SCALE.seeds)
+                     if (n := model_spec(role, best[role], s).name) in records}
             summary["main"][role] = {str(s): {k: _ppl(r, k) for k in ("valid", "test")} for s, r in seeds.items()}
     main = summary["main"]
     for baseline in ("gate", "dense-total"):
@@ -361,7 +370,7 @@ def plot(title: str, runs: list[dict], path: Path) -> bool:
 def write_results(out: Path, results_dir: Path) -> dict:
     from switchhead.evaluation.accounting import format_count
 
-    records = finished_records(out)
+    records = finished_records(out, results_dir)
     add_timing(out, records)
     runs, undecided = plan(records)
     summary = summarise(records)
@@ -419,7 +428,8 @@ def write_results(out: Path, results_dir: Path) -> dict:
                  for lr in all_lrs]
         chosen = summary["best_lr"].get(role)
         lines.append(f"| {role} | " + " | ".join(cells) + f" | {f'{chosen:g}' if chosen else 'not yet'} |")
-    lines += ["", "Cells: validation perplexity (first half of the split) and, in brackets, test perplexity (the whole split); "
+    lines += ["", "Cells: validation perplexity (first half of the split) and, in brackets, test perplexity (the "
+              "whole split); "
               "sliding window.", ""]
 
     lines += ["## Main comparison: own best lr, seeds 0-2", "",
@@ -434,7 +444,8 @@ def write_results(out: Path, results_dir: Path) -> dict:
         zero = [z for s in seeds if (z := records[model_spec(role, summary["best_lr"][role], int(s)).name].get(
             "zero_shot"))]
         lines.append(f"| {role} | {summary['best_lr'][role]:g} | "
-                     f"{costs(model_spec(role, summary['best_lr'][role], int(next(iter(seeds)))).name)} | {len(seeds)} | "
+                     f"{costs(model_spec(role, summary['best_lr'][role], int(next(iter(seeds)))).name)} | "
+                     f"{len(seeds)} | "
                      f"{_mean_sd([v['valid'] for v in seeds.values()])} | "
                      f"{_mean_sd([v['test'] for v in seeds.values()])} | "
                      + ", ".join(f"s{k}: {v['test']:.2f}" for k, v in sorted(seeds.items())) + " | "
@@ -457,7 +468,8 @@ def write_results(out: Path, results_dir: Path) -> dict:
     lines.append("")
     if summary["experts"]:
         lines += ["## Expert count and sides (seed 0)", "",
-                  "| run | model | attn MACs/layer | attn mem/layer | valid ppl | test ppl |", "|---|---|---|---|---|---|"]
+                  "| run | model | attn MACs/layer | attn mem/layer | valid ppl | test ppl |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {e['run']} | {records[e['run']]['label']} | "
                   f"{format_count(records[e['run']]['costs']['attention_macs_table'])} | "
                   f"{format_count(records[e['run']]['costs']['attention_memory_table'])} | {e['valid']:.2f} | "
@@ -524,8 +536,10 @@ def read_timing(specs_dir: Path, name: str) -> dict:
 def add_timing(out: Path, records: dict[str, dict]) -> None:
     """Each record's CPU / wall seconds, complete only when every start of the run was timed to its end."""
     for name, record in records.items():
-        timing = read_timing(out / "specs", name)
         starts = out / "specs" / f"{name}.starts.json"
+        if not starts.is_file() and "cpu_seconds" in record:
+            continue  # a run an earlier machine finished: its record keeps the timing measured there
+        timing = read_timing(out / "specs", name)
         started = len(json.loads(starts.read_text())) if starts.is_file() else 0
         record.update(cpu_seconds=timing["cpu_seconds"], wall_seconds=timing["wall_seconds"],
                       timing_complete=timing["attempts"] >= started > 0)
@@ -537,7 +551,7 @@ def run_grid(args) -> int:
     specs_dir.mkdir(exist_ok=True)
     attempts_file = args.out / "attempts.json"
     while True:
-        records = finished_records(args.out)
+        records = finished_records(args.out, args.results_dir)
         runs, undecided = plan(records)
         failed = set(failures(args.out))
         todo = [s for s in runs if s.name not in records and s.name not in failed]
@@ -562,7 +576,8 @@ def run_grid(args) -> int:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.time()
         code = subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data",
-                                args.data, "--threads", str(args.threads), "--run", spec.name] + (["--tiny"] if args.tiny else []))
+                                args.data, "--threads", str(args.threads), "--run", spec.name]
+                               + (["--tiny"] if args.tiny else []))
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         print(f"[grid] {spec.name}: exit {code} after {time.time() - started:.0f} s wall, {cpu:.0f} s CPU",
@@ -580,7 +595,8 @@ def run_grid(args) -> int:
             attempts_file.write_text(json.dumps(counts, indent=1))
         if not args.no_report:  # in a fresh process: the pages come from the code as it is now, not as it was
             subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data", args.data,
-                             "--results-dir", str(args.results_dir), "--report-only"] + (["--tiny"] if args.tiny else []))
+                             "--results-dir", str(args.results_dir), "--report-only"]
+                            + (["--tiny"] if args.tiny else []))
 
 
 def zero_shot(args) -> int:
@@ -588,12 +604,16 @@ def zero_shot(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    records = finished_records(args.out)
+    records = finished_records(args.out, args.results_dir)
     best = summarise(records)["best_lr"]
     for role, lr in best.items():
         for seed in range(SCALE.seeds):
             name = model_spec(role, lr, seed).name
-            if name not in records:
+            if name not in records or "zero_shot" in records[name]:
+                continue
+            if not (args.out / name).is_dir():
+                print(f"[zero-shot] {name}: finished on an earlier machine, its weights are not here; not scored",
+                      flush=True)
                 continue
             scored = args.out / name / "zero_shot.json"
             if not scored.is_file():
@@ -634,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pgid_file.write_text(f"{os.getpgid(0)}\n")
     replicate.ensure_tokenizer(args.out, args.data, SCALE.vocab_size)
     if args.list:
-        records = finished_records(args.out)
+        records = finished_records(args.out, args.results_dir)
         runs, undecided = plan(records)
         for spec in runs:
             print(f"{spec.name:32s} {'finished' if spec.name in records else '-':9s} {spec.label}")

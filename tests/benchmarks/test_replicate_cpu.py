@@ -84,7 +84,8 @@ def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(runs):
     reference, resumed = runs / "reference" / RUN, runs / "killed" / RUN
     assert json.loads((resumed / "train_result.json").read_text())["resumed"] is True
     assert json.loads((reference / "train_result.json").read_text())["resumed"] is False
-    assert losses(resumed) == losses(reference) and len(losses(reference)) == TINY_STEPS  # every step, same loss, same order
+    # every step logged, with the same loss and validation loss, in the same order
+    assert losses(resumed) == losses(reference) and len(losses(reference)) == TINY_STEPS
     want, got = load_file(reference / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert want.keys() == got.keys()
     for name, tensor in want.items():
@@ -115,6 +116,26 @@ def test_a_finished_run_is_never_run_again(runs):
     assert len(starts) == 2  # no third start was recorded
     page = (runs / "results-killed" / "replication_cpu.md").read_text()
     assert RUN in page and "Analysis, stated before the runs" in page
+
+
+def test_a_run_finished_on_an_earlier_machine_is_not_run_again(runs, tmp_path):
+    """A fresh checkout has no run folders: the committed results page is what says which runs are finished."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "replication_cpu.json").write_text((runs / "results-killed" / "replication_cpu.json").read_text())
+    fresh = [c if c != str(runs / "results-fresh") else str(results) for c in command(runs, "fresh")]
+    again = subprocess.run(fresh, capture_output=True, text=True, env=ENV, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "nothing left to run" in again.stdout and "starting" not in again.stdout
+    assert not (runs / "fresh" / RUN).exists()  # nothing was trained
+    page = json.loads((results / "replication_cpu.json").read_text())
+    assert RUN in page["finished"] and page["runs"][RUN]["cpu_seconds"] > 0  # the earlier machine's timing kept
+    other_scale = json.loads((runs / "results-killed" / "replication_cpu.json").read_text())
+    other_scale["scale"]["max_steps"] += 1  # a page written at another scale says nothing about this grid's runs
+    (results / "replication_cpu.json").write_text(json.dumps(other_scale))
+    again = subprocess.run(fresh, capture_output=True, text=True, env=ENV, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"{RUN}: starting" in again.stdout and (runs / "fresh" / RUN / grid.FINISHED).is_file()
 
 
 def _record(name: str, valid: float, role: str, seed: int, lr: float, position: str = "rope") -> dict:
