@@ -43,10 +43,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-try:  # the package's Triton kernels; a Hub copy of the model runs without them
+try:  # the package's Triton kernels where the package is installed; a Hub copy of the model runs without them
     from switchhead import kernels as _kernels
-except ImportError:
+except Exception:  # noqa: BLE001 - not installed, or its kernels fail to import: the PyTorch formulations run
     _kernels = None
+if _kernels is not None and not (hasattr(_kernels, "cvmm") and hasattr(_kernels, "triton_runs")):
+    _kernels = None  # another release of the package, without the kernel API this file calls
 
 _FEW_SLOTS = 4  # "eager": gather the selected matrices while N * S (selected matrices in the call) is at most this
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
