@@ -345,6 +345,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def matches(only: str, name: str) -> bool:
+    """--only: the name contains the text, or one of its comma separated parts ("" matches everything)."""
+    return any(part in name for part in only.split(","))
+
+
 def bench_layers(device, dtype, token_override, reps, only, deadline=float("inf"), not_run=None):
     """A whole decoder layer (attention + MLP, forward+backward) of each preset, cvmm on our op vs the reference:
     yields one row per preset; presets reached after `deadline` are named in `not_run` instead.
@@ -354,7 +359,7 @@ def bench_layers(device, dtype, token_override, reps, only, deadline=float("inf"
     from switchhead import SwitchHeadModel
 
     for preset in SWITCHHEAD_PRESETS + SWITCHALL_PRESETS:
-        if only not in preset:
+        if not matches(only, preset):
             continue
         if time.perf_counter() > deadline:
             if not_run is not None:
@@ -400,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="tokens per problem (default: 64 without --full)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--only", default="", help="run only problems whose name contains this text")
+    parser.add_argument("--only", default="", help="run only problems (and layers) whose name contains this text, "
+                        "or one of these comma separated texts")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions on CPU (GPU uses do_bench)")
     parser.add_argument("--authors-cvmm", type=Path, default=None,
                         help="path of the authors' switchhead/cvmm.py, to time their kernel too")
@@ -444,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     header = f"{'problem':44} {'impl':16} {'mode':17} {'ms':>9} {'TFLOP/s':>8} {'x dense':>8}"
     print(header)
-    problems = [p for p in paper_problems(tokens) if args.only in p["name"]]
+    problems = [p for p in paper_problems(tokens) if matches(args.only, p["name"])]
     if args.cpu_smoke:  # the interpreter runs block by block: keep the routing, shrink the widths
         problems = [dict(p, d_in=min(p["d_in"], 40), d_out=min(p["d_out"], 24)) for p in problems
                     if p["name"].startswith("wt103-47m-")]  # the four uses: V, O, keys, values

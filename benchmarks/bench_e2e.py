@@ -71,6 +71,9 @@ def parse_args(argv):
     parser.add_argument("--prompt", type=int, default=1024, help="prompt length of the decode measurement")
     parser.add_argument("--decode-steps", type=int, default=64, help="tokens decoded per row")
     parser.add_argument("--attn", default="sdpa", help="attention backend of every model (eager, sdpa, ...)")
+    parser.add_argument("--experts-implementation", default=None,
+                        help="how SwitchHead's experts run (eager, batched_mm, grouped_mm, cvmm; default: the "
+                             "model's automatic choice)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="result file stem (default: e2e_<device>)")
     parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (benchmarks/gpu_report.py "
@@ -89,13 +92,15 @@ def parse_args(argv):
 
 
 # ------------------------------------------------------------------------------------------------ models
-def build(preset: str, overrides: dict, device, smoke: bool, attn: str):
+def build(preset: str, overrides: dict, device, smoke: bool, attn: str, experts: str | None = None):
     small = dict(num_hidden_layers=2, hidden_dropout=0.0) if smoke else dict(hidden_dropout=0.0)
     config = SwitchHeadConfig.from_preset(preset, **{**overrides, **small})
     config._attn_implementation = attn
     torch.manual_seed(0)
     with torch.device(device):
         model = SwitchHeadForCausalLM(config)
+    if experts is not None:
+        model.set_experts_implementation(experts)
     return model
 
 
@@ -190,10 +195,11 @@ def run_pair(name: str, args, device, log) -> dict:
     batch = 2 if smoke else (args.batch or PAPER_TRAINING[moe_preset]["batch_size"])
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     clock = Clock(device)
-    models = {"switchhead": build(moe_preset, moe_over, device, smoke, args.attn),
+    models = {"switchhead": build(moe_preset, moe_over, device, smoke, args.attn, args.experts_implementation),
               "dense": build(dense_preset, dense_over, device, smoke, args.attn)}
     result = dict(pair=name, presets={"switchhead": moe_preset, "dense": dense_preset}, batch=batch, context=context,
-                  parameters={k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}, samples={})
+                  parameters={k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
+                  experts_implementation=models["switchhead"].config._experts_implementation, samples={})
     samples = result["samples"]
 
     def add(key, value):
@@ -255,7 +261,9 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# End-to-end benchmark ({'CPU smoke' if report['smoke'] else env['device']})", "",
              f"Device: {env['device']}; driver {env.get('driver')}; CUDA {env.get('cuda')}; torch {env['torch']}; "
-             f"triton {env['triton']}; transformers {env['transformers']}; attention {report['attn']}; "
+             f"triton {env['triton']}; transformers {env['transformers']}; attention {report['attn']}; SwitchHead's "
+             f"experts {', '.join(sorted({p.get('experts_implementation', '?') for p in report['pairs']})) or '-'} "
+             f"(asked: {report.get('experts_implementation', 'auto')}); "
              f"{'bf16 autocast' if env['device_type'] == 'cuda' else 'fp32'}; medians of {report['reps']} "
              f"interleaved repetitions. Paper: {PAPER}.", "",
              "## Ratios (SwitchHead / dense; time and memory: lower is better, tokens/s: higher)", ""]
@@ -309,6 +317,7 @@ def main(argv=None) -> int:
     path = args.out_dir / f"{args.name or 'e2e_' + ('smoke_' if args.cpu_smoke else '') + slug}.json"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = dict(environment=env, smoke=args.cpu_smoke, attn=args.attn, reps=args.reps,
+                  experts_implementation=args.experts_implementation or "auto",
                   settings=dict(train_steps=args.train_steps, decode_batches=args.decode_batches, prompt=args.prompt,
                                 decode_steps=args.decode_steps), pairs=[], not_run=[])
 

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -58,6 +58,9 @@ def parse_args(argv):
                         help="tokens per paper problem (default: the paper's batch x context; smoke 24)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile section")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep-precisions", choices=("all", "rotate"), default="all",
+                        help="each random problem in every precision (all), or in fp32 and one other in turn "
+                             "(rotate: twice the problems in the same time)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the op sections: the paper shapes may use 40%% of it, the sweep the rest; "
                         "problems not started in time are reported as not run")
@@ -124,8 +127,9 @@ def run_op(op: Callable, tensors, index, out_groups: int, upstream):
 
 
 def check_op_problem(section: str, problem: dict, tensors, index, fast: Callable, reference: Callable,
-                     device_type: str) -> list[dict]:
-    """`fast` (in every precision and reduction mode) against `reference` (float64) on one problem."""
+                     device_type: str, labels: Sequence[str] | None = None) -> list[dict]:
+    """`fast` (in every precision, or those of `labels`, and both reduction modes) against `reference` (float64)
+    on one problem."""
     import torch
 
     from switchhead import kernels
@@ -136,6 +140,8 @@ def check_op_problem(section: str, problem: dict, tensors, index, fast: Callable
     rows = []
     upstream = None
     for label, dtype, tf32 in precisions(device_type):
+        if labels is not None and label not in labels:
+            continue
         low = [t.to(dtype) if t is not None else None for t in tensors[:2]] + [tensors[2]]  # gates stay fp32
         wide = [t.double() if t is not None else None for t in low]
         if upstream is None:  # one upstream gradient per problem, shared by every precision
@@ -235,7 +241,7 @@ def check_one_problem(task: tuple) -> tuple[int, list[dict] | None]:
     checking process or in a worker of `op_section`'s pool."""
     import torch
 
-    section, number, problem, device_type, wall_deadline = task
+    section, number, problem, device_type, wall_deadline, labels = task
     if time.time() > wall_deadline:
         return number, None
     if str(HERE) not in sys.path:
@@ -247,14 +253,25 @@ def check_one_problem(task: tuple) -> tuple[int, list[dict] | None]:
     inputs, index, weight, gates = make_inputs(problem, device, torch.float32, generator)
     with pinned_kernel_configs(number + (3 if section == "paper" else 0)) as configs:
         rows = check_op_problem(section, problem, (inputs, weight, gates), index, triton_op, reference_op,
-                                device.type)
+                                device.type, labels)
     for row in rows:
         row["kernel_configs"] = configs
     return number, rows
 
 
+def rotated_precisions(number: int, device_type: str) -> list[str]:
+    """The precisions of the sweep's `number`-th problem under --sweep-precisions rotate: fp32 (the tightest
+    tolerance, where an indexing or accumulation bug shows most plainly) and one of the others in turn. The turn
+    steps with number // 2 + number // 5, so that over a sweep each other precision meets every use (number
+    modulo 4) and every pinned autotune config (number modulo the config count, for any count up to 12). Half the
+    compilations and runs of all four, so a fresh machine checks twice the problems."""
+    labels = [label for label, _, _ in precisions(device_type)]
+    others = labels[1:]
+    return [labels[0], others[(number // 2 + number // 5) % len(others)]] if len(others) > 1 else labels
+
+
 def op_section(section: str, problems: list[dict], device, log, deadline: float = math.inf,
-               pool=None) -> list[dict]:
+               pool=None, rotate: bool = False) -> list[dict]:
     """Check every problem with one autotune config pinned per problem, in turn (so the problems go through every
     config of both kernels and each compiles one config, not all); stops starting problems at `deadline`.
 
@@ -262,7 +279,8 @@ def op_section(section: str, problems: list[dict], device, log, deadline: float 
     machine spends most of this section compiling Triton kernels, one at a time per process, and the compiled
     kernels land in Triton's cache on disk, where the later stages find them. Rows come in the problems' order."""
     wall_deadline = time.time() + (deadline - time.perf_counter()) if deadline != math.inf else math.inf
-    tasks = [(section, number, problem, device.type, wall_deadline) for number, problem in enumerate(problems)]
+    tasks = [(section, number, problem, device.type, wall_deadline,
+              rotated_precisions(number, device.type) if rotate else None) for number, problem in enumerate(problems)]
     outcomes = pool.imap(check_one_problem, tasks) if pool is not None else map(check_one_problem, tasks)
     rows, skipped = [], 0
     for (number, problem_rows), problem in zip(outcomes, problems):
@@ -603,6 +621,7 @@ def main(argv=None) -> int:
 
     def save():  # after every section, so that a run cut short still leaves what it checked
         report = dict(environment=env, smoke=smoke, sections=args.sections, cases=cases, max_tokens=max_tokens,
+                      sweep_precisions=args.sweep_precisions,
                       seconds=time.perf_counter() - started, results=results)
         tmp = stem.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(report, indent=1, default=str))
@@ -628,7 +647,8 @@ def main(argv=None) -> int:
         sizes = (1, 5, 16, 17, 33) if smoke else SIZES
         budget = 2 ** 12 if smoke else 2 ** 26
         results += op_section("sweep", [random_problem(generator, i, max_tokens, sizes, budget)
-                                        for i in range(cases)], device, log, deadline, pool)
+                                        for i in range(cases)], device, log, deadline, pool,
+                              rotate=args.sweep_precisions == "rotate")
         save()
     if pool is not None:
         pool.terminate()

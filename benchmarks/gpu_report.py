@@ -21,8 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-STAGE_FILES = {"check": "gpu_check.json", "cvmm": "cvmm.json", "e2e": "e2e.json", "e2e_262m": "e2e_262m.json",
-               "compile": "gpu_check_compile.json"}
+STAGE_FILES = {"check": "gpu_check.json", "cvmm": "cvmm.json", "e2e": "e2e.json", "e2e_eager": "e2e_eager.json",
+               "e2e_262m": "e2e_262m.json", "compile": "gpu_check_compile.json"}
 # the targets, for the record: (measure, sign, bound)
 KERNEL_TARGET = 0.8  # forward+backward throughput as a fraction of the same-FLOP dense matmul
 E2E_TARGETS = {"train_time": ("<=", 0.7), "train_peak_memory": ("<=", 0.7), "decode_tok_s@b32": (">=", 1.3)}
@@ -74,9 +74,10 @@ def kernel_lines(cvmm: dict) -> list[str]:
 
 
 def e2e_lines(reports: list[dict]) -> list[str]:
-    lines = ["| pair | measure | SwitchHead / dense | target |", "|---|---|---|---|"]
+    lines = ["| pair | SwitchHead's experts | measure | SwitchHead / dense | target |", "|---|---|---|---|---|"]
     for report in reports:
         for pair in report["pairs"]:
+            experts = pair.get("experts_implementation", "?")
             for measure, value in pair["ratios"].items():
                 if value is None:
                     continue
@@ -85,9 +86,10 @@ def e2e_lines(reports: list[dict]) -> list[str]:
                     sign, bound = E2E_TARGETS[measure]
                     met = value <= bound if sign == "<=" else value >= bound
                     target = f"{sign} {bound}: {'met' if met else 'missed'}"
-                lines.append(f"| {pair['pair']} | {measure} | {value:.3f} | {target} |")
+                lines.append(f"| {pair['pair']} | {experts} | {measure} | {value:.3f} | {target} |")
         if report.get("not_run"):
-            lines.append(f"| {', '.join(report['not_run'])} | not run (time budget) | | |")
+            lines.append(f"| {', '.join(report['not_run'])} | {report.get('experts_implementation', '?')} | "
+                         "not run (time budget) | | |")
     return lines
 
 

@@ -290,23 +290,55 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
     result = _session(out, "smoke", "--time-budget", "1200")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["cvmm.json", "e2e.json", "e2e_262m.json", "gpu_check.json", "gpu_check_compile.json",
-                     "log.txt", "summary.json"]
+    assert files == ["cvmm.json", "e2e.json", "e2e_262m.json", "e2e_eager.json", "gpu_check.json",
+                     "gpu_check_compile.json", "log.txt", "summary.json"]
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["stage"] for s in summary["stages"]] == ["check", "cvmm", "e2e", "e2e_262m", "compile"]
+    assert [s["stage"] for s in summary["stages"]] == ["check", "e2e", "e2e_eager", "cvmm", "e2e_262m", "compile"]
     assert all(s["status"] == "ok" for s in summary["stages"]), summary
     assert summary["smoke"] is True and summary["elapsed_s"] <= 1200
     e2e = json.loads((out / "e2e.json").read_text())
     assert e2e["settings"]["decode_batches"] and e2e["pairs"][0]["pair"] == "47m-rope"
     assert [p["pair"] for p in json.loads((out / "e2e_262m.json").read_text())["pairs"]] == ["262m-rope"]
+    eager = json.loads((out / "e2e_eager.json").read_text())
+    assert eager["experts_implementation"] == "eager" and eager["pairs"][0]["experts_implementation"] == "eager"
+    assert e2e["pairs"][0]["experts_implementation"] != "eager"  # the automatic choice: the kernel where it runs
+    check = json.loads((out / "gpu_check.json").read_text())
+    assert check["sweep_precisions"] == "rotate"
 
     import gpu_report
 
     session = gpu_report.render(out, tmp_path / "rendered").read_text()
     assert "Correctness: every check passed." in session
     assert "## Kernel" in session and "## End to end" in session
-    for name in ("gpu_check.md", "cvmm.md", "e2e.md", "e2e_262m.md", "gpu_check_compile.md"):
+    assert "| 47m-rope | eager |" in session
+    for name in ("gpu_check.md", "cvmm.md", "e2e.md", "e2e_eager.md", "e2e_262m.md", "gpu_check_compile.md"):
         assert (tmp_path / "rendered" / name).is_file()
+
+
+def test_sweep_rotation_checks_fp32_and_every_other_precision_across_configs():
+    """--sweep-precisions rotate: every random problem in fp32 and one other precision; over the sweep each other
+    precision meets every use (problem number modulo 4) and several pinned autotune configs (number modulo the
+    config count), so rotating does not leave a precision to one config or one use."""
+    import gpu_check
+
+    rows = [gpu_check.rotated_precisions(n, "cuda") for n in range(120)]
+    assert all(len(r) == 2 and r[0] == "fp32" for r in rows)
+    for other in ("tf32", "fp16", "bf16"):
+        numbers = [n for n, r in enumerate(rows) if r[1] == other]
+        assert len(numbers) == 40
+        assert {n % 4 for n in numbers} == {0, 1, 2, 3}
+        for configs in range(2, 13):
+            assert len({n % configs for n in numbers}) == configs, (other, configs)
+    assert gpu_check.rotated_precisions(5, "cpu") == ["fp32", "fp16"]  # the interpreter has two: both always
+
+
+def test_bench_cvmm_only_takes_comma_separated_texts():
+    import bench_cvmm
+
+    assert bench_cvmm.matches("", "wt103-47m-switchhead-xl/value")
+    assert bench_cvmm.matches("c4-262m,switchall", "wt103-47m-switchall-xl/mlp_keys")
+    assert bench_cvmm.matches("c4-262m,switchall", "c4-262m-switchhead-xl/output")
+    assert not bench_cvmm.matches("c4-262m,switchall", "wt103-262m-switchhead-xl/output")
 
 
 def test_gpu_run_sh_starts_no_stage_the_budget_cannot_hold(tmp_path):
