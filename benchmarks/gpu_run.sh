@@ -30,12 +30,28 @@ work=$(mktemp -d)  # every file the scripts write; only the JSONs go on to $OUT
 trap 'rm -rf "$shim" "$work"' EXIT
 mkdir -p "$shim/switchhead"
 for f in "$root"/modeling_switchhead/*; do ln -s "$f" "$shim/switchhead/"; done
-for sub in kernels training evaluation conversion; do
-    [ -d "$root/$sub" ] && ln -s "$root/$sub" "$shim/switchhead/$sub"
+# every subpackage setup.py maps (switchhead.<name> -> folder), read from setup.py itself so that none is missed
+subpackages=$(python3 -c 'import ast, sys
+tree = ast.parse(open(sys.argv[1]).read())
+table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SUBPACKAGES")
+print(" ".join(f"{k}={v}" for k, v in ast.literal_eval(table).items()))' "$root/setup.py")
+for pair in $subpackages; do
+    [ -d "$root/${pair#*=}" ] && ln -s "$root/${pair#*=}" "$shim/switchhead/${pair%%=*}"
 done
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 log="$out/log.txt"
-python3 -c "import switchhead, sys; assert switchhead.__file__.startswith('$shim'), switchhead.__file__"
+# the package and each subpackage resolve inside the shim (an installed copy, e.g. an editable install's finder,
+# would otherwise fill in a subpackage the shim lacks here and hide the gap until the machine without it)
+python3 - "$shim" $subpackages <<'PY'
+import importlib.util, sys
+import switchhead
+shim = sys.argv[1]
+assert switchhead.__file__.startswith(shim), switchhead.__file__
+for pair in sys.argv[2:]:
+    name = "switchhead." + pair.split("=")[0]
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin.startswith(shim), (name, spec and spec.origin)
+PY
 python3 - <<'PY' | tee -a "$log"
 import platform, subprocess, torch, transformers
 import triton
