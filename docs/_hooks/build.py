@@ -12,7 +12,7 @@ from the benchmark results at build time, so that no page keeps a copy of either
   headings as bold lines (out of the page's table of contents), its images pointing at the site's copy.
 - `<!-- ratio-table ... -->` is replaced by a table of SwitchHead / dense ratios read from the results' JSON files
   (one row per line: `label | file | RoPE values | XL values | text...`; values are dotted paths into the JSON,
-  several joined by ` / `, `FILE:path` for another file).
+  several joined by ` / `, `FILE:path` for another file; a number indexes a list, as in `pairs.0.ratios`).
 - benchmarks/results/*.md and *.png become the site's `results/` folder, CHANGELOG.md its `changelog.md` page.
 """
 
@@ -235,7 +235,7 @@ def _json_value(spec: str, default_file: str):
     file, _, path = spec.rpartition(":") if ":" in spec else (default_file, "", spec)
     value = json.loads((RESULTS / (file or default_file)).read_text(encoding="utf-8"))
     for key in path.strip().split("."):
-        value = value[key]
+        value = value[int(key)] if isinstance(value, list) else value[key]  # a list: its index (pairs.0)
     return value
 
 
