@@ -367,6 +367,46 @@ def bf16_row(variant, preset, triton_run, torch_run, fp32_run, **extra) -> dict:
     return row
 
 
+def diagnose_fp32_mismatch(variant: str, model, ids, triton_run, torch_run) -> dict:
+    """Where an fp32 whole-model check failed: which side is wrong, and does it depend on the autotuner?
+
+    Runs the Triton path again with the first autotune config pinned (no benchmarking), and the PyTorch path in
+    float64 on a copy of the model, then reports, for the worst parameter of the failed check and for the logits,
+    how far the Triton run, the pinned Triton run and the PyTorch fp32 run each are from float64. The side far from
+    float64 is the wrong one; both near it would mean the check's tolerance is too tight."""
+    import copy
+
+    import torch
+
+    logits, grads = triton_run
+    want_logits, want_grads = torch_run
+    worst = max(((relative_error(grads[n], want_grads[n]), n) for n in want_grads if n in grads),
+                default=(0.0, None))[1]
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        model.set_experts_implementation("cvmm")
+        with pinned_kernel_configs(0) as configs:
+            pinned_logits, pinned_grads = loss_and_grads(model, ids, None)
+        wide = copy.deepcopy(model).double()
+        wide.set_experts_implementation("eager")
+        wide_logits, wide_grads = loss_and_grads(wide, ids, None)
+        del wide
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    errors = {}
+    for label, (run_logits, run_grads) in (("triton", (logits, grads)), ("triton pinned", (pinned_logits, pinned_grads)),
+                                           ("torch", (want_logits, want_grads))):
+        errors[f"logits vs fp64 ({label})"] = relative_error(run_logits, wide_logits)
+        if worst is not None:
+            errors[f"{worst} vs fp64 ({label})"] = relative_error(run_grads[worst], wide_grads[worst])
+    far = {label: errors[f"{worst} vs fp64 ({label})"] for label in ("triton", "torch")} if worst else {}
+    wrong = [label for label, error in far.items() if error > MODEL_TOLERANCE["fp32"]]
+    return dict(section="diagnosis", name=f"{variant} fp32 mismatch against float64, and with a config pinned",
+                status="mismatch" if wrong else "ok", errors=errors, worst_parameter=worst, kernel_configs=configs,
+                wrong_side=wrong or None)
+
+
 def model_section(smoke: bool, device, log) -> list[dict]:
     import torch
 
@@ -400,21 +440,8 @@ def model_section(smoke: bool, device, log) -> list[dict]:
             if missing:
                 row.update(status="mismatch", missing_gradients=missing)
             rows.append(row)
-            if row["status"] != "ok":  # a diagnosis: does it persist without the autotuner's benchmarking?
-                torch.set_float32_matmul_precision("highest")
-                try:
-                    model.set_experts_implementation("cvmm")
-                    with pinned_kernel_configs(0) as configs:
-                        pinned_logits, pinned_grads = loss_and_grads(model, ids, None)
-                finally:
-                    torch.set_float32_matmul_precision(previous)
-                worst = max(((relative_error(pinned_grads[n], want_grads[n]), n) for n in want_grads
-                             if n in pinned_grads), default=(0.0, None))
-                rows.append(dict(section="diagnosis", name=f"{variant} fp32, first autotune config pinned",
-                                 status="ok" if worst[0] <= MODEL_TOLERANCE["fp32"] else "mismatch",
-                                 errors={"logits": relative_error(pinned_logits, want_logits),
-                                         "gradients (worst parameter)": worst[0]},
-                                 worst_parameter=worst[1], kernel_configs=configs))
+            if row["status"] != "ok":
+                rows.append(diagnose_fp32_mismatch(variant, model, ids, (logits, grads), (want_logits, want_grads)))
             if ("bf16", "triton") in runs:
                 rows.append(bf16_row(variant, preset, runs["bf16", "triton"], runs["bf16", "torch"],
                                      runs["fp32", "torch"], batch=batch, length=length))
