@@ -317,6 +317,8 @@ def markdown(results: dict) -> str:
             continue
         a, b = results["capacity"][label(ours)]["sequences"], results["capacity"][label(dense)]["sequences"]
         lines.append(f"| {pair} | {a} | {b} | {a / max(b, 1):.2f}x |")
+    if not results["generate_batch"]:  # --no-generate-batch
+        return "\n".join(lines) + "\n"
     lines += ["", "## vLLM against our `generate_batch`, same SwitchHead model, 32 requests of 128 tokens", "",
               "| model | vLLM tok/s | generate_batch tok/s | ratio |", "|---|---|---|---|"]
     for name, row in results["generate_batch"].items():
