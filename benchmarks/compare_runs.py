@@ -70,8 +70,8 @@ def install_commit(commit: str, folder: Path) -> Path:
     source.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(BENCHMARKS.parent), "archive", commit], check=True,
                              capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(source, filter="data")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:  # (extraction filters exist from Python 3.10.12 / 3.11.4)
+        tar.extractall(source, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
                     str(site), str(source)], check=True)
     return site

@@ -188,3 +188,17 @@ def test_compare_runs_takes_interleaved_runs_with_the_earlier_version_first_on_t
     empty.mkdir()
     with pytest.raises(RuntimeError, match="the before run would import switchhead from"):
         compare_runs.take_runs(empty, ["bench_model.py"], 1, tmp_path / "runs2", run=run)
+
+
+def test_compare_runs_installs_the_package_of_a_commit(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import subprocess
+
+    import compare_runs
+
+    repo = Path(__file__).resolve().parents[2]
+    site = compare_runs.install_commit("HEAD", tmp_path)
+    committed = subprocess.run(["git", "-C", str(repo), "show", "HEAD:modeling_switchhead/modeling_switchhead.py"],
+                               check=True, capture_output=True, text=True).stdout
+    assert (site / "switchhead" / "modeling_switchhead.py").read_text() == committed  # the commit's, not the tree's
+    assert (site / "switchhead" / "kernels" / "__init__.py").is_file()  # laid out as the package imports
