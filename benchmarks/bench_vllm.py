@@ -1,7 +1,7 @@
 """vLLM benchmark: the 47M SwitchHead presets against their parameter-matched dense baselines, all on vLLM.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--quick] [--new-tokens 16] [--prompt-tokens 128,1024]
-                                                    [--concurrency 1,8,32,64] [--kv-cache-gib 1]
+                                                    [--concurrency 1,8,32,64] [--kv-cache-gib 1] [--repeats 3]
 
 Runs in the vLLM environment (`bash scripts/vllm.sh`). Models (random weights: speed does not depend on them; 8000
 tokens; max_position_embeddings raised to 2048 so 1024-token prompts fit): 47M RoPE = wt103-45m-switchhead-rope
@@ -9,9 +9,11 @@ against wt103-47m-dense-xl with RoPE positions, 47M XL = wt103-47m-switchhead-xl
 model gets its own vLLM engine (the switchhead.vllm plugin, fp32, one KV cache of `--kv-cache-gib` GiB each,
 prefix caching off so every prompt is computed), all alive at once, and the measurements interleave the models:
 
-1. for each prompt length and concurrency, the models in turn: `c` requests of random prompts submitted at once, each
-   generating exactly `--new-tokens` tokens; generated tokens/s over the wall time, and p50/p95 of the requests'
-   latencies (submission to last token);
+1. for each prompt length and concurrency, `--repeats` times, the models in turn (in the reverse order every other
+   time): `c` requests of random prompts (the same for every model and repetition) submitted at once, each generating
+   exactly `--new-tokens` tokens; generated tokens/s over the wall time, and p50/p95 of the requests' latencies
+   (submission to last token). Each pair's ratio is taken within each repetition; the median and the range
+   (min-max) of those ratios are reported;
 2. how many concurrent sequences of 1024 tokens fit the same KV cache: vLLM's own block count for the model
    (`cache_config.num_gpu_blocks` x block size / 1024), i.e. what the padded / XL-folded head size costs;
 3. vLLM against our `generate_batch` (Transformers' continuous batching, in this process) for the same SwitchHead
@@ -135,17 +137,22 @@ def generate_batch_speed(folder: Path, prompts: list[list[int]], new_tokens: int
     return dict(tokens_per_s=generated / seconds, seconds=seconds, generated=generated)
 
 
-def measure(results, engines, folders, cells, new_tokens, generator, pairs, with_generate_batch=True) -> None:
-    """The interleaved cells, then vLLM against generate_batch."""
+def measure(results, engines, folders, cells, new_tokens, generator, pairs, with_generate_batch=True,
+            repeats=1) -> None:
+    """The interleaved cells, `repeats` times each, then vLLM against generate_batch."""
     import torch
 
     for length, count in cells:
         prompts = [torch.randint(0, 8000, (length,), generator=generator).tolist() for _ in range(count)]
-        for name, engine in engines.items():  # the same prompts for every model
-            cell = run_requests(engine, prompts, new_tokens)
-            results["speed"].append(dict(model=name, prompt_tokens=length, concurrency=count, **cell))
-            print(f"{name:60s} prompt {length:5d} x {count:3d}: {cell['tokens_per_s']:8.1f} tok/s, "
-                  f"p50 {cell['p50_s']:.2f} s, p95 {cell['p95_s']:.2f} s", flush=True)
+        for repeat in range(repeats):
+            names = list(engines) if repeat % 2 == 0 else list(reversed(engines))  # neither model always first
+            for name in names:  # the same prompts for every model and repetition
+                cell = run_requests(engines[name], prompts, new_tokens)
+                results["speed"].append(dict(model=name, prompt_tokens=length, concurrency=count, repeat=repeat,
+                                             **cell))
+                print(f"{name:60s} prompt {length:5d} x {count:3d} ({repeat + 1}/{repeats}): "
+                      f"{cell['tokens_per_s']:8.1f} tok/s, p50 {cell['p50_s']:.2f} s, p95 {cell['p95_s']:.2f} s",
+                      flush=True)
     if not with_generate_batch:
         return
     switchhead = [label(pair[0]) for pair in pairs.values()]
@@ -174,6 +181,8 @@ def main() -> int:
                         help="only these PROMPTxCONCURRENT cells, e.g. 128x1,1024x8 (default: every combination)")
     parser.add_argument("--no-generate-batch", action="store_true", help="leave out vLLM against generate_batch")
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated subset of {list(PAIRS)}")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="repetitions of every cell, the models interleaved (ratio: median and range)")
     parser.add_argument("--update", action="store_true",
                         help="merge into the existing results file: rows of the models run now replace theirs")
     parser.add_argument("--output", default=None, help="results path without extension")
@@ -197,7 +206,8 @@ def main() -> int:
     info = dict(machine=platform.node(), cpu=cpu_name(), cpu_count=os.cpu_count(), torch=torch.__version__,
                 torch_threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
                 transformers=transformers.__version__, vllm=vllm.__version__, dtype="float32",
-                kv_cache_gib=args.kv_cache_gib, new_tokens=args.new_tokens, load_average_before=load_average(),
+                kv_cache_gib=args.kv_cache_gib, new_tokens=args.new_tokens, repeats=args.repeats,
+                pairs=list(pairs), load_average_before=load_average(),
                 note="shared 2-core machine, other work running: single ratios are noisy")
     generator = torch.Generator().manual_seed(0)
     results: dict = dict(info=info, speed=[], capacity={}, generate_batch={})
@@ -213,7 +223,8 @@ def main() -> int:
                 print(f"starting {name}", flush=True)
                 engines[name] = start_engine(folders[name], max(concurrency), max_len)
                 results["capacity"][name] = sequences_that_fit(engines[name])
-            measure(results, engines, folders, cells, args.new_tokens, generator, pairs, not args.no_generate_batch)
+            measure(results, engines, folders, cells, args.new_tokens, generator, pairs, not args.no_generate_batch,
+                    args.repeats)
         finally:
             for engine in engines.values():  # the engine processes end with us, also on an error
                 engine.llm_engine.engine_core.shutdown()
@@ -222,6 +233,7 @@ def main() -> int:
     output = Path(args.output) if args.output else RESULTS / f"vllm_cpu_{slug}"
     if args.update and output.with_suffix(".json").exists():
         results = merged(json.loads(output.with_suffix(".json").read_text()), results, set(specs))
+    results["ratios"] = ratio_summary(results)
     output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     output.with_suffix(".md").write_text(markdown(results))
     print(f"wrote {output}.json and .md", flush=True)
@@ -240,6 +252,34 @@ def merged(old: dict, new: dict, models: set[str]) -> dict:
     return dict(info=info, speed=speed, capacity=capacity, generate_batch=generate_batch)
 
 
+def pairs_in(results: dict) -> list[str]:
+    """The pairs of PAIRS that a result measured (either of its models has a row), in PAIRS' order."""
+    models = {row["model"] for row in results["speed"]} | set(results["capacity"])
+    return [pair for pair, specs in PAIRS.items() if any(label(spec) in models for spec in specs)]
+
+
+def ratio_summary(results: dict) -> list[dict]:
+    """Per pair and cell: SwitchHead / dense tokens/s of each repetition (the i-th run of one model against the i-th
+    of the other), their median and range, and each model's median tokens/s and latencies."""
+    runs: dict = {}
+    for row in results["speed"]:
+        runs.setdefault((row["model"], row["prompt_tokens"], row["concurrency"]), []).append(row)
+    out = []
+    for pair in pairs_in(results):
+        ours, dense = (label(spec) for spec in PAIRS[pair])
+        for length, count in sorted({(length, count) for model, length, count in runs}):
+            a, b = runs.get((ours, length, count)), runs.get((dense, length, count))
+            if not a or not b:
+                continue
+            ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b)]
+            medians = [{key: statistics.median(row[key] for row in rows) for key in ("tokens_per_s", "p50_s", "p95_s")}
+                       for rows in (a, b)]
+            out.append(dict(pair=pair, prompt_tokens=length, concurrency=count, ratios=ratios,
+                            median=statistics.median(ratios), min=min(ratios), max=max(ratios),
+                            switchhead=medians[0], dense=medians[1]))
+    return out
+
+
 def markdown(results: dict) -> str:
     info = results["info"]
     lines = [f"# vLLM serving benchmark ({info['cpu']}, {info['cpu_count']} cores)", "",
@@ -253,24 +293,32 @@ def markdown(results: dict) -> str:
                 if "updated" in info else "")
              + (f" Correction: {info['correction']}." if "correction" in info else ""), "",
              "## Tokens/s and latency (models interleaved)", "",
-             "| pair | prompt | concurrent | SwitchHead tok/s | dense tok/s | ratio | SwitchHead p50 / p95 s | "
-             "dense p50 / p95 s |", "|---|---|---|---|---|---|---|---|"]
-    cells = {(row["model"], row["prompt_tokens"], row["concurrency"]): row for row in results["speed"]}
+             "SwitchHead / dense tokens/s is taken within each repetition; the table gives the median ratio and its "
+             "range over the repetitions (n), and the median tokens/s and latencies of each model.", "",
+             "| pair | prompt | concurrent | n | ratio (median) | ratio range | SwitchHead tok/s | dense tok/s | "
+             "SwitchHead p50 / p95 s | dense p50 / p95 s |", "|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(row["prompt_tokens"], row["concurrency"]) for row in results["speed"]})
-    for pair, (ours, dense) in PAIRS.items():
+    summary = {(row["pair"], row["prompt_tokens"], row["concurrency"]): row for row in ratio_summary(results)}
+    for pair in pairs_in(results):
         for length, count in keys:
-            if (label(ours), length, count) not in cells or (label(dense), length, count) not in cells:
-                lines.append(f"| {pair} | {length} | {count} | not measured | | | | |")
+            row = summary.get((pair, length, count))
+            if row is None:
+                lines.append(f"| {pair} | {length} | {count} | 0 | not measured | | | | | |")
                 continue
-            a, b = cells[(label(ours), length, count)], cells[(label(dense), length, count)]
-            lines.append(f"| {pair} | {length} | {count} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
-                         f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x | {a['p50_s']:.2f} / {a['p95_s']:.2f} | "
-                         f"{b['p50_s']:.2f} / {b['p95_s']:.2f} |")
+            a, b = row["switchhead"], row["dense"]
+            lines.append(f"| {pair} | {length} | {count} | {len(row['ratios'])} | {row['median']:.2f}x | "
+                         f"{row['min']:.2f}-{row['max']:.2f}x | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
+                         f"{a['p50_s']:.2f} / {a['p95_s']:.2f} | {b['p50_s']:.2f} / {b['p95_s']:.2f} |")
     lines += ["", f"## Concurrent {SEQUENCE_TOKENS}-token sequences in the same KV cache", "",
               "| pair | SwitchHead | dense | ratio |", "|---|---|---|---|"]
-    for pair, (ours, dense) in PAIRS.items():
+    for pair in pairs_in(results):
+        ours, dense = PAIRS[pair]
+        if label(ours) not in results["capacity"] or label(dense) not in results["capacity"]:
+            continue
         a, b = results["capacity"][label(ours)]["sequences"], results["capacity"][label(dense)]["sequences"]
         lines.append(f"| {pair} | {a} | {b} | {a / max(b, 1):.2f}x |")
+    if not results["generate_batch"]:  # --no-generate-batch
+        return "\n".join(lines) + "\n"
     lines += ["", "## vLLM against our `generate_batch`, same SwitchHead model, 32 requests of 128 tokens", "",
               "| model | vLLM tok/s | generate_batch tok/s | ratio |", "|---|---|---|---|"]
     for name, row in results["generate_batch"].items():

@@ -120,3 +120,85 @@ def test_compare_runs_reads_both_scripts_results_and_compares_medians(tmp_path):
     assert compare_runs.ratios_of(json.loads(paths["e2"].read_text())) == {"8 tokens forward: grouped_mm x cvmm": 0.25}
     with pytest.raises(ValueError, match="not a bench_model.py or bench_experts.py result"):
         compare_runs.ratios_of({"something": 1})
+
+
+def test_vllm_markdown_of_one_pair_gives_each_cells_median_ratio_and_range():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_vllm
+
+    ours, dense = (bench_vllm.label(spec) for spec in bench_vllm.PAIRS["47M RoPE"])
+    info = dict(machine="test", cpu="test cpu", cpu_count=2, torch="t", torch_threads=1, omp_num_threads="1",
+                transformers="t", vllm="v", kv_cache_gib=1.0, new_tokens=16, load_average_before=[1.0, 1.0, 1.0],
+                load_average_after=[1.0, 1.0, 1.0], note="test")
+
+    def row(model, tokens_per_s, repeat):
+        return dict(model=model, prompt_tokens=1024, concurrency=32, repeat=repeat, tokens_per_s=tokens_per_s,
+                    seconds=1.0, generated=512, p50_s=10.0 * repeat, p95_s=20.0)
+
+    # three repetitions, the second with the dense model first: ratios 1.5, 1.2, 1.1
+    speed = [row(ours, 6.0, 0), row(dense, 4.0, 0), row(dense, 5.0, 1), row(ours, 6.0, 1), row(ours, 5.5, 2),
+             row(dense, 5.0, 2)]
+    results = dict(info=info, speed=speed, capacity={ours: dict(cache_tokens=65536, sequences=64),
+                                                     dense: dict(cache_tokens=12288, sequences=12)},
+                   generate_batch={})
+    assert bench_vllm.pairs_in(results) == ["47M RoPE"]  # the XL pair was not run: no row, no KeyError
+    (cell,) = bench_vllm.ratio_summary(results)
+    assert cell["ratios"] == pytest.approx([1.5, 1.2, 1.1])
+    assert (cell["median"], cell["min"], cell["max"]) == pytest.approx((1.2, 1.1, 1.5))
+    assert cell["switchhead"]["tokens_per_s"] == 6.0 and cell["dense"]["p50_s"] == 10.0
+    text = bench_vllm.markdown(results)
+    assert "| 47M RoPE | 1024 | 32 | 3 | 1.20x | 1.10-1.50x | 6.0 | 5.0 | 10.00 / 20.00 | 10.00 / 20.00 |" in text
+    assert "| 47M RoPE | 64 | 12 | 5.33x |" in text
+    assert "47M XL" not in text and "generate_batch" not in text  # neither the XL pair nor generate_batch was run
+    # a result written before repetitions (one row per model and cell, no `repeat`) reads as one repetition
+    for item in speed:
+        del item["repeat"]
+    results["speed"] = speed[:2]
+    assert "| 47M RoPE | 1024 | 32 | 1 | 1.50x | 1.50-1.50x |" in bench_vllm.markdown(results)
+
+
+def test_compare_runs_takes_interleaved_runs_with_the_earlier_version_first_on_the_path(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import json
+    import subprocess
+
+    import compare_runs
+
+    assert compare_runs.order(3) == ["before", "after", "after", "before", "before", "after"]
+    site = tmp_path / "site"
+    (site / "switchhead").mkdir(parents=True)
+    (site / "switchhead" / "__init__.py").write_text("")
+    calls = []
+
+    def run(command, env, **kwargs):  # the import check for real; the benchmark faked: a result per version
+        if command[1] == "-c":
+            return subprocess.run(command, env=env, **kwargs)
+        out = Path(command[command.index("--out") + 1])
+        calls.append((Path(command[1]).name, command[2:-2], out.name, env.get("PYTHONPATH", "")))
+        out.write_text(json.dumps({"ratios": {"rope": {"decode_tok_s_eager@b1": 1.0 if "before" in out.name
+                                                       else 1.1}}}))
+
+    paths = compare_runs.take_runs(site, ["bench_model.py", "--decode-only"], 2, tmp_path / "runs", run=run)
+    assert [c[2] for c in calls] == ["before_1.json", "after_1.json", "after_2.json", "before_2.json"]
+    assert all(c[:2] == ("bench_model.py", ["--decode-only"]) for c in calls)
+    assert all(c[3].startswith(str(site)) == c[2].startswith("before") for c in calls)
+    assert paths == {"before": [tmp_path / "runs" / "before_1.json", tmp_path / "runs" / "before_2.json"],
+                     "after": [tmp_path / "runs" / "after_1.json", tmp_path / "runs" / "after_2.json"]}
+    empty = tmp_path / "empty"  # an earlier version that is not where switchhead is imported from: refused
+    empty.mkdir()
+    with pytest.raises(RuntimeError, match="the before run would import switchhead from"):
+        compare_runs.take_runs(empty, ["bench_model.py"], 1, tmp_path / "runs2", run=run)
+
+
+def test_compare_runs_installs_the_package_of_a_commit(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import subprocess
+
+    import compare_runs
+
+    repo = Path(__file__).resolve().parents[2]
+    site = compare_runs.install_commit("HEAD", tmp_path)
+    committed = subprocess.run(["git", "-C", str(repo), "show", "HEAD:modeling_switchhead/modeling_switchhead.py"],
+                               check=True, capture_output=True, text=True).stdout
+    assert (site / "switchhead" / "modeling_switchhead.py").read_text() == committed  # the commit's, not the tree's
+    assert (site / "switchhead" / "kernels" / "__init__.py").is_file()  # laid out as the package imports

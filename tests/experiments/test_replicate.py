@@ -1,4 +1,4 @@
-"""benchmarks/replicate.py: the --smoke grid end to end (train, evaluate, zero-shot, results), resuming, skipping
+"""experiments/replicate.py: the --smoke grid end to end (train, evaluate, zero-shot, results), resuming, skipping
 finished runs, and parameter matching of the dense baselines."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from helpers.data import require
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "replicate.py"
+SCRIPT = REPO / "experiments" / "replicate.py"
 
 
 def _load():

@@ -1,7 +1,7 @@
 """Upcycling a dense model into SwitchHead vs training SwitchHead from scratch, on WikiText-2 (tiny models, CPU).
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/upcycle_wikitext2.py                   # the README numbers
-    python benchmarks/upcycle_wikitext2.py --dense-steps 40 --steps 20 --quick        # a smoke run
+    OMP_WAIT_POLICY=PASSIVE python experiments/upcycle_wikitext2.py                   # the README numbers
+    python experiments/upcycle_wikitext2.py --dense-steps 40 --steps 20 --quick        # a smoke run
 
 1. A dense baseline (`tiny-dense`: d=64, 2 layers, 4 heads of 64 dims... see the table) is trained for
    `--dense-steps` steps.
@@ -109,7 +109,7 @@ def main() -> int:
     parser.add_argument("--valid-blocks", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke run: results are not written")
-    parser.add_argument("--output", default=os.path.join(HERE, "results", "upcycle_wikitext2"))
+    parser.add_argument("--output", default=os.path.join(REPO, "benchmarks", "results", "upcycle_wikitext2"))
     args = parser.parse_args()
 
     from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
@@ -183,7 +183,7 @@ def main() -> int:
         handle.write(f"# Upcycling vs from scratch, WikiText-2, tiny models\n\n"
                      f"Machine {info['machine']} ({info['cpu']}), {info['threads']} threads, torch {info['torch']}; "
                      f"{info['load_note']}. One seed. Command: `OMP_WAIT_POLICY=PASSIVE python "
-                     f"benchmarks/upcycle_wikitext2.py` ({info['seconds']} s).\n\n"
+                     f"experiments/upcycle_wikitext2.py` ({info['seconds']} s).\n\n"
                      f"Settings: {json.dumps(info['settings'])}\n\n"
                      "| run | parameters | training steps | valid perplexity | note |\n|---|---|---|---|---|\n")
         for row in rows:

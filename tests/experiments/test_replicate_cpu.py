@@ -1,4 +1,4 @@
-"""benchmarks/replicate_cpu.py (issue 42's grid): a run killed mid-training and resumed by the grid ends bitwise equal
+"""experiments/replicate_cpu.py (issue 42's grid): a run killed mid-training and resumed by the grid ends bitwise equal
 to an uninterrupted one; a finished run is never run again; the grid's order and learning-rate choice."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 WIKITEXT2 = REPO.parent / "shared" / "data" / "wikitext-2"
-SCRIPT = REPO / "benchmarks" / "replicate_cpu.py"
+SCRIPT = REPO / "experiments" / "replicate_cpu.py"
 RUN = "lr0.002-switchhead-s0"  # the tiny grid's first run
 TINY_STEPS = 60  # its length (replicate_cpu.use_tiny), checkpoints every 10 steps
 

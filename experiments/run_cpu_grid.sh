@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Start, or resume, the issue-42 cpu grid (benchmarks/replicate_cpu.py) in the background: one torch thread, nice 19,
+# Start, or resume, the issue-42 cpu grid (experiments/replicate_cpu.py) in the background: one torch thread, nice 19,
 # in a session of its own so that it outlives the shell that started it. Finished runs are skipped and an
 # interrupted run resumes from its checkpoint, so running this again after a stop or a reboot continues the grid.
 #
-#   benchmarks/run_cpu_grid.sh                        # start / resume (extra arguments go to replicate_cpu.py);
+#   experiments/run_cpu_grid.sh                        # start / resume (extra arguments go to replicate_cpu.py);
 #                                                     # after the last run, the zero-shot step
 #   kill -STOP -$(cat /work/evidence.pgid)            # pause the whole grid (driver and its run)
 #   kill -CONT -$(cat /work/evidence.pgid)            # resume it
@@ -26,6 +26,6 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE RAYON_NUM_THR
 echo "[run_cpu_grid.sh] $(date -u +%FT%TZ) starting at commit $(git rev-parse --short HEAD)" >> "$LOG"
 # setsid: a new session and process group whose id the driver writes to PGID_FILE (kill -STOP -PGID pauses it all)
 # --then-zero-shot: when the last run has finished, BLiMP / LAMBADA of the 3-seed models (same process group)
-setsid nohup nice -n 19 "$PY" benchmarks/replicate_cpu.py --threads 1 --pgid-file "$PGID_FILE" --then-zero-shot "$@" \
+setsid nohup nice -n 19 "$PY" experiments/replicate_cpu.py --threads 1 --pgid-file "$PGID_FILE" --then-zero-shot "$@" \
     >> "$LOG" 2>&1 < /dev/null &
 echo "started: pid $!, log $LOG, process group id in $PGID_FILE"
