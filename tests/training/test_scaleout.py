@@ -12,7 +12,7 @@ under `torchrun --nproc_per_node 2` (gloo, CPU), against one process (tests/trai
   `save_pretrained` folder the sharded model writes loads in one process with its logits.
 - Refused at load with the reason: ep_size > 1 for a model without a sigma-MoE MLP, an `ep_plan` rule naming
   attention; pipeline parallelism (inference only in Transformers) refuses a training forward.
-Skipped on Transformers releases without expert parallelism (before 5.2x: no `transformers.distributed.expert_parallel`).
+Skipped on Transformers releases without expert parallelism (no `transformers.distributed.expert_parallel`, e.g. 5.17).
 """
 
 from __future__ import annotations
