@@ -11,7 +11,9 @@ under `torchrun --nproc_per_node 2` (gloo, CPU), against one process (tests/trai
   and `save_optimizer_distributed`) resumes on 2 processes with the uninterrupted step 3 loss and weights; the
   `save_pretrained` folder the sharded model writes loads in one process with its logits.
 - Refused at load with the reason: ep_size > 1 for a model without a sigma-MoE MLP, an `ep_plan` rule naming
-  attention; pipeline parallelism (inference only in Transformers) refuses a training forward.
+  attention; pipeline parallelism (inference only in Transformers) refuses a training forward. Inference under
+  tp_size=2 + ep_size=2 (Transformers' all-reduce dispatch: routes to the other process's experts arrive as sentinel
+  ids with gate 0) gives one process's logits within 1e-5.
 Skipped on Transformers releases without expert parallelism (no `transformers.distributed.expert_parallel`, e.g. 5.17).
 """
 
@@ -150,6 +152,12 @@ try:
     errors["pp_training"] = None
 except RuntimeError as error:
     errors["pp_training"] = str(error)
+# inference under tp_size=2, ep_size=2: Transformers' all-reduce dispatch, other processes' experts as sentinel ids
+single = SwitchHeadForCausalLM.from_pretrained(folders["switchall"]).eval()
+sharded = SwitchHeadForCausalLM.from_pretrained(folders["switchall"],
+                                                distributed_config=DistributedConfig(tp_size=2, ep_size=2)).eval()
+with torch.no_grad():
+    errors["tp_ep_inference_diff"] = (sharded(input_ids=ids).logits - single(input_ids=ids).logits).abs().max().item()
 if torch.distributed.get_rank() == 0:
     open(out, "w").write(json.dumps(errors))
 '''
@@ -169,3 +177,4 @@ def test_unsupported_layouts_are_refused_with_the_reason(tmp_path):
     assert "name attention" in errors["attention_ep"], errors["attention_ep"]
     assert errors["pp_inference_logits"] == [2, 8, 512]
     assert "runs inference only" in errors["pp_training"]
+    assert errors["tp_ep_inference_diff"] < 1e-5
