@@ -54,8 +54,9 @@ def run(model: Path, out: Path, layout: dict, steps: int, data_parallel: int = 1
 def compare(out: Path, reference: Path) -> tuple[float, float]:
     ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     expected = json.loads((reference / "rank0.json").read_text())["losses"]
-    loss = max(abs(got[0] - expected[step][rank["share"]]) / abs(expected[step][rank["share"]])
-               for rank in ranks for step, got in enumerate(rank["losses"]))
+    loss = max(abs(got - expected[step][part]) / abs(expected[step][part])
+               for rank in ranks for step, losses in enumerate(rank["losses"])
+               for got, part in zip(losses, rank["parts"], strict=True))
     weights, reference_weights = torch.load(out / "weights.pt"), torch.load(reference / "weights.pt")
     weight = max((weights[name] - reference_weights[name]).abs().max().item() for name in reference_weights)
     return loss, weight

@@ -5,14 +5,15 @@ the one-process reference.
     torchrun --nproc_per_node 2 tests/training/scaleout_worker.py MODEL OUT --layout '{"fsdp_size": 2, "ep_size": 2}'
     python tests/training/scaleout_worker.py MODEL OUT --layout '{}' --data-parallel 2     # the reference
 
-Step s draws a global batch from a generator seeded by s and cuts it into `data_parallel` equal shares. A
-distributed process trains on its data-parallel group's share (processes of one tensor-parallel group share one);
-gradients are averaged over the data-parallel processes by FSDP. The reference runs the shares as micro-batches of
-one step, each loss divided by their count: the same gradient, the sigma-MoE entropy regulariser included, which is a
-statistic of each process's batch (as under DDP). SGD with momentum, so that the final weights differ from the
+Step s draws a global batch from a generator seeded by s and cuts it into `data_parallel` equal shares, each of
+`accumulate` micro-batches. A distributed process trains on its data-parallel group's share (processes of one
+tensor-parallel group share one), accumulating the gradients of its micro-batches (each loss divided by their
+count); FSDP averages the gradients over the data-parallel processes. The reference runs all micro-batches of the
+step, each loss divided by their count: the same gradient, the sigma-MoE entropy regulariser included, which is a
+statistic of each micro-batch (as under DDP with gradient accumulation). SGD with momentum, so that the final weights differ from the
 reference only by the rounding of the gradients.
 
-Writes OUT/rank{R}.json: the loss of each step's share, and the share's index. With --save-at K: after step K the
+Writes OUT/rank{R}.json: each step's micro-batch losses, and the micro-batches' indices in the global batch. With --save-at K: after step K the
 model is saved as rank-local shards (`save_pretrained(..., distributed_checkpoint=True)`) and the optimizer with
 `save_optimizer_distributed`, to OUT/checkpoint; with --resume-from DIR the run loads both from DIR and continues
 after step K. Rank 0 writes OUT/weights.pt (every parameter gathered whole) and, with --save-folder, the process
@@ -51,7 +52,8 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--layout", default="{}", help="DistributedConfig fields as JSON; {} runs one process")
-    parser.add_argument("--data-parallel", type=int, default=1, help="the reference: micro-batches per step")
+    parser.add_argument("--data-parallel", type=int, default=1, help="the reference: the shares of a step")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per share (gradient accumulation)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume-from", default=None)
@@ -85,10 +87,11 @@ def main() -> None:
     losses = []
     vocab = model.config.vocab_size
     for step in range(start + 1, args.steps + 1):
-        indices = [index] if index is not None else range(shares)
+        parts = shares * args.accumulate  # micro-batches of the global batch; a share is `accumulate` of them
+        indices = range(parts) if index is None else range(index * args.accumulate, (index + 1) * args.accumulate)
         step_losses = []
         for part in indices:
-            ids = share(step, vocab, part, shares)
+            ids = share(step, vocab, part, parts)
             loss = model(input_ids=ids, labels=ids).loss  # cross-entropy + entropy regulariser (training)
             (loss / len(indices)).backward()
             step_losses.append(loss.item())
@@ -117,7 +120,7 @@ def main() -> None:
         if rank == 0:
             torch.save(logits, os.path.join(args.out, "logits.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as handle:
-        json.dump({"losses": losses, "share": index}, handle)
+        json.dump({"losses": losses, "parts": list(indices)}, handle)
     if rank == 0:
         torch.save(weights, os.path.join(args.out, "weights.pt"))
     if layout:

@@ -6,7 +6,8 @@ under `torchrun --nproc_per_node 2` (gloo, CPU), against one process (tests/trai
   SwitchHead: attention split by head) train 3 SGD steps with the same per-process losses as one process within
   1e-5 and the same final weights within 1e-6 (fp32; the sums are only reordered). The sigma-MoE entropy regulariser
   is on (coefficient 0.001): it is a statistic of each data-parallel process's batch, which the reference runs as
-  micro-batches of one step. Dropout is off (each process would draw its own masks).
+  micro-batches of one step. The fsdp_size=2 + ep_size=2 run accumulates 2 micro-batches per process per step.
+  Dropout is off (each process would draw its own masks).
 - A run saved by 2 processes after step 2 (rank-local shards, `save_pretrained(..., distributed_checkpoint=True)`,
   and `save_optimizer_distributed`) resumes on 2 processes with the uninterrupted step 3 loss and weights; the
   `save_pretrained` folder the sharded model writes loads in one process with its logits.
@@ -66,12 +67,11 @@ def _run(model: Path, out: Path, layout: dict, *extra: str) -> dict:
 
 def _assert_same_training(distributed: dict, reference: dict, out: Path, reference_out: Path) -> None:
     for rank, result in distributed.items():
-        share = result["share"]
-        expected = [losses[share] for losses in reference[0]["losses"]]
-        got = [losses[0] for losses in result["losses"]]
-        assert len(got) == len(expected) > 0
-        for step, (a, b) in enumerate(zip(got, expected)):
-            assert abs(a - b) <= LOSS_TOLERANCE * abs(b), (rank, step, a, b)
+        expected = [[losses[part] for part in result["parts"]] for losses in reference[0]["losses"]]
+        assert len(result["losses"]) == len(expected) > 0
+        for step, (got, wanted) in enumerate(zip(result["losses"], expected)):
+            for a, b in zip(got, wanted, strict=True):
+                assert abs(a - b) <= LOSS_TOLERANCE * abs(b), (rank, step, a, b)
     weights, expected = torch.load(out / "weights.pt"), torch.load(reference_out / "weights.pt")
     assert weights.keys() == expected.keys()
     wrong = {name: (weights[name] - expected[name]).abs().max().item() for name in expected
@@ -91,8 +91,8 @@ def _assert_trained(weights_file: Path, initial: Path) -> None:
 def test_fsdp_and_expert_parallel_train_resume_and_save_like_one_process(tmp_path):
     model = _saved("tiny-switchall", tmp_path / "init")
     layout = {"fsdp_size": 2, "ep_size": 2}
-    reference = _run(model, tmp_path / "reference", {}, "--data-parallel", "2")
-    distributed = _run(model, tmp_path / "ep", layout, "--save-at", "2", "--save-folder")
+    reference = _run(model, tmp_path / "reference", {}, "--data-parallel", "2", "--accumulate", "2")
+    distributed = _run(model, tmp_path / "ep", layout, "--accumulate", "2", "--save-at", "2", "--save-folder")
     _assert_same_training(distributed, reference, tmp_path / "ep", tmp_path / "reference")
     _assert_trained(tmp_path / "ep" / "weights.pt", model)
     # the experts were really split: each process's checkpoint shard holds half of each layer's experts
@@ -105,7 +105,8 @@ def test_fsdp_and_expert_parallel_train_resume_and_save_like_one_process(tmp_pat
     assert experts and all(shape[0] == 4 for shape in experts), experts  # 8 experts, 4 per process
 
     # resumed after step 2 on 2 processes: step 3 as in the uninterrupted run
-    resumed = _run(model, tmp_path / "resumed", layout, "--resume-from", str(tmp_path / "ep" / "checkpoint"))
+    resumed = _run(model, tmp_path / "resumed", layout, "--accumulate", "2",
+                   "--resume-from", str(tmp_path / "ep" / "checkpoint"))
     for rank in (0, 1):
         assert resumed[rank]["losses"] == [distributed[rank]["losses"][-1]], rank
     assert all(torch.equal(a, b) for a, b in zip(torch.load(tmp_path / "resumed" / "weights.pt").values(),
