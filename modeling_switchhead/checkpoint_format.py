@@ -18,16 +18,13 @@ the checkpoint names of tensors renamed since.
 Part of the Hub-ready model: this file imports only transformers (and the standard library); the model imports it.
 """
 
-# Renamed tensors of the sigma-MoE MLP (SwitchAll), relative to the MLP: name in a checkpoint -> parameter name.
-# The first name of each parameter is the one every release wrote (and `save_pretrained` writes); `expert_keys` /
-# `expert_values` / `expert_selection.weight` are the names before the MLP had Transformers' `gate` / `experts`
-# children (written with `save_original_format=False`). `keys` / `values` could not take torch parametrizations
-# (PEFT's LoRA on `target_parameters`): those keep a `ModuleDict`, whose `keys()` / `values()` methods collide.
+# Renamed tensors of the sigma-MoE MLP (SwitchAll), relative to the MLP: name in a checkpoint (the one every release
+# wrote, and `save_pretrained` writes) -> parameter name. `keys` / `values` could not be parameter names: torch
+# parametrizations (PEFT's LoRA on `target_parameters`) keep a `ModuleDict`, whose `keys()` / `values()` methods
+# collide with them; the router and the experts are the children `gate` / `experts`, as in Transformers' MoE blocks.
 RENAMED_MLP_PARAMETERS = {
     "keys": "experts.expert_keys",
-    "expert_keys": "experts.expert_keys",
     "values": "experts.expert_values",
-    "expert_values": "experts.expert_values",
     "expert_selection.weight": "gate.weight",
 }
 # the same as Transformers' renaming patterns on full checkpoint keys (`model.layers.{i}.mlp.keys`)
@@ -48,10 +45,9 @@ def register_renamed_keys(model_type: str = "switchhead") -> None:
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
-    # Dots escaped: a pattern is a regular expression. `save_pretrained` applies the renamings reversed, the last
-    # registered first: registered in reverse, each parameter is saved under its first (checkpoint) name.
+    # dots escaped: a pattern is a regular expression
     renamings = [WeightRenaming(source_patterns=old.replace(".", r"\."), target_patterns=new)
-                 for old, new in reversed(RENAMED_KEYS.items())]
+                 for old, new in RENAMED_KEYS.items()]
     register_checkpoint_conversion_mapping(model_type, renamings, overwrite=True)
 
 

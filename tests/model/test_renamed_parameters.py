@@ -1,10 +1,9 @@
 """SwitchAll's sigma-MoE is a router `mlp.gate` and an experts module `mlp.experts` whose parameters are
 `expert_keys` / `expert_values` (they were the MLP's own `keys` / `values`, names that torch parametrizations, and so
-PEFT's `target_parameters`, cannot take, then its `expert_keys` / `expert_values` / `expert_selection`). Checkpoints
-keep the names `mlp.keys` / `mlp.values` / `mlp.expert_selection.weight` (Transformers' conversion mapping,
+PEFT's `target_parameters`, cannot take). Checkpoints keep the names `mlp.keys` / `mlp.values` / `mlp.expert_selection.weight` (Transformers' conversion mapping,
 registered by the model file): folders of every release load with identical logits, through `from_pretrained` (the
 package's classes, a task head, the folder's own copy of the code) and `load_state_dict`; folders saved with
-`save_original_format=False` (the parameters' names, today's and the previous release's) load too.
+`save_original_format=False` (the parameters' names) load too.
 
 The folders saved by a release before the rename are tests/fixtures/pre_redesign (run by
 tests/conformance/test_pre_redesign_checkpoints.py, with the old code beside this package too).
@@ -76,26 +75,6 @@ def test_folder_under_todays_names_loads(tmp_path):
     loaded.save_pretrained(tmp_path / "again")  # Transformers saves a loaded model in the format it was loaded from
     assert "model.layers.0.mlp.experts.expert_keys" in load_file(tmp_path / "again" / "model.safetensors")
     assert torch.equal(logits_of(SwitchHeadForCausalLM.from_pretrained(tmp_path / "again"), IDS), logits_of(model, IDS))
-
-
-def test_folder_under_the_previous_releases_parameter_names_loads(tmp_path):
-    """What `save_original_format=False` wrote before the MLP had `gate` / `experts` children."""
-    from safetensors.torch import save_file
-
-    model = _model()
-    model.save_pretrained(tmp_path / "previous", save_original_format=False)
-    path = tmp_path / "previous" / "model.safetensors"
-    previous = {"experts.expert_keys": "expert_keys", "experts.expert_values": "expert_values",
-                "gate.weight": "expert_selection.weight"}
-    tensors = {}
-    for key, tensor in load_file(path).items():
-        prefix, mlp, name = key.partition(".mlp.")
-        tensors[f"{prefix}.mlp.{previous[name]}" if mlp else key] = tensor
-    assert "model.layers.0.mlp.expert_keys" in tensors and "model.layers.0.mlp.expert_selection.weight" in tensors
-    save_file(tensors, path, metadata={"format": "pt"})
-    loaded, info = SwitchHeadForCausalLM.from_pretrained(tmp_path / "previous", output_loading_info=True)
-    assert not any(info.values()), info
-    assert torch.equal(logits_of(loaded, IDS), logits_of(model, IDS))
 
 
 def test_load_state_dict_takes_old_names(tmp_path):
