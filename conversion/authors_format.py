@@ -30,9 +30,9 @@ Tensor mapping (layer `i`; `H` heads, `E` experts per head, `d` width, `dh` head
 | post_attention_layernorm.{weight,bias} | norm2.{weight,bias}                      | -          | [d]               |
 | mlp.up_proj.{weight,bias}              | linear1.{weight,bias}                    | -          | [d_ff, d], [d_ff] |
 | mlp.down_proj.{weight,bias}            | linear2.{weight,bias}                    | -          | [d, d_ff], [d]    |
-| mlp.expert_keys                        | pkm.keys (SwitchAll)                     | -          | [E_mlp, d, S]     |
-| mlp.expert_values                      | pkm.values (SwitchAll)                   | -          | [E_mlp, S, d]     |
-| mlp.expert_selection.weight            | pkm.expert_sel (SwitchAll)               | -          | [E_mlp, d]        |
+| mlp.experts.expert_keys                | pkm.keys (SwitchAll)                     | -          | [E_mlp, d, S]     |
+| mlp.experts.expert_values              | pkm.values (SwitchAll)                   | -          | [E_mlp, S, d]     |
+| mlp.gate.weight                        | pkm.expert_sel (SwitchAll)               | -          | [E_mlp, d]        |
 | model.norm.{weight,bias} (top)         | out_norm.{weight,bias} (top)             | -          | [d]               |
 | lm_head.{weight,bias} (top)            | output.{weight,bias} (top)               | -          | [V, d], [V]       |
 
@@ -87,9 +87,9 @@ _BLOCK = {  # our name inside model.layers.{i}. -> the training code's name insi
     "mlp.up_proj.bias": "linear1.bias",
     "mlp.down_proj.weight": "linear2.weight",
     "mlp.down_proj.bias": "linear2.bias",
-    "mlp.expert_keys": "pkm.keys",
-    "mlp.expert_values": "pkm.values",
-    "mlp.expert_selection.weight": "pkm.expert_sel",
+    "mlp.experts.expert_keys": "pkm.keys",
+    "mlp.experts.expert_values": "pkm.values",
+    "mlp.gate.weight": "pkm.expert_sel",
 }
 _OLD_ATTENTION_NAMES = {  # pre-release names of the training code's SwitchHead tensors
     "sel_src": "selections.v", "sel_dst": "selections.o",

@@ -11,7 +11,7 @@ line, exit code 2) naming the first problem:
 - config.json asks for more than the machine holds (`check_fits_memory`, computed from the config on the meta
   device before anything is allocated), or for more layers than the weights have;
 - a tensor is missing or has another shape than config.json gives it;
-- a sigma-MoE tensor is stored under both its old and its new name (`mlp.keys` and `mlp.expert_keys`) with
+- a sigma-MoE tensor is stored under both its old and its new name (`mlp.keys` and `mlp.experts.expert_keys`) with
   different values: which one is meant cannot be told;
 - a weight is NaN or infinite (a bit flip, a diverged run saved by other code).
 

@@ -14,7 +14,9 @@ backward, expert-sorted, no host sync; its sync-free PyTorch formulations on CPU
 run). The projection is passed in because the kernels never import the model (the layout's arrows point one way). The function reads the module's layout
 from the flags `@use_experts_implementation` sets: a fused gate/up projection (`has_gate`, then the module's
 `_apply_gate`) or a plain up projection with `act_fn`, weights `[E, out, in]` or `[E, in, out]` (`is_transposed`),
-optional per-expert biases and a post-expert norm. Expert parallelism (sentinel expert ids) is not supported.
+optional per-expert biases and a post-expert norm. Under expert parallelism the module holds its process's experts
+(`num_experts` of them) and a route to another process's expert arrives as the sentinel id `num_experts` with gate 0:
+it runs on local expert 0 with gate 0 (adds nothing, no gradient), as Transformers' own experts functions treat it.
 """
 
 from __future__ import annotations
@@ -41,13 +43,12 @@ def cvmm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top
     projection, scaled by `top_k_weights[n, j]` and summed over the k slots (inside the kernel when there is no
     bias or post-expert norm to apply per slot first).
     """
-    if getattr(self, "_is_expert_parallel", False):
-        raise NotImplementedError(
-            "experts_implementation='cvmm' does not support expert parallelism (sentinel expert ids); use "
-            "'grouped_mm' or 'batched_mm' for expert-parallel models"
-        )
     num_tokens, hidden_dim = hidden_states.shape
     index = top_k_index.reshape(num_tokens, -1).long()
+    if getattr(self, "_is_expert_parallel", False):  # another process's expert (the sentinel): local row 0, gate 0
+        off_process = index >= self.num_experts
+        index = index.masked_fill(off_process, 0)
+        top_k_weights = top_k_weights.reshape(num_tokens, -1).masked_fill(off_process, 0.0)
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
     # [N, 1, d]: every slot of a token reads its one row (cvmm computes in the autocast dtype under autocast, else

@@ -18,10 +18,15 @@ the checkpoint names of tensors renamed since.
 Part of the Hub-ready model: this file imports only transformers (and the standard library); the model imports it.
 """
 
-# Renamed parameters of the sigma-MoE MLP (SwitchAll): checkpoint name -> parameter name. `keys` / `values` could
-# not take torch parametrizations (PEFT's LoRA on `target_parameters`): those keep a `ModuleDict`, whose `keys()` /
-# `values()` methods collide with the names.
-RENAMED_MLP_PARAMETERS = {"keys": "expert_keys", "values": "expert_values"}
+# Renamed tensors of the sigma-MoE MLP (SwitchAll), relative to the MLP: name in a checkpoint (the one every release
+# wrote, and `save_pretrained` writes) -> parameter name. `keys` / `values` could not be parameter names: torch
+# parametrizations (PEFT's LoRA on `target_parameters`) keep a `ModuleDict`, whose `keys()` / `values()` methods
+# collide with them; the router and the experts are the children `gate` / `experts`, as in Transformers' MoE blocks.
+RENAMED_MLP_PARAMETERS = {
+    "keys": "experts.expert_keys",
+    "values": "experts.expert_values",
+    "expert_selection.weight": "gate.weight",
+}
 # the same as Transformers' renaming patterns on full checkpoint keys (`model.layers.{i}.mlp.keys`)
 RENAMED_KEYS = {f"mlp.{old}": f"mlp.{new}" for old, new in RENAMED_MLP_PARAMETERS.items()}
 
@@ -40,13 +45,15 @@ def register_renamed_keys(model_type: str = "switchhead") -> None:
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
-    renamings = [WeightRenaming(source_patterns=old, target_patterns=new) for old, new in RENAMED_KEYS.items()]
+    # dots escaped: a pattern is a regular expression
+    renamings = [WeightRenaming(source_patterns=old.replace(".", r"\."), target_patterns=new)
+                 for old, new in RENAMED_KEYS.items()]
     register_checkpoint_conversion_mapping(model_type, renamings, overwrite=True)
 
 
 def rename_old_keys(state_dict: dict, prefix: str = "") -> None:
     """Rename, in place, the sigma-MoE tensors saved under their old names among the keys that start with `prefix`:
-    a module's own (`{prefix}keys`, from its `_load_from_state_dict`) or a whole model's (`...mlp.keys`). A tensor
+    an MLP's own (`{prefix}keys`, from its `_load_from_state_dict`) or a whole model's (`...mlp.keys`). A tensor
     present under both names is kept once when the two are equal; when they differ, which one is meant cannot be
     told: ValueError naming both."""
     for key in [key for key in state_dict if key.startswith(prefix)]:
@@ -63,6 +70,7 @@ def rename_old_keys(state_dict: dict, prefix: str = "") -> None:
                 del state_dict[key]
             else:
                 state_dict[renamed] = state_dict.pop(key)
+            break
 
 
 class SavedFolderMixin:

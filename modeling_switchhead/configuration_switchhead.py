@@ -114,8 +114,8 @@ class SwitchHeadConfig(PreTrainedConfig):
         sigma-MoE one is split along each expert's hidden size S (exact for an element-wise activation:
         `act(x K[:, S_r]) V[S_r, :]` summed over the processes' slices S_r), with its router replicated so the
         top-k stays global: `expert_keys` `[E, d, S]` on its last dim ("rowwise"'s placement), `expert_values`
-        `[E, S, d]` on dim 1 ("colwise"'s), and the module "switchhead_sigma_moe" (modeling file: Transformers'
-        "moe_tp_experts" around the experts call, after the router). The causal LM adds `lm_head`
+        `[E, S, d]` on dim 1 ("colwise"'s), and the experts module (`mlp.experts`, called after the router)
+        Transformers' "moe_tp_experts". The causal LM adds `lm_head`
         (`colwise_gather_output`) and Transformers adds `embed_tokens` (`embedding_rowwise`).
         """
         attention = "layers.*.self_attn"
@@ -140,8 +140,8 @@ class SwitchHeadConfig(PreTrainedConfig):
         if self.mlp_type == "dense":
             plan.update({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
         else:
-            plan.update({"layers.*.mlp.expert_keys": "rowwise", "layers.*.mlp.expert_values": "colwise",
-                         "layers.*.mlp": "switchhead_sigma_moe"})
+            plan.update({"layers.*.mlp.experts.expert_keys": "rowwise", "layers.*.mlp.experts.expert_values": "colwise",
+                         "layers.*.mlp.experts": "moe_tp_experts"})
         return plan
 
     @base_model_tp_plan.setter
@@ -151,6 +151,23 @@ class SwitchHeadConfig(PreTrainedConfig):
         `to_dict` drops, so it is never written to config.json."""
         computed = self._computed_tp_plan()
         self.__dict__["base_model_tp_plan"] = {k: v for k, v in (plan or {}).items() if computed.get(k) != v}
+
+    @property
+    def base_model_ep_plan(self) -> dict[str, str]:
+        """Expert-parallel plan (`DistributedConfig(ep_size=...)`): the sigma-MoE experts, whole experts per process.
+
+        `expert_keys` `[E, d, S]` and `expert_values` `[E, S, d]` are split along the expert dim ("grouped_gemm"),
+        and `mlp.experts` takes "ep_dispatch_experts": the router (`mlp.gate`) stays whole on every process, so each
+        token's sigma gates, top-k and router logits (the entropy regulariser's input) are the ones of one process;
+        Transformers' dispatch sends each (token, expert) pair to the process that holds the expert and brings the
+        gated outputs back. Attention is not expert-parallel (its experts are split by head under `tp_size`): a
+        model without a sigma-MoE MLP has no expert-parallel plan, and a plan naming attention is refused
+        (`tensor_parallel.check_plans`)."""
+        if self.mlp_type != "sigma_moe":
+            return {}
+        experts = "layers.*.mlp.experts"
+        return {f"{experts}.expert_keys": "grouped_gemm", f"{experts}.expert_values": "grouped_gemm",
+                experts: "ep_dispatch_experts"}
 
     vocab_size: int = 8000
     hidden_size: int = 412

@@ -64,7 +64,7 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
 from .expert_ops import default_experts_implementation, expert_projection, relu
-from .tensor_parallel import register_styles
+from .tensor_parallel import check_parallel_plans, refuse_pipeline_training, register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
     apply_partial_rotary,
@@ -368,7 +368,13 @@ class SigmaMoeExperts(nn.Module):
     biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
     their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them
     `mlp.keys` / `mlp.values`, as every release has (`checkpoint_format.py`).
+
+    Under expert parallelism (`base_model_ep_plan`) the module holds `num_experts` local experts, and a route
+    to another process's expert arrives as the id `num_experts` with gate 0 (Transformers' sentinel): it
+    adds nothing and receives no gradient.
     """
+
+    is_transposed = True  # expert_keys [E, d, S] and expert_values [E, S, d] are [experts, in, out]
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
@@ -386,44 +392,46 @@ class SigmaMoeExperts(nn.Module):
     def down_proj(self) -> torch.Tensor:
         return self.expert_values
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        rename_old_keys(state_dict, prefix)  # `load_state_dict` of a state dict saved before the rename
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
         """hidden_states `[N, d]`, top_k_index `[N, k]` (experts), top_k_weights `[N, k]` (gates) -> `[N, d]`."""
+        if getattr(self, "_is_expert_parallel", False):  # another process's expert: any local row, gate 0
+            off_process = top_k_index >= self.num_experts
+            top_k_index = top_k_index.masked_fill(off_process, 0)
+            top_k_weights = top_k_weights.masked_fill(off_process, 0.0)
         tokens = hidden_states.unsqueeze(1)
         inner = self.act_fn(expert_projection(tokens, top_k_index, self.expert_keys, implementation="eager"))
         out = expert_projection(inner, top_k_index, self.expert_values, top_k_weights, 1, implementation="eager")
         return out.view(hidden_states.shape)
 
 
-class SigmaMoeMLP(SigmaMoeExperts):
+class SigmaMoeMLP(nn.Module):
     """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T).
 
-    The router (`expert_selection`) picks each token's experts; the experts run as `SigmaMoeExperts`
-    says.
+    The router (`gate`, an `ExpertSelection`) picks each token's experts; the experts (`experts`, a
+    `SigmaMoeExperts`) run them, as in Transformers' MoE blocks (Mixtral's `gate` / `experts`), which is the
+    structure its tensor- and expert-parallel styles expect. Checkpoints keep the names `mlp.keys`,
+    `mlp.values` and `mlp.expert_selection.weight` (`checkpoint_format.py`).
     """
 
-    is_transposed = True  # expert_keys [E, d, S] and expert_values [E, S, d] are [experts, in, out]
-
     def __init__(self, config: SwitchHeadConfig):
-        super().__init__(config)
+        super().__init__()
         self.top_k = config.num_mlp_experts_per_tok
-        self.expert_selection = ExpertSelection(config.hidden_size, 1, config.num_mlp_experts, self.top_k,
-                                                config.mlp_expert_dropout, True)
+        # experts first: their weights are drawn before the router's (`_init_weights` visits children in order)
+        self.experts = SigmaMoeExperts(config)
+        self.gate = ExpertSelection(config.hidden_size, 1, config.num_mlp_experts, self.top_k,
+                                    config.mlp_expert_dropout, True)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        rename_old_keys(state_dict, prefix)  # `load_state_dict` of a state dict under earlier names
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states `[..., d]` -> `[..., d]`."""
         shape = hidden_states.shape
-        tokens = hidden_states.reshape(-1, shape[-1])
-        _, gates, index = self.expert_selection(tokens)
-        return self.run_experts(tokens, index, gates).view(shape)
-
-    def run_experts(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                    ) -> torch.Tensor:
-        """The experts part of `forward` (after the router): what tensor parallelism ("switchhead_sigma_moe") splits."""
-        return super().forward(tokens, top_k_index, top_k_weights)
+        tokens = hidden_states.reshape(-1, shape[-1])  # [N, d]
+        _, gates, index = self.gate(tokens)  # [N, k] each
+        return self.experts(tokens, index, gates).view(shape)
 
 
 _ACTIVATIONS = {"relu": relu, "gelu": F.gelu, "silu": F.silu}
@@ -488,6 +496,16 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
         "attentions": [OutputRecorder(SwitchHeadAttention, index=1), OutputRecorder(MultiHeadAttention, index=1)],
     }
 
+    def _resolve_parallel_plans(self, distributed_config):
+        """Transformers' plans for `from_pretrained(..., distributed_config=...)`, after refusing what its engine
+        cannot run exactly for this model (`tensor_parallel.check_parallel_plans`; pipeline stages: inference only)."""
+        check_parallel_plans(self.config, distributed_config, distributed_config.ep_plan)
+        tp_plan, ep_plan, fsdp_plan = super()._resolve_parallel_plans(distributed_config)
+        check_parallel_plans(self.config, distributed_config, ep_plan)
+        if (distributed_config.pp_size or 1) > 1:
+            self.register_forward_pre_hook(refuse_pipeline_training, with_kwargs=True)
+        return tp_plan, ep_plan, fsdp_plan
+
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """Transformers' check, with our default: "cvmm" (our kernels) once the switchhead package registered it,
         else "eager" (this file's sync-free PyTorch path), rather than Transformers' "grouped_mm"."""
@@ -512,11 +530,10 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
                     _init_selection(router.weight, std=scale / math.sqrt(d))
         elif isinstance(module, MultiHeadAttention) and module.output_gate is not None:
             _init_selection(module.output_gate, std=scale / math.sqrt(d))  # a router in the reference
-        elif isinstance(module, SigmaMoeMLP):  # fan in of the values: the E * S inputs of all experts
+        elif isinstance(module, SigmaMoeExperts):  # fan in of the values: the E * S inputs of all experts
             experts, size = module.expert_values.shape[:2]
             init.normal_(module.expert_keys, std=scale / math.sqrt(d))
             init.normal_(module.expert_values, std=scale / math.sqrt(experts * size))
-            _init_selection(module.expert_selection.weight, std=scale / math.sqrt(d))
         elif isinstance(module, (nn.Embedding, nn.Linear)):
             ends = isinstance(module, nn.Embedding) or module is getattr(self, "lm_head", None)
             init.normal_(module.weight, std=1.0 / math.sqrt(d) if ends else scale / math.sqrt(module.in_features))
@@ -530,6 +547,8 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
         elif isinstance(module, ExpertSelection):
             module.group_offsets.copy_(torch.arange(module.num_groups, device=module.group_offsets.device)
                                        * module.num_experts)
+            if module.drop_to_zero:  # the sigma-MoE router; attention's are drawn with their layer, after its experts
+                _init_selection(module.weight, std=scale / math.sqrt(d))
 
 
 def _init_selection(weight: torch.Tensor, std: float) -> None:

@@ -1,9 +1,10 @@
-"""Tensor parallelism for SwitchHead: the two styles its `base_model_tp_plan` names besides Transformers' own.
+"""Tensor parallelism for SwitchHead: the style its `base_model_tp_plan` names besides Transformers' own.
 
 `config.base_model_tp_plan` shards the dense projections with Transformers' styles (colwise / rowwise) and the
 per-head tensors that are not nn.Linear (SwitchHead's V/O experts `[H*E, ...]`, its routers W_S / W_D `[H*E, d]`,
 the dense baseline's output gate `[H, d]`) with "switchhead_heads": each process owns whole heads. The sigma-MoE
-experts take "switchhead_sigma_moe". The styles set on the modules what the model reads (local head and group
+experts (`mlp.experts`) take Transformers' "moe_tp_experts", and under expert parallelism its "ep_dispatch_experts"
+(`base_model_ep_plan`). The styles set on the modules what the model reads (local head and group
 counts, the local routers' group offsets); the model itself holds no tensor-parallel code.
 
 Part of the Hub-ready model: this file imports only torch and transformers; the model calls `register_styles`.
@@ -15,7 +16,7 @@ from torch import nn
 try:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, MoeExpertsParallel, TensorParallelLayer
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 except ImportError:  # no torch.distributed (or an older Transformers): no tensor parallelism, nothing else changes
     TensorParallelLayer = None
 
@@ -105,32 +106,42 @@ if TensorParallelLayer is not None:
 
             return run
 
-    class SigmaMoeParallel(MoeExpertsParallel):
-        """Tensor-parallel style "switchhead_sigma_moe": Transformers' "moe_tp_experts" on `SigmaMoeMLP.run_experts`.
-
-        The router (`expert_selection`) stays replicated and outside: every process picks the same global top-k
-        and gets the router's full gradient (the entropy regulariser's included, counted once). The experts call
-        runs on this process's slice of each expert's hidden size (`expert_keys` / `expert_values` sharded by the
-        plan), its input and gates sum their gradients over processes, and its output (a partial sum over the slices)
-        is all-reduced: `MoeExpertsParallel`'s transforms, around `run_experts` instead of the whole `forward`.
-        """
-
-        def install_forward(self, module, mesh):
-            experts = module.run_experts
-
-            def run(*args, **kwargs):
-                args, kwargs = self.transform_inputs_pre_forward(module, args, kwargs, mesh)
-                with self.context_around_forward(module, mesh):
-                    out = experts(*args, **kwargs)
-                return self.transform_output_post_forward(module, out, mesh)
-
-            module.run_experts = run
-            return module
-
-
 
 def register_styles() -> None:
-    """Register "switchhead_heads" and "switchhead_sigma_moe" with Transformers (where it has tensor parallelism)."""
+    """Register "switchhead_heads" with Transformers (where it has tensor parallelism)."""
     if TensorParallelLayer is not None:
         ALL_PARALLEL_STYLES.register("switchhead_heads", HeadParallel())
-        ALL_PARALLEL_STYLES.register("switchhead_sigma_moe", SigmaMoeParallel())
+
+
+def check_parallel_plans(config, distributed_config, ep_plan: dict[str, str]) -> None:
+    """Refuse, at load, what Transformers' distributed engine would run wrong or not at all for this model.
+
+    - Expert parallelism shards the sigma-MoE MLP's experts (`base_model_ep_plan`). SwitchHead's attention experts
+      are chosen per head (head h among its own E experts, V and O summed over heads): they split by head under
+      `tp_size` ("switchhead_heads"), never by expert, so an `ep_plan` rule naming attention is an error, and so
+      is `ep_size > 1` for a model without a sigma-MoE MLP.
+    - `ep_plan` is the expanded plan (one entry per module or parameter) or the user's override.
+    """
+    ep_size = getattr(distributed_config, "ep_size", 1) or 1
+    if ep_size > 1 and config.mlp_type != "sigma_moe":
+        raise ValueError(
+            f"ep_size={ep_size}: expert parallelism shards the sigma-MoE feed-forward experts (mlp_type='sigma_moe'); "
+            f"this model's feed-forward is {config.mlp_type!r} and its attention experts split by head under "
+            "tp_size: set ep_size=1 (and tp_size or fsdp_size instead)")
+    attention = sorted(name for name in ep_plan or {} if "self_attn" in name.split("."))
+    if attention:
+        raise ValueError(
+            f"ep_plan rules {attention} name attention: SwitchHead's attention experts are routed per head and split "
+            "by head under tp_size (base_model_tp_plan), not by expert; expert parallelism covers the sigma-MoE MLP "
+            "(layers.*.mlp.experts) only: remove those rules")
+
+
+def refuse_pipeline_training(module, args, kwargs) -> None:
+    """Forward pre-hook of a pipeline-parallel model: Transformers' pipeline stages pass activations forward only
+    (no gradient flows back between stages, and the loss is not returned), so a training step would update part of
+    the model, or none: refused while gradients are recorded in training mode."""
+    if module.training and torch.is_grad_enabled():
+        raise RuntimeError(
+            "pipeline parallelism (pp_size > 1) runs inference only in Transformers' distributed engine: its stages "
+            "send activations forward and no gradient back; train with tp_size / fsdp_size / ep_size, or call "
+            "model.eval() / torch.no_grad() for inference")

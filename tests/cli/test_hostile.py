@@ -835,7 +835,7 @@ def _damage(folder: Path, how: str, marker: Path | None = None) -> None:
         (folder / "config.json").write_text(json.dumps(config))
     elif how == "old-and-new-names":
         old = next(k for k in sorted(tensors) if k.endswith("mlp.keys"))
-        tensors[old.replace("mlp.keys", "mlp.expert_keys")] = tensors[old] + 1
+        tensors[old.replace("mlp.keys", "mlp.experts.expert_keys")] = tensors[old] + 1
         save_file(tensors, weights, metadata={"format": "pt"})
 
 

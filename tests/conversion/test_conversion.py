@@ -307,14 +307,15 @@ def test_sharded_output_with_dtype_conversion_loads_back(tmp_path):
     _, tensors = load_hf_folder(str(tmp_path / "hf"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     expected = authors_model_state("switchall")["unique_layers.1.pkm.keys"].to(torch.bfloat16)
-    assert torch.equal(tensors["model.layers.1.mlp.expert_keys"], expected)
+    assert torch.equal(tensors["model.layers.1.mlp.experts.expert_keys"], expected)
     model = SwitchHeadForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    assert model.model.layers[1].mlp.expert_keys.dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.experts.expert_keys.dtype == torch.bfloat16
 
 
 def test_folders_under_either_sigma_moe_name_export_the_same(tmp_path):
     """`save_pretrained` writes the sigma-MoE tensors as `mlp.keys` / `mlp.values` (their checkpoint names in every
-    release); with `save_original_format=False`, as `mlp.expert_keys` / `mlp.expert_values` (the parameters' names).
+    release); with `save_original_format=False`, as `mlp.experts.expert_keys` / `mlp.experts.expert_values` (the
+    parameters' names).
     Both folders read under the parameters' names and export the same authors' checkpoint."""
     from safetensors.torch import load_file
 
@@ -322,14 +323,15 @@ def test_folders_under_either_sigma_moe_name_export_the_same(tmp_path):
     model.save_pretrained(tmp_path / "checkpoint_names")
     model.save_pretrained(tmp_path / "parameter_names", save_original_format=False)
     assert "model.layers.0.mlp.keys" in load_file(str(tmp_path / "checkpoint_names" / "model.safetensors"))
-    assert "model.layers.0.mlp.expert_keys" in load_file(str(tmp_path / "parameter_names" / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.expert_keys" in load_file(str(tmp_path / "parameter_names" /
+                                                                      "model.safetensors"))
     read = {name: load_hf_folder(str(tmp_path / name))[1] for name in ("checkpoint_names", "parameter_names")}
     assert read["checkpoint_names"].keys() == read["parameter_names"].keys() == model.state_dict().keys()
     for name in read:
         export_authors_checkpoint(str(tmp_path / name), str(tmp_path / f"{name}.pth"))
     first, second = (torch.load(tmp_path / f"{name}.pth", weights_only=True)["model"] for name in read)
     assert first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
-    assert torch.equal(first["unique_layers.1.pkm.values"], model.model.layers[1].mlp.expert_values.detach())
+    assert torch.equal(first["unique_layers.1.pkm.values"], model.model.layers[1].mlp.experts.expert_values.detach())
 
 
 # ================================================================================== must-show 3

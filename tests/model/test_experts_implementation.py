@@ -116,15 +116,16 @@ def test_default_is_cvmm_with_the_package_and_eager_without():
         assert SwitchHeadForCausalLM(_switchall()).config._experts_implementation == "eager"
 
 
-def test_sigma_moe_mlp_is_an_experts_module_with_its_checkpoint_names():
+def test_sigma_moe_mlp_has_a_router_and_an_experts_module():
     model = SwitchHeadForCausalLM(_switchall())
     mlp = model.model.layers[0].mlp
-    assert isinstance(mlp, modeling.SigmaMoeExperts)
-    assert (mlp.has_gate, mlp.has_bias, mlp.is_transposed) == (False, False, True)
-    assert mlp.up_proj is mlp.expert_keys and mlp.down_proj is mlp.expert_values
+    assert isinstance(mlp.experts, modeling.SigmaMoeExperts) and isinstance(mlp.gate, modeling.ExpertSelection)
+    experts = mlp.experts
+    assert (experts.has_gate, experts.has_bias, experts.is_transposed) == (False, False, True)
+    assert experts.up_proj is experts.expert_keys and experts.down_proj is experts.expert_values
     names = {name for name in model.state_dict() if ".mlp." in name and name.startswith("model.layers.0.")}
-    assert names == {"model.layers.0.mlp.expert_keys", "model.layers.0.mlp.expert_values",
-                     "model.layers.0.mlp.expert_selection.weight"}
+    assert names == {"model.layers.0.mlp.experts.expert_keys", "model.layers.0.mlp.experts.expert_values",
+                     "model.layers.0.mlp.gate.weight"}
 
 
 # ------------------------------------------------------------------------------------------------ stock MoE models
@@ -177,13 +178,21 @@ def test_cvmm_runs_stock_moe_models_like_eager(name):
     _assert_same(eager, cvmm, f"{name} cvmm")
 
 
-def test_cvmm_refuses_expert_parallel_modules():
-    model = _mixtral()
+@pytest.mark.parametrize("model_name, implementation", [("mixtral", "cvmm"), ("switchall", "cvmm"),
+                                                        ("switchall", "eager")])
+def test_routes_to_other_processes_experts_add_nothing(model_name, implementation):
+    """Expert parallelism hands a module its local experts and marks a route to another process's expert with the
+    id `num_experts` and gate 0 (Transformers' AllReduceEP): that route adds nothing, as if it were not there."""
+    torch.manual_seed(0)
+    model = _mixtral() if model_name == "mixtral" else SwitchHeadForCausalLM(_switchall())
+    model.set_experts_implementation(implementation)
     experts = model.model.layers[0].mlp.experts
+    tokens, index, weights = torch.randn(5, 32), torch.randint(0, experts.num_experts, (5, 2)), torch.rand(5, 2)
+    only_local = experts(tokens, index[:, :1], weights[:, :1])
+    index[:, 1], weights[:, 1] = experts.num_experts, 0.0  # every second slot: another process's expert
     experts._is_expert_parallel = True
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
-        cvmm_experts_forward(experts, torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2),
-                             cvmm=expert_ops.expert_projection)
+    with_sentinels = experts(tokens, index, weights)
+    torch.testing.assert_close(with_sentinels, only_local, rtol=0, atol=1e-6)
 
 
 def test_experts_benchmark_smoke(tmp_path):

@@ -20,7 +20,8 @@ from switchhead.training.finetune import apply_lora, load_quantized  # noqa: E40
 from helpers.models import logits_of  # noqa: E402
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
-FULL_PRECISION = ("value_experts", "output_experts", "expert_keys", "expert_values", "selection", "output_gate")
+FULL_PRECISION = ("value_experts", "output_experts", "expert_keys", "expert_values", "selection", "mlp.gate",
+                  "output_gate")
 
 
 @pytest.fixture(scope="module")

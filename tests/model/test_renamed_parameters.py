@@ -1,8 +1,9 @@
-"""SwitchAll's sigma-MoE experts are the parameters `expert_keys` / `expert_values` (they were `keys` / `values`,
-names that torch parametrizations, and so PEFT's `target_parameters`, cannot take). Checkpoints keep the names
-`mlp.keys` / `mlp.values` (Transformers' conversion mapping, registered by the model file): folders of every release
-load with identical logits, through `from_pretrained` (the package's classes, a task head, the folder's own copy of
-the code) and `load_state_dict`; folders saved with `save_original_format=False` (today's names) load too.
+"""SwitchAll's sigma-MoE is a router `mlp.gate` and an experts module `mlp.experts` whose parameters are
+`expert_keys` / `expert_values` (they were the MLP's own `keys` / `values`, names that torch parametrizations, and so
+PEFT's `target_parameters`, cannot take). Checkpoints keep the names `mlp.keys` / `mlp.values` / `mlp.expert_selection.weight` (Transformers' conversion mapping,
+registered by the model file): folders of every release load with identical logits, through `from_pretrained` (the
+package's classes, a task head, the folder's own copy of the code) and `load_state_dict`; folders saved with
+`save_original_format=False` (the parameters' names) load too.
 
 The folders saved by a release before the rename are tests/fixtures/pre_redesign (run by
 tests/conformance/test_pre_redesign_checkpoints.py, with the old code beside this package too).
@@ -23,7 +24,8 @@ from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from helpers.clean_venv import clean_venv, run_checked
 from helpers.models import logits_of
 
-OLD_NAMES = {"expert_keys": "keys", "expert_values": "values"}  # parameter name -> checkpoint name
+# parameter name (under the MLP) -> checkpoint name
+OLD_NAMES = {"experts.expert_keys": "keys", "experts.expert_values": "values", "gate.weight": "expert_selection.weight"}
 IDS = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
@@ -35,15 +37,16 @@ def _model(preset: str = "tiny-switchall") -> SwitchHeadForCausalLM:
 
 
 def _old_names(key: str) -> str:
-    prefix, _, name = key.rpartition(".")
-    return f"{prefix}.{OLD_NAMES[name]}" if ".mlp." in key + "." and name in OLD_NAMES else key
+    prefix, mlp, name = key.partition(".mlp.")
+    return f"{prefix}.mlp.{OLD_NAMES[name]}" if mlp and name in OLD_NAMES else key
 
 
 def _save_under_old_names(model, folder) -> None:
     """`save_pretrained`, which writes the sigma-MoE tensors under the checkpoint names every release wrote."""
     model.save_pretrained(folder)
     keys = load_file(os.path.join(folder, "model.safetensors")).keys()
-    assert "model.layers.0.mlp.keys" in keys and not any("expert_keys" in key for key in keys)
+    assert {"model.layers.0.mlp.keys", "model.layers.0.mlp.expert_selection.weight"} <= set(keys)
+    assert not any("expert_keys" in key or ".gate." in key for key in keys)
 
 
 @pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchall+xl"])
@@ -58,18 +61,19 @@ def test_folder_under_old_names_loads_with_identical_logits(preset, tmp_path):
     classifier, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "old", num_labels=2,
                                                                           output_loading_info=True)
     assert set(info["missing_keys"]) == {"score.weight"}
-    assert torch.equal(classifier.model.layers[1].mlp.expert_values, model.model.layers[1].mlp.expert_values)
+    assert torch.equal(classifier.model.layers[1].mlp.experts.expert_values,
+                       model.model.layers[1].mlp.experts.expert_values)
 
 
 def test_folder_under_todays_names_loads(tmp_path):
     model = _model()
     model.save_pretrained(tmp_path / "today", save_original_format=False)
-    assert "model.layers.0.mlp.expert_keys" in load_file(tmp_path / "today" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.expert_keys" in load_file(tmp_path / "today" / "model.safetensors")
     loaded, info = SwitchHeadForCausalLM.from_pretrained(tmp_path / "today", output_loading_info=True)
     assert not any(info.values()), info
     assert torch.equal(logits_of(loaded, IDS), logits_of(model, IDS))
     loaded.save_pretrained(tmp_path / "again")  # Transformers saves a loaded model in the format it was loaded from
-    assert "model.layers.0.mlp.expert_keys" in load_file(tmp_path / "again" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.expert_keys" in load_file(tmp_path / "again" / "model.safetensors")
     assert torch.equal(logits_of(SwitchHeadForCausalLM.from_pretrained(tmp_path / "again"), IDS), logits_of(model, IDS))
 
 
@@ -85,9 +89,10 @@ def test_load_state_dict_takes_old_names(tmp_path):
     assert torch.equal(logits_of(fresh, IDS), logits_of(model, IDS))
     # a module on its own takes its own old names too
     mlp = fresh.model.layers[0].mlp
-    mlp.load_state_dict({"keys": torch.ones_like(mlp.expert_keys), "values": mlp.expert_values.detach().clone(),
-                         "expert_selection.weight": mlp.expert_selection.weight.detach().clone()})
-    assert torch.equal(mlp.expert_keys, torch.ones_like(mlp.expert_keys))
+    mlp.load_state_dict({"keys": torch.ones_like(mlp.experts.expert_keys),
+                         "values": mlp.experts.expert_values.detach().clone(),
+                         "expert_selection.weight": mlp.gate.weight.detach().clone()})
+    assert torch.equal(mlp.experts.expert_keys, torch.ones_like(mlp.experts.expert_keys))
 
 
 def test_sigma_moe_experts_take_a_torch_parametrization():
@@ -99,13 +104,13 @@ def test_sigma_moe_experts_take_a_torch_parametrization():
             return 2 * weight
 
     model = _model()
-    expected = [2 * layer.mlp.expert_keys.detach().clone() for layer in model.model.layers]
+    expected = [2 * layer.mlp.experts.expert_keys.detach().clone() for layer in model.model.layers]
     for layer in model.model.layers:
-        parametrize.register_parametrization(layer.mlp, "expert_keys", Doubled())
-        parametrize.register_parametrization(layer.mlp, "expert_values", Doubled())
+        parametrize.register_parametrization(layer.mlp.experts, "expert_keys", Doubled())
+        parametrize.register_parametrization(layer.mlp.experts, "expert_values", Doubled())
     for layer, keys in zip(model.model.layers, expected):
-        assert torch.equal(layer.mlp.expert_keys, keys)
-        assert layer.mlp.up_proj is not None and torch.equal(layer.mlp.up_proj, keys)  # Transformers' experts name
+        assert torch.equal(layer.mlp.experts.expert_keys, keys)
+        assert torch.equal(layer.mlp.experts.up_proj, keys)  # Transformers' experts name
     assert torch.isfinite(logits_of(model, IDS)).all()
 
 

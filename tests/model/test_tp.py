@@ -86,8 +86,8 @@ def expected_shards(config: SwitchHeadConfig) -> dict[str, list[int]]:
         shards[f"{layer}.mlp.up_proj.weight"] = [config.intermediate_size // 2, d]
         shards[f"{layer}.mlp.down_proj.weight"] = [d, config.intermediate_size // 2]
     else:  # each expert's hidden size split
-        shards[f"{layer}.mlp.expert_keys"] = [config.num_mlp_experts, d, config.mlp_expert_size // 2]
-        shards[f"{layer}.mlp.expert_values"] = [config.num_mlp_experts, config.mlp_expert_size // 2, d]
+        shards[f"{layer}.mlp.experts.expert_keys"] = [config.num_mlp_experts, d, config.mlp_expert_size // 2]
+        shards[f"{layer}.mlp.experts.expert_values"] = [config.num_mlp_experts, config.mlp_expert_size // 2, d]
     return shards
 
 
@@ -117,7 +117,7 @@ def test_tp_plan_auto_on_two_cpu_processes(tmp_path, case):
         for name, shape in expected_shards(config).items():
             assert result["sharded"].get(name) == shape, (name, result["sharded"].get(name), shape)
         if config.mlp_type == "sigma_moe":  # the router stays whole (a global top-k)
-            assert "model.layers.0.mlp.expert_selection.weight" not in result["sharded"]
+            assert "model.layers.0.mlp.gate.weight" not in result["sharded"]
         grad_diff = result["grad_diff"]
         assert set(grad_diff) == {name for name, _ in model.named_parameters()}
         wrong = {name: diff for name, diff in grad_diff.items() if diff is None or diff > 1e-5}
