@@ -367,21 +367,20 @@ def bf16_row(variant, preset, triton_run, torch_run, fp32_run, **extra) -> dict:
     return row
 
 
-def diagnose_fp32_mismatch(variant: str, model, ids, triton_run, torch_run) -> dict:
+def diagnose_fp32_mismatch(variant: str, model, ids, triton_run, torch_run, worst: str | None) -> dict:
     """Where an fp32 whole-model check failed: which side is wrong, and does it depend on the autotuner?
 
     Runs the Triton path again with the first autotune config pinned (no benchmarking), and the PyTorch path in
     float64 on a copy of the model, then reports, for the worst parameter of the failed check and for the logits,
-    how far the Triton run, the pinned Triton run and the PyTorch fp32 run each are from float64. The side far from
-    float64 is the wrong one; both near it would mean the check's tolerance is too tight."""
+    how far the Triton run, the pinned Triton run and the PyTorch fp32 run each are from float64 (`worst`: that
+    parameter's name, as the check found it). The side far from float64 is the wrong one; both near it would mean
+    the check's tolerance is too tight."""
     import copy
 
     import torch
 
     logits, grads = triton_run
     want_logits, want_grads = torch_run
-    worst = max(((relative_error(grads[n], want_grads[n]), n) for n in want_grads if n in grads),
-                default=(0.0, None))[1]
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -441,7 +440,8 @@ def model_section(smoke: bool, device, log) -> list[dict]:
                 row.update(status="mismatch", missing_gradients=missing)
             rows.append(row)
             if row["status"] != "ok":
-                rows.append(diagnose_fp32_mismatch(variant, model, ids, (logits, grads), (want_logits, want_grads)))
+                rows.append(diagnose_fp32_mismatch(variant, model, ids, (logits, grads), (want_logits, want_grads),
+                                                   row["worst_parameter"]))
             if ("bf16", "triton") in runs:
                 rows.append(bf16_row(variant, preset, runs["bf16", "triton"], runs["bf16", "torch"],
                                      runs["fp32", "torch"], batch=batch, length=length))

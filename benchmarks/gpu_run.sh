@@ -28,16 +28,8 @@ mkdir -p "$out"
 shim=$(mktemp -d)
 work=$(mktemp -d)  # every file the scripts write; only the JSONs go on to $OUT
 trap 'rm -rf "$shim" "$work"' EXIT
-mkdir -p "$shim/switchhead"
-for f in "$root"/modeling_switchhead/*; do ln -s "$f" "$shim/switchhead/"; done
-# every subpackage setup.py maps (switchhead.<name> -> folder), read from setup.py itself so that none is missed
-subpackages=$(python3 -c 'import ast, sys
-tree = ast.parse(open(sys.argv[1]).read())
-table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SUBPACKAGES")
-print(" ".join(f"{k}={v}" for k, v in ast.literal_eval(table).items()))' "$root/setup.py")
-for pair in $subpackages; do
-    [ -d "$root/${pair#*=}" ] && ln -s "$root/${pair#*=}" "$shim/switchhead/${pair%%=*}"
-done
+# the package as setup.py installs it, as links (scripts/package_tree.py reads setup.py's table, so none is missed)
+subpackages=$(python3 "$root/scripts/package_tree.py" "$shim")
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 log="$out/log.txt"
 # the package and each subpackage resolve inside the shim (an installed copy, e.g. an editable install's finder,

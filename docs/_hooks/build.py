@@ -3,7 +3,7 @@ from the benchmark results at build time, so that no page keeps a copy of either
 
 - API reference: griffe (mkdocstrings-python) reads the package's sources from a tree of links laid out as the
   package installs (`switchhead` <- modeling_switchhead/, `switchhead.kernels` <- kernels/, ... from setup.py's
-  SUBPACKAGES), built in a temporary folder.
+  SUBPACKAGES: scripts/package_tree.py), built in a temporary folder.
 - `<!-- generated: NAME -->` in a page is replaced by a table made from the code: `config-fields` (every field
   of SwitchHeadConfig: type, default, the rule `_FIELD_RULES` holds for it, its docstring entry),
   `config-checks` (the cross-field checks), `presets` (every preset, its shape and parameter count), `cli` (the
@@ -25,6 +25,7 @@ import json
 import os
 import posixpath
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+import package_tree  # noqa: E402 - scripts/package_tree.py: the package as it installs, as links
 RESULTS = REPO / "benchmarks" / "results"
 _MARKER = re.compile(r"<!--\s*generated:\s*([\w-]+)\s*-->")
 _INCLUDE = re.compile(r"<!--\s*include:\s*(\S+)\s*-->")
@@ -40,28 +43,11 @@ _api_tree: tempfile.TemporaryDirectory | None = None
 
 
 # --------------------------------------------------------------------------------------------- the API sources
-def _subpackages() -> dict[str, str]:
-    """setup.py's SUBPACKAGES (import name under switchhead -> folder), read without running setup.py."""
-    tree = ast.parse((REPO / "setup.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SUBPACKAGES" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise RuntimeError("setup.py has no SUBPACKAGES mapping")
-
-
 def _build_api_tree() -> str:
-    """A folder holding `switchhead/` as it installs: links to modeling_switchhead's files and to each
-    subpackage folder that exists, for griffe to read statically."""
+    """A folder holding `switchhead/` as it installs (scripts/package_tree.py), for griffe to read statically."""
     global _api_tree
     _api_tree = tempfile.TemporaryDirectory(prefix="switchhead-docs-api-")
-    package = Path(_api_tree.name) / "switchhead"
-    package.mkdir()
-    for entry in (REPO / "modeling_switchhead").iterdir():
-        if entry.suffix == ".py":
-            (package / entry.name).symlink_to(entry)
-    for name, folder in _subpackages().items():
-        if (REPO / folder / "__init__.py").is_file():
-            (package / name).symlink_to(REPO / folder, target_is_directory=True)
+    package_tree.link_tree(_api_tree.name)
     return _api_tree.name
 
 

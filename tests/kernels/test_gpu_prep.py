@@ -344,7 +344,7 @@ def test_fp32_model_diagnosis_names_the_side_far_from_float64():
     logits, grads = gpu_check.loss_and_grads(model, ids)
     name = next(n for n in grads if n.endswith("expert_keys"))
     broken = dict(grads, **{name: grads[name] * 1.05})
-    row = gpu_check.diagnose_fp32_mismatch("switchall", model, ids, (logits, broken), (logits, grads))
+    row = gpu_check.diagnose_fp32_mismatch("switchall", model, ids, (logits, broken), (logits, grads), name)
     assert row["worst_parameter"] == name and row["wrong_side"] == ["triton"] and row["status"] == "mismatch"
     assert row["errors"][f"{name} vs fp64 (triton)"] > 0.04
     assert row["errors"][f"{name} vs fp64 (torch)"] < gpu_check.MODEL_TOLERANCE["fp32"]
