@@ -161,6 +161,17 @@ def naive(inputs, expert_index, weight, gates=None, out_groups=1):
     return _expert_gated_sum(torch.einsum("nsi,nsio->nso", rows, matrices), gates, out_groups)
 
 
+def _gathered(inputs, expert_index, weight, gates, out_groups):
+    """The naive twin with its matrix product written as a broadcast product and a sum over `d_in`: under
+    torch.compile, inductor fuses the gather of the selected matrices into that reduction, so each selected matrix
+    is read once and none is copied. Eager, it materialises `[N, S, d_in, d_out]`: chosen only while compiling."""
+    n, s = expert_index.shape
+    r, d_in = inputs.shape[1], inputs.shape[2]
+    rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in, 1)
+    matrices = weight.index_select(0, expert_index.reshape(-1)).view(n, s, d_in, weight.shape[2])
+    return _expert_gated_sum((rows * matrices).sum(2), gates, out_groups)
+
+
 def _batched(inputs, expert_index, weight, gates, out_groups):
     n, s = expert_index.shape
     r, d_in, d_out = inputs.shape[1], inputs.shape[2], weight.shape[2]
@@ -218,7 +229,9 @@ def choose_formulation(tokens: int, slots: int, rows: int, out_groups: int | Non
                        grouped_routing: bool = False) -> Callable:
     """The "auto" rule behind "eager": the formulation for a call of these sizes (`out_groups` None: no gates).
 
-    `_batched` for a handful of selected matrices (N * S <= 4: the weight copy is small); `_all_experts` while its
+    Compiled (not exported), while a call selects fewer matrices than there are experts (N * S < G: decoding a
+    few tokens), `_gathered`, whose gather inductor fuses into the product, so only the selected matrices are read.
+    Otherwise `_batched` for a handful of selected matrices (N * S <= 4: the weight copy is small); `_all_experts` while its
     extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G matrix products per token where
     S are needed, so it is taken when that is at most twice S, or for few tokens (N * S <= 512, where sorting and
     copying cost more than the extra products); else `_grouped`. With grouped routing and gates on a side with one
@@ -228,6 +241,8 @@ def choose_formulation(tokens: int, slots: int, rows: int, out_groups: int | Non
     """
     if isinstance(tokens, torch.SymInt) and torch.compiler.is_exporting():
         return _all_experts
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting() and tokens * slots < num_experts:
+        return _gathered  # fewer selected matrices than experts (decoding): read only those, fused
     mixed = min(rows, out_groups or slots) * num_experts  # products per token of `_all_experts`
     if mixed > 2 * slots and tokens * slots > 512:
         return _grouped

@@ -81,5 +81,5 @@ def every_projection() -> dict:
     per-head one, which needs grouped routing), called directly: all take (inputs, index, weight, gates, groups)."""
     entries = {name: functools.partial(expert_ops.expert_projection, implementation=name)
                for name in expert_ops.EXPERTS_IMPLEMENTATIONS}
-    formulations = (expert_ops._batched, expert_ops._all_experts, expert_ops._grouped)
+    formulations = (expert_ops._batched, expert_ops._all_experts, expert_ops._grouped, expert_ops._gathered)
     return {**entries, **{formulation.__name__: formulation for formulation in formulations}}

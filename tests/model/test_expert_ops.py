@@ -121,6 +121,33 @@ def test_eager_picks_by_problem_size():
     assert choose(4096, 4, 1, 2, 6) is f._all_experts
 
 
+@pytest.mark.parametrize("use", sorted(USES))
+def test_compiled_decoding_reads_only_the_selected_experts(use):
+    # compiled, a call with fewer selected matrices than experts takes `_gathered` (the gather fused into the
+    # product); its values and gradients are the twin's; more slots than experts keep the eager rule's choice
+    choose, f = expert_ops.choose_formulation, expert_ops
+    chosen = []
+
+    def spy(*args, **kwargs):
+        chosen.append(choose(*args, **kwargs))
+        return chosen[-1]
+
+    generator = torch.Generator().manual_seed(11)
+    for tokens in (1, 6):
+        case = random_case(generator, use, tokens=tokens, heads=2, experts=5, k=2, d_in=8, d_out=12,
+                           dtype=torch.float32)
+        want = _twin(case)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda c=case: expert_projection(*c.args(), implementation="eager"),
+                                 fullgraph=True)
+        with unittest.mock.patch.object(expert_ops, "choose_formulation", spy):
+            got = compiled()
+        _assert_same(got, want, _grads(got, case.leaves()), _grads(want, case.leaves()), torch.float32)
+    slots, experts = case.expert_index.shape[1], case.weight.shape[0]
+    assert chosen[0] is f._gathered and slots < experts  # one token: fewer selected matrices than experts
+    assert chosen[1] is not f._gathered and 6 * slots >= experts
+
+
 def test_grouped_mm_falls_back_where_grouped_mm_cannot_run():
     # float64 (no _grouped_mm) and no tokens: the "grouped_mm" entry runs _all_experts, with the same values
     for tokens, dtype in ((4096, torch.float64), (0, torch.float32)):
