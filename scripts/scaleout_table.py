@@ -2,7 +2,7 @@
 
     python scripts/scaleout_table.py [--steps 3] [--out table.md]
 
-For each tiny preset (dropout off) and each layout on 2 gloo processes (`torchrun`, CPU), the training run of
+For each tiny preset (dropout off) and each layout on 2 or 4 gloo processes (`torchrun`, CPU), the training run of
 tests/training/scaleout_worker.py (SGD with momentum, the sigma-MoE entropy regulariser on) is compared with the
 one-process reference on the same data: the largest relative difference of a step's loss and the largest absolute
 difference of a final weight; a layout refused at load (or at the first training step) shows its reason. Prints a
@@ -25,7 +25,20 @@ import torch
 WORKER = Path(__file__).resolve().parents[1] / "tests" / "training" / "scaleout_worker.py"
 PRESETS = {"SwitchAll": "tiny-switchall", "SwitchHead-XL": "tiny-switchhead-xl", "SwitchHead (RoPE)": "tiny-switchhead"}
 LAYOUTS = [{"tp_size": 2}, {"fsdp_size": 2}, {"pp_size": 2}, {"fsdp_size": 2, "ep_size": 2},
-           {"tp_size": 2, "ep_size": 2}]
+           {"tp_size": 2, "ep_size": 2}, {"tp_size": 2, "fsdp_size": 2}, {"dp_replicate_size": 2, "fsdp_size": 2}]
+
+
+def processes(layout: dict) -> int:
+    """Processes a layout runs on: tp x fsdp x dp_replicate x pp (ep divides the FSDP processes); at least 2."""
+    sizes = ("tp_size", "fsdp_size", "dp_replicate_size", "pp_size")
+    count = 1
+    for size in sizes:
+        count *= layout.get(size, 1)
+    return max(count, 2)
+
+
+def data_parallel_shares(layout: dict) -> int:
+    return layout.get("fsdp_size", 1) * layout.get("dp_replicate_size", 1)
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "mlp_expert_dropout": 0.0,
               "attention_expert_dropout": 0.0}
 
@@ -42,8 +55,8 @@ def run(model: Path, out: Path, layout: dict, steps: int, data_parallel: int = 1
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [str(WORKER), str(model), str(out), "--layout", json.dumps(layout), "--steps", str(steps),
                "--data-parallel", str(data_parallel)]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port())] if layout else [sys.executable]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes(layout)),
+                "--master_port", str(free_port())] if layout else [sys.executable]
     done = subprocess.run(launcher + command, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode == 0:
         return None
@@ -77,7 +90,7 @@ def main() -> None:
             model = work / preset
             SwitchHeadForCausalLM(SwitchHeadConfig.from_preset(preset, **NO_DROPOUT)).save_pretrained(model)
             references = {}
-            for data_parallel in (1, 2):
+            for data_parallel in sorted({data_parallel_shares(layout) for layout in LAYOUTS}):
                 references[data_parallel] = work / f"{preset}-reference-{data_parallel}"
                 failed = run(model, references[data_parallel], {}, args.steps, data_parallel)
                 assert failed is None, failed
@@ -87,14 +100,14 @@ def main() -> None:
                 if failed is not None:
                     cell = f"refused: {failed}"
                 else:
-                    loss, weight = compare(out, references[layout.get("fsdp_size", 1)])
+                    loss, weight = compare(out, references[data_parallel_shares(layout)])
                     cell = f"loss {loss:.1e}, weights {weight:.1e}"
                 rows[json.dumps(layout)].append(cell)
                 print(f"{name} {layout}: {cell}", flush=True)
-    lines = ["| layout (2 processes) | " + " | ".join(PRESETS) + " |", "|---" * (len(PRESETS) + 1) + "|"]
+    lines = ["| layout | processes | " + " | ".join(PRESETS) + " |", "|---" * (len(PRESETS) + 2) + "|"]
     for layout, cells in rows.items():
         sizes = ", ".join(f"`{k}={v}`" for k, v in json.loads(layout).items())
-        lines.append(f"| {sizes} | " + " | ".join(cells) + " |")
+        lines.append(f"| {sizes} | {processes(json.loads(layout))} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -3,6 +3,7 @@ engine (`from_pretrained(..., distributed_config=DistributedConfig(...))`, under
 the one-process reference.
 
     torchrun --nproc_per_node 2 tests/training/scaleout_worker.py MODEL OUT --layout '{"fsdp_size": 2, "ep_size": 2}'
+    torchrun --nproc_per_node 4 tests/training/scaleout_worker.py MODEL OUT --layout '{"tp_size": 2, "fsdp_size": 2}'
     python tests/training/scaleout_worker.py MODEL OUT --layout '{}' --data-parallel 2     # the reference
 
 Step s draws a global batch from a generator seeded by s and cuts it into `data_parallel` equal shares, each of
@@ -72,8 +73,10 @@ def main() -> None:
 
         model = SwitchHeadForCausalLM.from_pretrained(source, distributed_config=DistributedConfig(**layout))
         rank = dist.get_rank()
-        tp = layout.get("tp_size", 1)
-        shares, index = layout.get("fsdp_size", 1), (rank // tp) % layout.get("fsdp_size", 1)
+        # Transformers' mesh is (pp, dp_replicate, fsdp, tp), tp innermost: processes rank // tp_size see one
+        # data-parallel share (HSDP: replicas x FSDP shards, each its own share)
+        shares = layout.get("dp_replicate_size", 1) * layout.get("fsdp_size", 1)
+        index = (rank // layout.get("tp_size", 1)) % shares
     else:
         model = SwitchHeadForCausalLM.from_pretrained(source)
         rank, shares, index = 0, args.data_parallel, None

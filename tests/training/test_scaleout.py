@@ -8,6 +8,8 @@ under `torchrun --nproc_per_node 2` (gloo, CPU), against one process (tests/trai
   is on (coefficient 0.001): it is a statistic of each data-parallel process's batch, which the reference runs as
   micro-batches of one step. The fsdp_size=2 + ep_size=2 run accumulates 2 micro-batches per process per step.
   Dropout is off (each process would draw its own masks).
+- On 4 processes, tp_size=2 + fsdp_size=2 (two data-parallel shares, each split by head / expert rows) and HSDP
+  (dp_replicate_size=2 + fsdp_size=2: four shares) train SwitchAll like one process, within the same tolerances.
 - A run saved by 2 processes after step 2 (rank-local shards, `save_pretrained(..., distributed_checkpoint=True)`,
   and `save_optimizer_distributed`) resumes on 2 processes with the uninterrupted step 3 loss and weights; the
   `save_pretrained` folder the sharded model writes loads in one process with its logits.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,11 +60,13 @@ def _run(model: Path, out: Path, layout: dict, *extra: str) -> dict:
     """The worker on 2 processes (a layout) or one (no layout); its per-rank results."""
     out.mkdir(parents=True, exist_ok=True)
     command = [WORKER, str(model), str(out), "--layout", json.dumps(layout), *extra]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port())] if layout else [sys.executable]
+    # ep_size divides the FSDP processes (fsdp_size=2 + ep_size=2 runs on 2), so it adds none
+    processes = math.prod(layout.get(size, 1) for size in ("tp_size", "fsdp_size", "dp_replicate_size"))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                "--master_port", str(free_port())] if layout else [sys.executable]
     done = subprocess.run(launcher + command, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = (0, 1) if layout else (0,)
+    ranks = tuple(range(processes))
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in ranks}
 
 
@@ -127,6 +132,20 @@ def test_tensor_parallel_trains_like_one_process(tmp_path, preset):
     distributed = _run(model, tmp_path / "tp", {"tp_size": 2})
     _assert_same_training(distributed, reference, tmp_path / "tp", tmp_path / "reference")
     _assert_trained(tmp_path / "tp" / "weights.pt", model)
+
+
+@pytest.mark.parametrize("layout", [{"tp_size": 2, "fsdp_size": 2}, {"dp_replicate_size": 2, "fsdp_size": 2}],
+                         ids=["tp2-fsdp2", "hsdp2x2"])
+def test_four_process_layouts_train_like_one_process(tmp_path, layout):
+    # 4 processes: TP inside FSDP2 (two data-parallel shares, each split by head / by expert rows), and HSDP (two
+    # replicas of a 2-way FSDP2 shard group: four data-parallel shares)
+    model = _saved("tiny-switchall", tmp_path / "init")
+    shares = layout.get("dp_replicate_size", 1) * layout["fsdp_size"]
+    reference = _run(model, tmp_path / "reference", {}, "--data-parallel", str(shares))
+    distributed = _run(model, tmp_path / "run", layout)
+    assert len(distributed) == 4
+    _assert_same_training(distributed, reference, tmp_path / "run", tmp_path / "reference")
+    _assert_trained(tmp_path / "run" / "weights.pt", model)
 
 
 REFUSALS = r'''
