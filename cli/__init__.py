@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 
 # command modules (in `switchhead --help` order) and the application package each needs; a command whose package
@@ -181,14 +182,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except UsageError as error:
-        print(error_line(args.command, error), file=sys.stderr)
+        report(error_line(args.command, error))
         return error.exit_code
     except expected_errors() as error:
-        print(error_line(args.command, describe_expected(error)), file=sys.stderr)
+        report(error_line(args.command, describe_expected(error)))
         return 2
     except KeyboardInterrupt:
         print(f"switchhead {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def report(line: str) -> None:
+    """The error line on stderr, from the first process only when a launcher (torchrun, `accelerate launch`) started
+    several: each runs the same command and meets the same error, and the user should read it once. (The launcher
+    then adds its own report of the failed processes.)"""
+    if os.environ.get("RANK", "0") in ("0", ""):
+        print(line, file=sys.stderr)
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:

@@ -5,11 +5,22 @@
     switchhead train --output-dir runs/wt2 --resume           # continue from the newest checkpoint
     accelerate launch --num_processes 8 -m switchhead.cli train --preset wt103-47m-switchhead-xl --data DIR
     switchhead train --accelerate-config fsdp2 --num-processes 8 --preset wt103-47m-switchhead-xl --data DIR
+    torchrun --nproc_per_node 4 -m switchhead.cli train --preset tiny-switchall --fsdp-size 4 --ep-size 2   # Transformers' engine
 """
 
 from __future__ import annotations
 
 from . import UsageError, parse_field_assignments
+
+
+# command-line option -> DistributedConfig field of Transformers' distributed engine (TrainingConfig.distributed)
+SIZE_OPTIONS: dict[str, str] = {
+    "--tp-size": "tensor parallelism over N processes: attention by head, MLPs, embedding and LM head sharded "
+                 "(base_model_tp_plan); the processes of a group share their rows of the batch",
+    "--fsdp-size": "FSDP2 over N processes: every parameter sharded, each process its own rows of the batch",
+    "--ep-size": "expert parallelism: SwitchAll's sigma-MoE experts split over N processes (base_model_ep_plan); "
+                 "within the tp x fsdp processes, so it does not add to their count",
+}
 
 
 # command-line option -> TrainingConfig field; options left out keep the preset's (or the resumed run's) value
@@ -77,6 +88,14 @@ def register(subparsers) -> None:
                              "(it applies FSDP on accelerators only). Several machines: `accelerate launch` itself")
     parser.add_argument("--num-processes", type=int, default=None, metavar="N",
                         help="with --accelerate-config: processes to start (default: the config's num_processes)")
+    sizes = parser.add_argument_group(
+        "Transformers' distributed engine",
+        "shard the model at load with from_pretrained(..., distributed_config=DistributedConfig(tp_size=, "
+        "fsdp_size=, ep_size=)), under torchrun or `accelerate launch --multi_gpu` with tp x fsdp processes (on CPU "
+        "they join over gloo). Rank 0 alone writes the run folder; resume on the same sizes. Pipeline parallelism "
+        "runs inference only in Transformers, so there is no --pp-size")
+    for flag, help_text in SIZE_OPTIONS.items():
+        sizes.add_argument(flag, type=int, default=None, metavar="N", help=help_text)
     parser.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard logs")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list-presets", action="store_true", help="list the model presets and exit")
@@ -98,10 +117,14 @@ def run(args) -> int:
         for name in sorted(PRESETS):
             print(f"{name:28s} {'paper training settings' if name in PAPER_TRAINING else 'tiny (CPU)'}")
         return 0
+    distributed = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag in SIZE_OPTIONS}
+    distributed = {name: value for name, value in distributed.items() if value is not None}
+    if distributed and args.demo:
+        raise UsageError("--demo runs in one process; drop --tp-size / --fsdp-size / --ep-size")
     if args.accelerate_config is not None:
         if args.demo:
             raise UsageError("--demo runs in one process; drop --accelerate-config")
-        return launch_under_accelerate(args)
+        return launch_under_accelerate(args, sharded=bool(distributed))
     if args.num_processes is not None:
         raise UsageError("--num-processes goes with --accelerate-config (or use `accelerate launch "
                          "--num_processes N -m switchhead.cli train ...`)")
@@ -123,6 +146,8 @@ def run(args) -> int:
         if args.skip_nonfinite < 0:
             raise UsageError(f"--skip-nonfinite must be >= 0, got {args.skip_nonfinite}")
         explicit["skip_nonfinite"] = args.skip_nonfinite
+    if distributed:
+        explicit["distributed"] = distributed
     model_overrides = parse_field_assignments(args.set)
 
     if args.demo:
@@ -163,6 +188,9 @@ def run(args) -> int:
     else:
         config = TrainingConfig.from_preset(args.preset or "tiny-switchhead", output_dir=args.output_dir
                                             or "runs/switchhead", model=model_overrides, **explicit)
+    from switchhead.training.placement import check_sizes
+
+    check_sizes(config.distributed)  # in every process, before any process group: sizes that fit no launch
     try:
         result = train(config)
     except TrainingDiverged as error:
@@ -177,7 +205,7 @@ def run(args) -> int:
 _LAUNCH_OPTIONS = ("--accelerate-config", "--num-processes")
 
 
-def launch_under_accelerate(args) -> int:
+def launch_under_accelerate(args, sharded: bool = False) -> int:
     """`switchhead train --accelerate-config FILE ...`: the same command under `accelerate launch --config_file FILE`.
 
     One machine: the launched processes run `switchhead train` with every other option unchanged, on a free port
@@ -213,6 +241,10 @@ def launch_under_accelerate(args) -> int:
         raise UsageError(f"--accelerate-config: {config_file} is not an Accelerate config (no distributed_type)")
     if args.num_processes is not None and args.num_processes < 1:
         raise UsageError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if sharded and launch_config.get("distributed_type") in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        raise UsageError(f"--accelerate-config {name}: its {launch_config['distributed_type']} would shard the model "
+                         "that --tp-size / --fsdp-size / --ep-size shard with Transformers' engine; use torchrun "
+                         "--nproc_per_node N -m switchhead.cli train ..., or a MULTI_GPU Accelerate config")
     if int(launch_config.get("num_machines", 1) or 1) > 1:
         raise UsageError("--accelerate-config runs on one machine; for several, run `accelerate launch "
                          "--config_file FILE --machine_rank R ... -m switchhead.cli train ...` on each")

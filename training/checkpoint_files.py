@@ -79,10 +79,11 @@ def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, metadata
 
 
-def write_rng_state(folder: str, process_index: int) -> str:
+def write_rng_state(folder: str, process_index: int, state=None) -> str:
+    """Process `process_index`'s RNG state (`state` from `capture_rng_state`; default: this process's now)."""
     from safetensors.torch import save_file
 
-    tensors, metadata = capture_rng_state()
+    tensors, metadata = capture_rng_state() if state is None else state
     path = os.path.join(folder, RNG_FILE.format(process_index))
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, path, metadata=metadata)
     return path
@@ -168,6 +169,28 @@ def write_memory(folder: str, process_index: int, memory: list) -> None:
     """XL memory of every micro-batch slot (None, or a tuple / list of per-layer tensors) as safetensors + JSON."""
     from safetensors.torch import save_file
 
+    tensors, layout = memory_record(memory)
+    save_file(tensors, os.path.join(folder, MEMORY_FILE.format(process_index)),
+              metadata={"layout": json.dumps(layout)})
+
+
+def write_process_states(accelerator, folder: str, memory: list) -> None:
+    """Every process's RNG state and XL memory, gathered (Accelerate's `gather_object`) and written by the main
+    process alone: rng_state_P.safetensors and xl_memory_P.safetensors for each process P."""
+    from accelerate.utils import gather_object
+
+    mine = [(capture_rng_state(), memory_record(memory))]
+    states = gather_object(mine) if accelerator.num_processes > 1 else mine
+    if accelerator.is_main_process:
+        from safetensors.torch import save_file
+
+        for index, (rng, (tensors, layout)) in enumerate(states):
+            write_rng_state(folder, index, rng)
+            save_file(tensors, os.path.join(folder, MEMORY_FILE.format(index)), metadata={"layout": json.dumps(layout)})
+
+
+def memory_record(memory: list) -> tuple[dict[str, torch.Tensor], list]:
+    """(CPU tensors, layout) of the XL memory of every micro-batch slot, as `write_memory` stores them."""
     tensors, layout = {}, []
     for slot, entry in enumerate(memory):
         if entry is None:
@@ -180,8 +203,7 @@ def write_memory(folder: str, process_index: int, memory: list) -> None:
         layout.append([kind, len(items)])
         for index, item in enumerate(items):
             tensors[f"{slot}.{index}"] = item.detach().to("cpu").contiguous().clone()
-    save_file(tensors, os.path.join(folder, MEMORY_FILE.format(process_index)),
-              metadata={"layout": json.dumps(layout)})
+    return tensors, layout
 
 
 def read_memory(folder: str, process_index: int, device) -> list:
@@ -267,4 +289,5 @@ def inspect_checkpoint(path: str, allow_pickle: bool = False) -> tuple[list[str]
 
 
 __all__ = ["CHECKPOINT_STATE", "MAX_PROCESSES", "RngStateError", "capture_rng_state", "checkpoint_dirs",
-           "inspect_checkpoint", "read_memory", "read_rng_state", "restore_rng_state", "unloadable_file", "write_memory", "write_rng_state"]
+           "inspect_checkpoint", "memory_record", "read_memory", "read_rng_state", "restore_rng_state", "unloadable_file",
+           "write_memory", "write_process_states", "write_rng_state"]

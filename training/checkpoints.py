@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..integrity import write_manifest
-from .checkpoint_files import (CHECKPOINT_STATE, LEGACY_RNG_FILE, MAX_PROCESSES, RngStateError, checkpoint_dirs,
-                               inspect_checkpoint, read_memory, read_rng_state, restore_rng_state, unloadable_file,
-                               write_memory, write_rng_state)
+from .checkpoint_files import (CHECKPOINT_STATE, MAX_PROCESSES, RngStateError, checkpoint_dirs, inspect_checkpoint,
+                               read_memory, read_rng_state, restore_rng_state, unloadable_file, write_process_states)
 from .run_config import CHANGEABLE_ON_RESUME, TrainingConfig, TrainingError
 
 
@@ -31,10 +30,13 @@ def log_event(output_dir: str, message: str) -> None:
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingConfig, memory: list,
-                    skipped_updates: int = 0) -> str:
-    """Write model, optimizer, RNG states, XL memory and the step, then the SHA-256 manifest; atomically
-    (temporary folder, then rename). A failed write (a full disk, a quota) raises TrainingError naming the folder
-    and leaves every earlier checkpoint as it was."""
+                    skipped_updates: int = 0, placement=None) -> str:
+    """Write model, optimizer (the placement's `save_state`), RNG states, XL memory and the step, then the SHA-256
+    manifest; atomically (temporary folder, then rename). A failed write (a full disk, a quota) raises TrainingError
+    naming the folder and leaves every earlier checkpoint as it was."""
+    from .placement import AcceleratePlacement
+
+    placement = placement or AcceleratePlacement(accelerator)
     root = os.path.join(output_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:07d}")
     temporary = os.path.join(root, f".tmp-step-{step:07d}")
@@ -43,13 +45,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
             shutil.rmtree(temporary, ignore_errors=True)  # leftovers of a save that was killed
             os.makedirs(temporary)
         accelerator.wait_for_everyone()
-        accelerator.save_state(temporary)  # model, optimizer, and Accelerate's pickled RNG states ...
-        index = accelerator.process_index
-        legacy = os.path.join(temporary, LEGACY_RNG_FILE.format(index))
-        if os.path.exists(legacy):
-            os.remove(legacy)  # ... which are replaced by a format that loads without unpickling
-        write_rng_state(temporary, index)
-        write_memory(temporary, index, memory)
+        placement.save_state(temporary)
+        write_process_states(accelerator, temporary, memory)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             state = dict(step=step, num_processes=accelerator.num_processes, config=config.to_dict(),
@@ -180,15 +177,15 @@ class Resume:
     exact: bool
 
 
-def restore_checkpoint(accelerator, config: TrainingConfig, resume: "Resume") -> tuple[int, int, list]:
+def restore_checkpoint(accelerator, config: TrainingConfig, resume: "Resume", placement=None) -> tuple[int, int, list]:
     """Load `resume`'s model, optimizer and XL memory, and its RNG states when they allow an exact continuation;
     returns (step, skipped updates, XL memory). The main process reports the resume notes (and writes them to
     events.log) and removes the folders of interrupted saves."""
+    from .placement import AcceleratePlacement
+
     checkpoint = resume.path
     try:
-        # model (safetensors) and optimizer (torch's restricted loader); Accelerate also tries its pickled RNG
-        # file, with the same restricted loader, and says nothing when there is none: ours is restored below
-        accelerator.load_state(checkpoint)
+        (placement or AcceleratePlacement(accelerator)).load_state(checkpoint)  # model and optimizer
         memory = read_memory(checkpoint, accelerator.process_index, accelerator.device)
     except Exception as error:  # noqa: BLE001 - truncated or foreign files fail in many ways
         culprit = unloadable_file(checkpoint, accelerator.process_index) or \

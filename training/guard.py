@@ -75,10 +75,17 @@ def apply_update(optimizer, finite: bool, mixed_precision: str) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor parameter (Transformers' engine puts them on several meshes, which one
+    `torch.stack` cannot mix), or the parameter itself."""
+    to_local = getattr(parameter, "to_local", None)
+    return to_local() if to_local is not None else parameter
+
+
 def _weights_finite(model, accelerator) -> bool:
     """Every parameter finite (one host sync; checked before each save so nothing non-finite is written)."""
-    flags = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
-    if accelerator.num_processes > 1:  # FSDP shards: every process checks its own
+    flags = torch.stack([torch.isfinite(_local(p)).all() for p in model.parameters()]).all()
+    if accelerator.num_processes > 1:  # FSDP / DTensor shards: every process checks its own
         flags = accelerator.reduce(flags.float(), reduction="sum") == accelerator.num_processes
     return bool(flags)
 

@@ -86,6 +86,9 @@ class TrainingConfig:
     skip_nonfinite: int = 0  # bad (non-finite) updates in a row to skip before stopping; 0: stop at the first
     inexact_resume: bool = False  # resume even when the checkpoint's RNG state is damaged or missing
     allow_pickle: bool = False  # fully unpickle an older checkpoint's RNG state that the restricted loader refuses
+    # Transformers' distributed engine: {"tp_size": N, "fsdp_size": N, "ep_size": N} (DistributedConfig fields);
+    # empty: Accelerate places the model (one process, DDP, FSDP)
+    distributed: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> "TrainingConfig":
@@ -140,10 +143,13 @@ def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_pro
     if config.block_size > model_config.max_position_embeddings:
         raise TrainingError(f"block_size ({config.block_size}) must be <= the model's max_position_embeddings "
                             f"({model_config.max_position_embeddings}); lower --block-size or choose another preset")
+    from .placement import check_sizes
+
+    check_sizes(config.distributed, model_config)
     slots = num_processes * config.gradient_accumulation_steps
     if config.batch_size % slots:
-        raise TrainingError(f"batch_size ({config.batch_size}) must be divisible by processes ({num_processes}) x "
-                            f"gradient_accumulation_steps ({config.gradient_accumulation_steps})")
+        raise TrainingError(f"batch_size ({config.batch_size}) must be divisible by data-parallel processes "
+                            f"({num_processes}) x gradient_accumulation_steps ({config.gradient_accumulation_steps})")
     if config.mixed_precision not in ("no", "bf16", "fp16"):
         raise TrainingError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {config.mixed_precision!r}")
     if config.learning_rate <= 0 or config.min_learning_rate < 0 or config.min_learning_rate > config.learning_rate:

@@ -145,14 +145,16 @@ def open_run(config: TrainingConfig, accelerator) -> tuple[TrainingConfig, Resum
     return config, resume
 
 
-def load_data(config: TrainingConfig, accelerator, fresh: bool) -> RunData:
+def load_data(config: TrainingConfig, accelerator, fresh: bool, data_count: int | None = None) -> RunData:
     """Documents, tokenizer and token streams. A fresh run checks its settings (and loads a given tokenizer)
-    before anything is written, then writes the run marker, then the tokenizer."""
+    before anything is written, then writes the run marker, then the tokenizer. `data_count`: the processes that
+    see distinct rows (default: all of them; fewer when tensor-parallel groups share their rows)."""
+    data_count = accelerator.num_processes if data_count is None else data_count
     train_documents, valid_documents = load_documents(config.data, config.text_field, config.valid_data,
                                                       config.valid_fraction)
     given_tokenizer = None
     if fresh:  # bad settings (and a tokenizer that does not load) fail before anything is written
-        check_config(config, build_model_config(config, None), accelerator.num_processes)
+        check_config(config, build_model_config(config, None), data_count)
         if config.tokenizer:
             given_tokenizer = load_tokenizer(config.tokenizer)
         if accelerator.is_main_process:  # the run marker goes first: from here on the folder is this run's
@@ -161,13 +163,13 @@ def load_data(config: TrainingConfig, accelerator, fresh: bool) -> RunData:
     accelerator.wait_for_everyone()
     tokenizer = prepare_tokenizer(config, train_documents, accelerator, given_tokenizer)
     model_config = build_model_config(config, tokenizer)
-    check_config(config, model_config, accelerator.num_processes)
+    check_config(config, model_config, data_count)
     train_ids = tokenize_documents(tokenizer, train_documents)
     valid_ids = tokenize_documents(tokenizer, valid_documents)
     ordered = model_config.position_encoding == "xl"  # XL memory needs each row to continue the previous segment
     train_batches = TokenBatches(train_ids, config.block_size, config.batch_size, config.seed, ordered)
     eval_rows = max(1, min(config.batch_size, valid_ids.numel() // (config.block_size * 2)))
-    eval_rows = max(accelerator.num_processes, eval_rows // accelerator.num_processes * accelerator.num_processes)
+    eval_rows = max(data_count, eval_rows // data_count * data_count)
     try:
         valid_batches = TokenBatches(valid_ids, config.block_size, eval_rows, ordered=True)
     except DataError as error:
@@ -238,14 +240,17 @@ def _write_json(path: str, content: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def save_final_model(accelerator, model, tokenizer, output_dir: str) -> None:
+def save_final_model(accelerator, model, tokenizer, output_dir: str, placement=None) -> None:
     """Write the run folder's save_pretrained model, tokenizer and manifest (main process; every process gathers
     the weights). A failed write raises TrainingError; the checkpoints stay intact for a resume."""
+    from .placement import AcceleratePlacement
+
+    placement = placement or AcceleratePlacement(accelerator)
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)  # gathers the full weights under FSDP; every process calls it
+    state_dict = placement.full_state_dict(model)  # the full weights (gathered when sharded); every process calls it
     if accelerator.is_main_process:
         try:
-            _save_model(accelerator.unwrap_model(model), state_dict, tokenizer, output_dir)
+            _save_model(placement.saveable(model), state_dict, tokenizer, output_dir)
         except Exception as error:  # noqa: BLE001 - only write failures are turned into a message
             reason = _write_failure(error)
             if reason is None:

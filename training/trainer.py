@@ -8,9 +8,10 @@ The loop (read `_train` top to bottom): the run folder and the resume rule (`ope
 step: learning rate (linear warmup, cosine decay), `gradient_accumulation_steps` micro-batches with backward
 (`accumulate_gradients`), gradient clipping, the divergence guard (`DivergenceGuard`), optimizer step
 (`apply_update`), logs, periodic validation, periodic checkpoint (`save_checkpoint`) -> the final model
-(`save_final_model`). Run it under `accelerate launch` for several processes (DDP, FSDP, several nodes): every
-process cuts its own rows out of the same global batch, so the numbers do not depend on how many processes share
-the work.
+(`save_final_model`). Run it under `accelerate launch` for several processes (DDP, FSDP, several nodes), or under
+torchrun with `distributed` sizes for Transformers' distributed engine (tensor, expert and FSDP2 plans): every
+data-parallel process cuts its own rows out of the same global batch, so the numbers do not depend on how many
+processes share the work.
 
 Output folder layout:
     OUTPUT/                         save_pretrained folder (config, weights, model code, tokenizer) at the end
@@ -37,7 +38,8 @@ only with `inexact_resume` (written to events.log). One writer per run folder: `
 This file holds the loop; the rest sits in rooms of one purpose: the settings and what follows from them
 (`run_config`), writing checkpoints and choosing the one to resume (`checkpoints`), the files of a checkpoint and
 how a resume reads them without unpickling anything of ours (`checkpoint_files`), the divergence guard (`guard`),
-the run folder with its lock, data, log and final model (`run_folder`).
+the run folder with its lock, data, log and final model (`run_folder`), where the model lives and who writes its
+state (`placement`: Accelerate's, or Transformers' distributed engine).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from .. import SwitchHeadForCausalLM
 from .checkpoints import choose_checkpoint, restore_checkpoint, save_checkpoint
 from .data import TokenBatches
 from .guard import DivergenceGuard, apply_update
+from .placement import check_sizes, placement_for
 from .run_config import TINY_TRAINING, TrainingConfig, TrainingDiverged, TrainingError, TrainResult, learning_rate_at
 from .run_folder import RunLog, check_processes_joined, load_data, open_run, run_folder_lock, save_final_model
 
@@ -78,10 +81,14 @@ def train(config: TrainingConfig) -> TrainResult:
     """Run (or resume) the pretraining job `config` describes; returns the final numbers.
 
     The main process holds the run folder's lock (`FolderLock`) from before anything is checked or written until
-    the run ends, however it ends; a second writer gets TrainingError naming the holder."""
+    the run ends, however it ends; a second writer gets TrainingError naming the holder. With `config.distributed`
+    sizes the model is sharded by Transformers' distributed engine (`placement`); without a GPU its processes join
+    over gloo."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(mixed_precision=config.mixed_precision)
+    check_sizes(config.distributed)  # launched processes that do not fit the sizes: before any process group
+    on_cpu = bool(config.distributed) and not torch.accelerator.is_available()
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=on_cpu)
     check_processes_joined(accelerator)
     with run_folder_lock(accelerator, config.output_dir):
         return _train(config, accelerator)
@@ -94,22 +101,24 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
     started = time.time()
     is_main = accelerator.is_main_process
     config, resume = open_run(config, accelerator)
-    data = load_data(config, accelerator, fresh=resume is None)
+    placement = placement_for(config, accelerator)
+    data = load_data(config, accelerator, fresh=resume is None, data_count=placement.data_count)
 
     # ---------------------------------------------------------------- model and optimizer
     set_seed(config.seed)  # the same initial weights in every process
     model = SwitchHeadForCausalLM(data.model_config)
     num_parameters = model.num_parameters()
+    model = placement.place(model)  # sharded by Transformers' engine, or as is for Accelerate's prepare
     memory_supported = (data.model_config.position_encoding == "xl" and data.model_config.xl_memory_length > 0
                         and "xl_memory" in inspect.signature(model.forward).parameters)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=config.adam_betas,
-                                  weight_decay=config.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
+                                  weight_decay=config.weight_decay, **placement.optimizer_options)
+    model, optimizer = placement.prepare(model, optimizer)
     accumulation = config.gradient_accumulation_steps
     memory: list = [None] * accumulation  # XL memory of each micro-batch slot (each is its own set of streams)
     step, skipped_updates = 0, 0
     if resume is not None:
-        step, skipped_updates, memory = restore_checkpoint(accelerator, config, resume)
+        step, skipped_updates, memory = restore_checkpoint(accelerator, config, resume, placement)
 
     log = RunLog(config.output_dir, step, config.tensorboard, is_main)
     if is_main:
@@ -134,7 +143,7 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
             memory = [None] * accumulation  # a new pass over the streams: no previous segment to remember
 
         step_loss, step_memory = accumulate_gradients(model, data.train_batches, step, memory, accumulation,
-                                                      accelerator, memory_supported)
+                                                      accelerator, memory_supported, placement)
         grad_norm = clip_gradients(model, accelerator, config.grad_clip)
         finite = guard.update_is_finite(step_loss, grad_norm)
         apply_update(optimizer, finite, config.mixed_precision)
@@ -156,7 +165,8 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
                        tokens_per_second=f"{throughput:.1f}",
                        valid_loss="", valid_perplexity="", skipped_updates=guard.skipped_updates)
             if is_eval:
-                valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches)
+                valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches,
+                                      placement)
                 row.update(valid_loss=repr(valid_loss), valid_perplexity=f"{math.exp(valid_loss):.4f}")
             log.write(row)
             tick, steps_since_tick = time.time(), 0  # validation and logging time is not training throughput
@@ -164,29 +174,30 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
                                  if valid_loss == valid_loss else "-")
         if step % config.save_every == 0 or step == config.max_steps:
             guard.check_weights(model, step, loss_value, grad_norm)
-            save_checkpoint(accelerator, config.output_dir, step, config, memory, guard.skipped_updates)
+            save_checkpoint(accelerator, config.output_dir, step, config, memory, guard.skipped_updates, placement)
     progress.close()
     log.close()
 
     # ---------------------------------------------------------------- the result folder
-    save_final_model(accelerator, model, data.tokenizer, config.output_dir)
+    save_final_model(accelerator, model, data.tokenizer, config.output_dir, placement)
     if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
-        valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches)
+        valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches,
+                              placement)
     accelerator.end_training()
     return TrainResult(config.output_dir, step, loss_value, valid_loss, math.exp(valid_loss), data.unigram,
                        num_parameters, time.time() - started)
 
 
 def accumulate_gradients(model, batches: TokenBatches, step: int, memory: list, accumulation: int, accelerator,
-                         memory_supported: bool) -> tuple[torch.Tensor, list]:
-    """Forward and backward of the step's `accumulation` micro-batches. Returns the step's mean loss (a tensor: no
-    host sync) and the XL memory each micro-batch slot carries on, as a new list: `memory` stays as it was, for a
-    step whose update is not applied."""
+                         memory_supported: bool, placement=None) -> tuple[torch.Tensor, list]:
+    """Forward and backward of the step's `accumulation` micro-batches (this process's rows: `placement`'s share,
+    default every process its own). Returns the step's mean loss (a tensor: no host sync) and the XL memory each
+    micro-batch slot carries on, as a new list: `memory` stays as it was, for a step whose update is not applied."""
     step_loss = torch.zeros((), device=accelerator.device)
     carried = list(memory)
+    index, count = _data_share(accelerator, placement)
     for micro in range(accumulation):
-        rows = batches.micro_batch(step, micro, accelerator.process_index, accelerator.num_processes,
-                                   accumulation).to(accelerator.device)
+        rows = batches.micro_batch(step, micro, index, count, accumulation).to(accelerator.device)
         extra = {"xl_memory": carried[micro], "use_cache": False} if memory_supported else {"use_cache": False}
         # gradients are synchronised between processes only on the last micro-batch
         sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(model)
@@ -206,15 +217,25 @@ def clip_gradients(model, accelerator, grad_clip: float) -> torch.Tensor:
     return torch.as_tensor(grad_norm, device=accelerator.device)
 
 
+def _data_share(accelerator, placement) -> tuple[int, int]:
+    """(this process's index, the number of distinct shares) of each batch."""
+    if placement is None:
+        return accelerator.process_index, accelerator.num_processes
+    return placement.data_index, placement.data_count
+
+
 @torch.no_grad()
-def evaluate(model, batches: TokenBatches, accelerator, memory_supported: bool, max_batches: int) -> float:
-    """Mean next-token loss over the validation stream (in order, XL memory carried), over all processes."""
+def evaluate(model, batches: TokenBatches, accelerator, memory_supported: bool, max_batches: int,
+             placement=None) -> float:
+    """Mean next-token loss over the validation stream (in order, XL memory carried), over all processes (the
+    processes of a tensor-parallel group count their shared rows alike, which leaves the mean as it is)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # [sum of losses * tokens, tokens]
     memory = None
     steps = len(batches) if max_batches == 0 else min(len(batches), max_batches)
+    index, count = _data_share(accelerator, placement)
     for step in range(steps):
-        rows = batches.micro_batch(step, 0, accelerator.process_index, accelerator.num_processes, 1)
+        rows = batches.micro_batch(step, 0, index, count, 1)
         rows = rows.to(accelerator.device)
         extra = {"xl_memory": memory, "use_cache": False} if memory_supported else {"use_cache": False}
         with accelerator.autocast():
