@@ -65,8 +65,9 @@ def rename_old_keys(state_dict: dict, prefix: str = "") -> None:
             if renamed in state_dict:
                 saved, current = state_dict[key], state_dict[renamed]
                 if getattr(saved, "shape", None) != getattr(current, "shape", None) or not saved.equal(current):
-                    raise ValueError(f"the weights hold {key} (the name earlier releases wrote) and {renamed} (today's "
-                                     "name) with different values; which one is meant cannot be told: remove one")
+                    raise ValueError(f"the weights hold {key} (the name earlier releases wrote) and {renamed} "
+                                     "(today's name) with different values; which one is meant cannot be told: "
+                                     "remove one")
                 del state_dict[key]
             else:
                 state_dict[renamed] = state_dict.pop(key)

@@ -140,7 +140,8 @@ class SwitchHeadConfig(PreTrainedConfig):
         if self.mlp_type == "dense":
             plan.update({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
         else:
-            plan.update({"layers.*.mlp.experts.expert_keys": "rowwise", "layers.*.mlp.experts.expert_values": "colwise",
+            plan.update({"layers.*.mlp.experts.expert_keys": "rowwise",
+                         "layers.*.mlp.experts.expert_values": "colwise",
                          "layers.*.mlp.experts": "moe_tp_experts"})
         return plan
 
@@ -474,8 +475,8 @@ def _check_config(config: SwitchHeadConfig) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- presets
-def _paper(d, layers, heads, experts, k, dh, d_ff, context, dropout, *, position="xl", vocab=8000, attention="switchhead",
-           mlp=None, entropy=0.0001):
+def _paper(d, layers, heads, experts, k, dh, d_ff, context, dropout, *, position="xl", vocab=8000,
+           attention="switchhead", mlp=None, entropy=0.0001):
     fields = dict(
         vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads, head_dim=dh,
         max_position_embeddings=context, attention_type=attention, position_encoding=position,

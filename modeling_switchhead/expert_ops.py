@@ -231,13 +231,14 @@ def choose_formulation(tokens: int, slots: int, rows: int, out_groups: int | Non
 
     Compiled (not exported), while a call selects fewer matrices than there are experts (N * S < G: decoding a
     few tokens), `_gathered`, whose gather inductor fuses into the product, so only the selected matrices are read.
-    Otherwise `_batched` for a handful of selected matrices (N * S <= 4: the weight copy is small); `_all_experts` while its
-    extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G matrix products per token where
-    S are needed, so it is taken when that is at most twice S, or for few tokens (N * S <= 512, where sorting and
-    copying cost more than the extra products); else `_grouped`. With grouped routing and gates on a side with one
-    input row or one output group, `_per_head` replaces `_batched` and `_all_experts` (the work of `_all_experts` in
-    fewer ops): this is what one-token decoding runs. Exporting with a symbolic token count: `_all_experts` (one
-    graph for every size; the others are size-dependent choices, and `_grouped` does not export).
+    Otherwise `_batched` for a handful of selected matrices (N * S <= 4: the weight copy is small); `_all_experts`
+    while its extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G matrix products per
+    token where S are needed, so it is taken when that is at most twice S, or for few tokens (N * S <= 512, where
+    sorting and copying cost more than the extra products); else `_grouped`. With grouped routing and gates on a
+    side with one input row or one output group, `_per_head` replaces `_batched` and `_all_experts` (the work of
+    `_all_experts` in fewer ops): this is what eager one-token decoding runs. Exporting with a symbolic token
+    count: `_all_experts` (one graph for every size; the others are size-dependent choices, and `_grouped` does not
+    export).
     """
     if isinstance(tokens, torch.SymInt) and torch.compiler.is_exporting():
         return _all_experts

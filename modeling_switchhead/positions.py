@@ -204,7 +204,8 @@ def check_xl_attention(implementation: str | None, attention_function) -> None:
     )
 
 
-def xl_position_bias(attention: nn.Module, query: torch.Tensor, key_length: int, query_offset: int = 0) -> torch.Tensor:
+def xl_position_bias(attention: nn.Module, query: torch.Tensor, key_length: int,
+                     query_offset: int = 0) -> torch.Tensor:
     """The Transformer-XL position term for query i and key j, as an additive score bias `[B, H, Tq, Tk]`.
 
     bias[b, h, i, j] = scaling * q_i . (W_pk PE(j - i))_h, where i and j are indices into the key sequence

@@ -37,7 +37,8 @@ if TensorParallelLayer is not None:
             return grad, None
 
     class _SumOutputs(torch.autograd.Function):
-        """All-reduce (sum) forward, identity backward: the per-head partial sums of a layer output (Megatron's `g`)."""
+        """All-reduce (sum) forward, identity backward: the per-head partial sums of a layer output (Megatron's
+        `g`)."""
 
         @staticmethod
         def forward(ctx, x, group):
