@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the Markdown table goes beside it")
     parser.add_argument("--check-only", action="store_true", help="only compare cvmm with the reference; no timing")
     parser.add_argument("--no-layers", action="store_true", help="skip the whole-layer forward+backward timings")
-    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (benchmarks/gpu_report.py "
+    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (scripts/gpu/gpu_report.py "
                         "renders it later)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: start no new problem (or layer) after this; the JSON is written after each "

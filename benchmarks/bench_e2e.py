@@ -76,7 +76,7 @@ def parse_args(argv):
                              "model's automatic choice)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="result file stem (default: e2e_<device>)")
-    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (benchmarks/gpu_report.py "
+    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (scripts/gpu/gpu_report.py "
                         "renders it later)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: start no pair the time left cannot hold (the JSON is written after each pair)")

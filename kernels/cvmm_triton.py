@@ -24,7 +24,7 @@ Row indices are computed from the slot id (`m // A_DIV`), so nothing of size `[M
 Any strides are accepted (they are passed to the kernels); fp32 uses IEEE dots unless
 `torch.set_float32_matmul_precision("high")` (or "medium") allows TF32, as for `torch.mm`.
 
-Register budget (`benchmarks/gpu_audit.py` compiles every launch and config for sm_80, sm_90 and sm_100 and finds no
+Register budget (`scripts/gpu/gpu_audit.py` compiles every launch and config for sm_80, sm_90 and sm_100 and finds no
 spill): each kernel is one flat loop (over (expert, k step) pairs in the row kernel), because a loop nested in a
 data-dependent one made the compiler keep a second copy of every load address live. `ALIGN`, a power of two that
 divides the sizes and row strides, tells the compiler that rows start on vector boundaries and that the masks are
@@ -72,7 +72,7 @@ def _narrow_tiles(**largest: int):
     """An autotuner `early_config_prune` that leaves only the configs whose blocks are at most `largest` (e.g.
     BLOCK_N=32) to IEEE fp32 launches, whose dots run on the FMA units with each thread's rows and columns of both
     operands in registers, and to launches without vector loads, which hold an address per element: the larger
-    tiles spill there (benchmarks/gpu_audit.py). Vector-load tensor-core launches keep every config."""
+    tiles spill there (scripts/gpu/gpu_audit.py). Vector-load tensor-core launches keep every config."""
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         if kwargs.get("PRECISION") != "ieee" and kwargs.get("VECTOR_LOADS", True):
             return configs

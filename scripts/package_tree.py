@@ -3,7 +3,7 @@
 setup.py maps the import names to folders (`switchhead` <- modeling_switchhead/, `switchhead.<name>` <- each folder
 of its SUBPACKAGES). `link_tree(dest)` builds that layout under `dest/switchhead` as symbolic links, read from
 setup.py without running it: the docs build reads the API from it (docs/_hooks/build.py), and the GPU machine, which
-has no pip, imports the package from it (benchmarks/gpu_run.sh).
+has no pip, imports the package from it (scripts/gpu/gpu_run.sh).
 
     python3 scripts/package_tree.py DEST     # prints the linked subpackages, one `name=folder` each
 """

@@ -1,6 +1,6 @@
 """What the GPU machine's Transformers (5.17, older than the 5.23 pinned here) lacks, and that we must not need.
 
-Found by running `benchmarks/gpu_run.sh smoke` in a virtual environment with transformers==5.17.0: its
+Found by running `scripts/gpu/gpu_run.sh smoke` in a virtual environment with transformers==5.17.0: its
 `@use_experts_implementation` sets `has_gate`, `has_bias`, `is_transposed` and `is_concatenated`, but not
 `has_post_expert_norm` (added later), and our "cvmm" experts function read that flag unconditionally, so every
 SwitchAll model failed on its first forward there.

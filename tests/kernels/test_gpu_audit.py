@@ -1,7 +1,7 @@
-"""The compile audit (benchmarks/gpu_audit.py, issue #30): the CVMM kernels compiled for a Hopper GPU (sm_90) with
+"""The compile audit (scripts/gpu/gpu_audit.py, issue #30): the CVMM kernels compiled for a Hopper GPU (sm_90) with
 Triton's compiler and the ptxas in its wheel, no GPU needed; the quick subset must compile with no register spill.
 
-The full audit (every launch x config x sm_80 / sm_90 / sm_100) is the benchmark script; here a representative
+The full audit (every launch x config x sm_80 / sm_90 / sm_100) is the script run without --quick; here a representative
 subset holds the line: both kernels, every flag (gates, atomic or stored reduction, the gate gradient, W or W^T,
 fp32 IEEE and TF32, fp16, bf16, odd sizes), the first and last config of each.
 """
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))  # gpu_audit.py, a tool script
 
 import gpu_audit  # noqa: E402
 

@@ -1,5 +1,6 @@
-"""The GPU session's scripts (issue #11), rehearsed on the CPU: gpu_check.py, bench_cvmm.py and bench_e2e.py with
-`--cpu-smoke` (Triton interpreted), the checker catching wrong kernels, and the adapter to the authors' kernel.
+"""The GPU session's scripts (issue #11), rehearsed on the CPU: scripts/gpu/gpu_check.py and the benchmarks it runs,
+benchmarks/bench_cvmm.py and bench_e2e.py, with `--cpu-smoke` (Triton interpreted), the checker catching wrong
+kernels, the adapter to the authors' kernel, and the one call, scripts/gpu/gpu_run.sh, with its report.
 
 No GPU figure comes from here: these tests only hold that the scripts run, check what they say, and write their
 reports, so that the few minutes of a lent GPU go to measuring.
@@ -16,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+REPO = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO / "benchmarks"  # bench_cvmm.py, bench_e2e.py
+GPU_TOOLS = REPO / "scripts" / "gpu"  # gpu_check.py, gpu_report.py, gpu_run.sh
+sys.path[:0] = [str(BENCHMARKS), str(GPU_TOOLS)]
 
 import bench_cvmm  # noqa: E402
 import gpu_check  # noqa: E402
@@ -25,10 +28,10 @@ import gpu_check  # noqa: E402
 from switchhead.expert_ops import expert_projection  # noqa: E402
 
 
-def _run(script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _run(script: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("TRITON_INTERPRET", None)  # the scripts set it themselves for --cpu-smoke
-    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -140,7 +143,7 @@ def test_make_inputs_leaves_experts_empty_and_keeps_values_when_strided():
 
 # ------------------------------------------------------------------------------------------------ the scripts
 def test_gpu_check_cpu_smoke_runs_every_section(tmp_path):
-    result = _run("gpu_check.py", "--cpu-smoke", "--cases", "4", "--out-dir", str(tmp_path))
+    result = _run(GPU_TOOLS / "gpu_check.py", "--cpu-smoke", "--cases", "4", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [report_path] = tmp_path.glob("gpu_check_smoke_*.json")
     report = json.loads(report_path.read_text())
@@ -162,13 +165,13 @@ def test_gpu_check_cpu_smoke_runs_every_section(tmp_path):
 def test_gpu_check_without_cuda_exits_2(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the full check would run")
-    result = _run("gpu_check.py", "--out-dir", str(tmp_path), timeout=300)
+    result = _run(GPU_TOOLS / "gpu_check.py", "--out-dir", str(tmp_path), timeout=300)
     assert result.returncode == 2 and "--cpu-smoke" in result.stderr
 
 
 def test_bench_cvmm_cpu_smoke_checks_and_times_every_use(tmp_path):
     out = tmp_path / "cvmm.json"
-    result = _run("bench_cvmm.py", "--cpu-smoke", "--out", str(out))
+    result = _run(BENCHMARKS / "bench_cvmm.py", "--cpu-smoke", "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     checks = [r for r in report["results"] if r["mode"] == "check"]
@@ -181,12 +184,13 @@ def test_bench_cvmm_cpu_smoke_checks_and_times_every_use(tmp_path):
 
 
 def test_bench_cvmm_rejects_a_missing_authors_kernel(tmp_path):
-    result = _run("bench_cvmm.py", "--authors-cvmm", str(tmp_path / "nowhere.py"), "--check-only", timeout=300)
+    result = _run(BENCHMARKS / "bench_cvmm.py", "--authors-cvmm", str(tmp_path / "nowhere.py"), "--check-only",
+                  timeout=300)
     assert result.returncode == 2 and "--authors-cvmm" in result.stderr
 
 
 def test_bench_e2e_cpu_smoke_reports_ratios(tmp_path):
-    result = _run("bench_e2e.py", "--cpu-smoke", "--only", "47m", "--out-dir", str(tmp_path))
+    result = _run(BENCHMARKS / "bench_e2e.py", "--cpu-smoke", "--only", "47m", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [path] = tmp_path.glob("e2e_smoke_*.json")
     report = json.loads(path.read_text())
@@ -199,7 +203,7 @@ def test_bench_e2e_cpu_smoke_reports_ratios(tmp_path):
 
 
 def test_bench_e2e_rejects_an_unknown_pair(tmp_path):
-    result = _run("bench_e2e.py", "--cpu-smoke", "--only", "7b", "--out-dir", str(tmp_path), timeout=300)
+    result = _run(BENCHMARKS / "bench_e2e.py", "--cpu-smoke", "--only", "7b", "--out-dir", str(tmp_path), timeout=300)
     assert result.returncode == 2 and "matches none" in result.stderr
 
 
@@ -265,8 +269,8 @@ def test_gpu_run_sh_imports_this_checkout_without_installing_it(tmp_path):
     """gpu_run.sh links the folders into a throw-away `switchhead` package (no pip on the GPU machine), records the
     versions, and refuses an unknown stage with exit status 2."""
     env = dict(os.environ, OUT=str(tmp_path), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_run.sh"), "nonsense"], capture_output=True, text=True,
-                            timeout=300, env=env, cwd=BENCHMARKS.parent)
+    result = subprocess.run(["bash", str(GPU_TOOLS / "gpu_run.sh"), "nonsense"], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=REPO)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "unknown stage nonsense" in result.stderr
     environment = (tmp_path / "log.txt").read_text()
@@ -278,8 +282,8 @@ def _session(tmp_path, *args: str, timeout: int = 1500) -> subprocess.CompletedP
     env = dict(os.environ, OUT=str(tmp_path), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.run(["bash", str(BENCHMARKS / "gpu_run.sh"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=BENCHMARKS.parent)
+    return subprocess.run(["bash", str(GPU_TOOLS / "gpu_run.sh"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
 
 
 def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU session (issue #40), run on the device machine from the repository root, as ONE call:
-#   bash benchmarks/gpu_run.sh all [--time-budget SECONDS] [--cvmm-only TEXT]   # default 540 s: the whole session
-#   bash benchmarks/gpu_run.sh smoke [--time-budget SECONDS]   # the same sequence on the CPU, Triton interpreted
-#   bash benchmarks/gpu_run.sh check|cvmm|e2e [args]           # one script alone, its arguments passed on
+#   bash scripts/gpu/gpu_run.sh all [--time-budget SECONDS] [--cvmm-only TEXT]   # default 540 s: the whole session
+#   bash scripts/gpu/gpu_run.sh smoke [--time-budget SECONDS]   # the same sequence on the CPU, Triton interpreted
+#   bash scripts/gpu/gpu_run.sh check|cvmm|e2e [args]           # one script alone, its arguments passed on
 # `all` runs, in order, each stage as its own process with its own share of the budget, and starts no stage that
 # the time left cannot hold:
 #   a. correctness (gpu_check.py: paper shapes, >= 100 random problems, whole models, cached decoding);
@@ -15,12 +15,12 @@
 # follows one which timed the kernel can spare that stage.
 # Each stage writes its JSON as it goes (a stage stopped at its limit keeps what it finished); the JSON files, the
 # log and summary.json (every stage's status, seconds and budget, and whether correctness passed) are copied to
-# $OUT after each stage: at most 8 files, the device tool's limit. benchmarks/gpu_report.py renders them here.
+# $OUT after each stage: at most 8 files, the device tool's limit. scripts/gpu/gpu_report.py renders them here.
 # The package is not installed there: a throw-away folder of links makes `import switchhead` resolve to this
 # checkout (modeling_switchhead/ -> switchhead, kernels/ -> switchhead.kernels, ...), as setup.py maps it. The
-# authors' CVMM kernel is timed when .authors/cvmm.py exists (benchmarks/GPU.md: carry it, it is never committed).
+# authors' CVMM kernel is timed when .authors/cvmm.py exists (scripts/gpu/GPU.md: carry it, it is never committed).
 set -euo pipefail
-stage=${1:?usage: bash benchmarks/gpu_run.sh all|smoke|check|cvmm|e2e [args]}
+stage=${1:?usage: bash scripts/gpu/gpu_run.sh all|smoke|check|cvmm|e2e [args]}
 shift || true
 root=$(pwd)
 out=${OUT:-$root/gpu_out}
@@ -62,7 +62,7 @@ run() { echo "+ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
 single() {
     local status=0
     case "$stage" in
-        check) run python3 benchmarks/gpu_check.py --out-dir "$out" "$@" || status=$? ;;
+        check) run python3 scripts/gpu/gpu_check.py --out-dir "$out" "$@" || status=$? ;;
         cvmm) run python3 benchmarks/bench_cvmm.py --full "${authors[@]}" --out "$out/cvmm_full.json" "$@" || status=$? ;;
         e2e) run python3 benchmarks/bench_e2e.py --out-dir "$out" "$@" || status=$? ;;
     esac
@@ -135,7 +135,7 @@ session() {
     # a. correctness: the op sections (Triton compiles in a pool, one process per core: compiling is most of a
     # fresh machine's time) get the budget less 90 s for the whole-model checks after them; each random problem
     # in fp32 and one other precision in turn (--sweep-precisions rotate), so that 100 or more fit
-    run_stage check 220 90 60 -- bash -c 'exec python3 benchmarks/gpu_check.py "$@" --time-budget $((STAGE_BUDGET > 120 ? STAGE_BUDGET - 90 : 30))' _ \
+    run_stage check 220 90 60 -- bash -c 'exec python3 scripts/gpu/gpu_check.py "$@" --time-budget $((STAGE_BUDGET > 120 ? STAGE_BUDGET - 90 : 30))' _ \
         "${smoke[@]}" --sections "$check_sections" --cases "$cases" --max-tokens "$tokens" --jobs "$jobs" \
         --sweep-precisions rotate --name gpu_check --no-markdown --out-dir "$work"
     # c. end to end, the 47M pairs, first: the figures the package exists for (the kernel stage below is the one
@@ -153,8 +153,8 @@ session() {
     # d. with the time left: the 262M RoPE pair, then the compiled training step and generate
     run_stage e2e_262m 170 60 120 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
         "${smoke[@]}" --only 262m-rope --reps 2 --name e2e_262m --no-markdown --out-dir "$work"
-    run_stage compile 600 0 90 -- python3 benchmarks/gpu_check.py "${smoke[@]}" --sections compile --name gpu_check_compile \
-        --no-markdown --out-dir "$work"
+    run_stage compile 600 0 90 -- python3 scripts/gpu/gpu_check.py "${smoke[@]}" --sections compile \
+        --name gpu_check_compile --no-markdown --out-dir "$work"
     publish
 }
 

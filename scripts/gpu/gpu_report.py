@@ -1,6 +1,6 @@
-"""Render what one GPU session (`bash benchmarks/gpu_run.sh all`) brought back, on any machine.
+"""Render what one GPU session (`bash scripts/gpu/gpu_run.sh all`) brought back, on any machine.
 
-    python benchmarks/gpu_report.py RETURNED_FOLDER [--out-dir benchmarks/results/gpu]
+    python scripts/gpu/gpu_report.py RETURNED_FOLDER [--out-dir benchmarks/results/gpu]
 
 The session sends JSON only (the device tool returns at most 8 files); this writes, beside copies of them in
 `--out-dir`, each stage's Markdown (the stage script's own `markdown()`) and `session.md`: the machine and
@@ -18,8 +18,11 @@ import shutil
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# each stage's Markdown is its script's own `markdown()`: gpu_check's, beside this file, and the benchmarks'
+# bench_cvmm and bench_e2e, in a folder of scripts rather than a package: it goes on sys.path as each benchmark puts
+# itself there
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
 STAGE_FILES = {"check": "gpu_check.json", "cvmm": "cvmm.json", "e2e": "e2e.json", "e2e_eager": "e2e_eager.json",
                "e2e_262m": "e2e_262m.json", "compile": "gpu_check_compile.json"}
@@ -153,7 +156,7 @@ def render(folder: Path, out_dir: Path) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="the files a gpu_run.sh session wrote to $OUT")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results" / "gpu")
+    parser.add_argument("--out-dir", type=Path, default=BENCHMARKS / "results" / "gpu")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         print(f"gpu_report: error: {args.folder} is not a folder; pass the folder the session's files came back in",

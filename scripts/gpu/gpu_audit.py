@@ -1,9 +1,9 @@
 """Compile audit of the CVMM Triton kernels for Ampere (sm_80), Hopper (sm_90) and Blackwell (sm_100), no GPU needed.
 
-    python benchmarks/gpu_audit.py                    # every launch x config x architecture
-    python benchmarks/gpu_audit.py --quick            # a representative subset, sm_90 only (the test's)
-    python benchmarks/gpu_audit.py --authors-cvmm PATH/TO/their/switchhead/cvmm.py   # + the authors' kernel
-    python benchmarks/gpu_audit.py --kernels OLD/cvmm_triton.py --name gpu_audit_before   # another version
+    python scripts/gpu/gpu_audit.py                    # every launch x config x architecture
+    python scripts/gpu/gpu_audit.py --quick            # a representative subset, sm_90 only (the test's)
+    python scripts/gpu/gpu_audit.py --authors-cvmm PATH/TO/their/switchhead/cvmm.py   # + the authors' kernel
+    python scripts/gpu/gpu_audit.py --kernels OLD/cvmm_triton.py --name gpu_audit_before   # another version
 
 What is compiled: the dispatcher itself (`cvmm_forward_triton` and `cvmm_backward_triton`) runs on meta tensors for
 the paper's projections (bench_cvmm.paper_problems, at the training batch) and a few off-paper shapes (odd sizes,
@@ -46,8 +46,12 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+REPO = Path(__file__).resolve().parents[2]
+# bench_cvmm (the paper's problems) and machine (the machine's description) are benchmark scripts, in a folder of
+# scripts rather than a package: it goes on sys.path as each benchmark puts itself there
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+RESULTS = BENCHMARKS / "results"
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 # Per-SM limits from the CUDA C++ Programming Guide's table of compute capabilities (8.0, 9.0, 10.0): 64K 32-bit
@@ -90,7 +94,6 @@ def off_paper_problems() -> list[dict]:
 
 def paper_problems() -> list[dict]:
     """The projections of the paper's presets at their training batch (bench_cvmm's list)."""
-    sys.path.insert(0, str(HERE))
     import bench_cvmm
 
     return bench_cvmm.paper_problems(None)
@@ -821,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes")
     args = parser.parse_args(argv)
-    kernels_path = (args.kernels or HERE.parent / "kernels" / "cvmm_triton.py").resolve()
+    kernels_path = (args.kernels or REPO / "kernels" / "cvmm_triton.py").resolve()
     for option, path in (("--kernels", args.kernels), ("--authors-cvmm", args.authors_cvmm),
                          ("--compare", args.compare), ("--render", args.render)):
         if path is not None and not path.is_file():
@@ -903,13 +906,12 @@ def main(argv: list[str] | None = None) -> int:
         f"for {', '.join(f'sm_{a}' for a in archs)} with {args.jobs} processes")
     rows = run_tasks(tasks, args.jobs, log)
 
-    sys.path.insert(0, str(HERE))
     from machine import describe
 
     predictions, roofline_lines = roofline(paper, rows, h100_split) if 90 in archs and not args.quick else ([], [])
     report = dict(name=name, machine=describe(torch.device("cpu")), triton=triton.__version__,
                   ptxas=tool_version("ptxas"), cuobjdump=tool_version("cuobjdump"),
-                  kernels=str(kernels_path.relative_to(HERE.parent)) if kernels_path.is_relative_to(HERE.parent)
+                  kernels=str(kernels_path.relative_to(REPO)) if kernels_path.is_relative_to(REPO)
                   else kernels_path.name, authors_cvmm=str(args.authors_cvmm) if args.authors_cvmm else None,
                   archs=archs, arch_limits={a: ARCHS[a] for a in archs}, quick=args.quick, problems=problems,
                   units=units_count, h100_sxm=H100_SXM, roofline=predictions, rows=rows)

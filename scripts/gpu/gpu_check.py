@@ -1,7 +1,7 @@
 """Correctness on a GPU: the Triton CVMM kernels and the whole model, checked before anything is timed (issue #11).
 
-    python benchmarks/gpu_check.py                  # CUDA: every section, paper shapes, >= 300 random problems
-    python benchmarks/gpu_check.py --cpu-smoke      # anywhere: the same checks on small shapes, Triton interpreted
+    python scripts/gpu/gpu_check.py                  # CUDA: every section, paper shapes, >= 300 random problems
+    python scripts/gpu/gpu_check.py --cpu-smoke      # anywhere: the same checks on small shapes, Triton interpreted
 
 Sections (`--sections`, comma separated; all by default):
 - `paper`: the CVMM op on every expert projection of the paper presets (SwitchHead V / O of the 47M and 262M
@@ -38,7 +38,11 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# bench_cvmm (the paper's problems, their inputs) and machine (the device's description) are benchmark scripts, in a
+# folder of scripts rather than a package: it goes on sys.path as each benchmark puts itself there. At import, so
+# that the spawned workers of `op_section`'s pool, which import this file again, find them too.
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 SECTIONS = ("paper", "sweep", "model", "compile")
 # max |got - want| / max |want| allowed per precision (the reference sees the same rounded inputs, so this is
 # rounding of the outputs and of partial sums: a wrong row, slot, expert or gate gives errors of order 1)
@@ -64,11 +68,11 @@ def parse_args(argv):
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the op sections: the paper shapes may use 40%% of it, the sweep the rest; "
                         "problems not started in time are reported as not run")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--out-dir", type=Path, default=BENCHMARKS / "results")
     parser.add_argument("--jobs", type=int, default=1,
                         help="worker processes for the op sections (compiling Triton kernels in parallel)")
     parser.add_argument("--name", default=None, help="result file stem (default: gpu_check_<device>)")
-    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (benchmarks/gpu_report.py "
+    parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (scripts/gpu/gpu_report.py "
                         "renders it later)")
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -244,8 +248,6 @@ def check_one_problem(task: tuple) -> tuple[int, list[dict] | None]:
     section, number, problem, device_type, wall_deadline, labels = task
     if time.time() > wall_deadline:
         return number, None
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
     from bench_cvmm import make_inputs
 
     device = torch.device(device_type)
@@ -635,10 +637,7 @@ def main(argv=None) -> int:
         print(line, flush=True)
 
     results = []
-    sys.path.insert(0, str(HERE))
     from bench_cvmm import paper_problems
-
-    sys.path.insert(0, str(HERE))
     from machine import describe
 
     env = describe(device, interpreted=smoke)
