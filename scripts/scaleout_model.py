@@ -40,8 +40,9 @@ rho(n) = (n-1)/n:
   below which communication takes longer than compute ("at any batch" where the part growing with the batch, TP's
   and EP's, alone takes longer).
 
-With --check, the payload formulas are evaluated at a benchmark's settings (fp32, its presets, batch and context)
-for the layouts it measured and set beside the bytes it counted. JSON + Markdown go to
+With --check, the shard and payload formulas are evaluated at a benchmark's settings (fp32, its presets, batch and
+context) for the layouts it measured and set beside what it counted (the parameter bytes a process holds, the
+largest over the processes, and the collectives' payloads). JSON + Markdown go to
 benchmarks/results/scaleout_model.{json,md}.
 """
 
@@ -260,7 +261,7 @@ def saved_per_sequence(config, context: int) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------------------- check
 def check(benchmark: dict) -> list[dict]:
-    """The payload formulas at a benchmark's settings (fp32) beside the bytes it counted, layout by layout."""
+    """The shard and payload formulas at a benchmark's settings (fp32) beside what it counted, layout by layout."""
     from switchhead import SwitchHeadConfig
 
     rows = []
@@ -274,8 +275,10 @@ def check(benchmark: dict) -> list[dict]:
                      reduce_scatter=sum(p.get("payload_reduce_scatter", 0) for p in traffic.values()),
                      all_reduce_tp=traffic.get("tp", {}).get("payload_all_reduce", 0),
                      all_to_all=traffic.get("ep", {}).get("payload_all_to_all", 0))
+        model["parameters_held"] = 4 * fsdp_groups(parameter_shapes(config), row["layout"])["held"]
         counted = {kind: row["collectives"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter",
                                                                                 "all_reduce", "all_to_all")}
+        counted["parameters_held"] = row["held_parts"]["parameters"]  # the largest over the processes
         rows.append(dict(model=row["model"], layout=row["layout_label"], modelled=model, counted=counted))
     return rows
 
@@ -314,11 +317,12 @@ def markdown(report: dict) -> str:
     if report.get("check"):
         lines += ["", "**The payload formulas against the bytes counted on CPU** (fp32; MiB per step: modelled / "
                   f"counted by benchmarks/bench_scaleout.py on {report['check_machine']})", "",
-                  "| model | layout | all-gather | reduce-scatter | TP all-reduce | all-to-all |",
-                  "|---|---|---|---|---|---|"]
+                  "| model | layout | parameters held | all-gather | reduce-scatter | TP all-reduce | all-to-all |",
+                  "|---|---|---|---|---|---|---|"]
         for row in report["check"]:
             m, c = row["modelled"], row["counted"]
-            lines.append(f"| {row['model']} | `{row['layout']}` | {m['all_gather'] / mib:.2f} / "
+            lines.append(f"| {row['model']} | `{row['layout']}` | {m['parameters_held'] / mib:.2f} / "
+                         f"{c['parameters_held'] / mib:.2f} | {m['all_gather'] / mib:.2f} / "
                          f"{c['all_gather'] / mib:.2f} | {m['reduce_scatter'] / mib:.2f} / "
                          f"{c['reduce_scatter'] / mib:.2f} | {m['all_reduce_tp'] / mib:.2f} / "
                          f"{c['all_reduce'] / mib:.2f} | {m['all_to_all'] / mib:.2f} / {c['all_to_all'] / mib:.2f} |")

@@ -236,9 +236,10 @@ def test_scaleout_benchmark_quick_run_counts_what_fsdp_and_expert_parallelism_se
     kinds = sharded["collectives"]
     assert kinds["reduce_scatter"]["payload_bytes"] == 4 * dense
     assert kinds["all_to_all"]["count"] >= 4 * config.num_hidden_layers and kinds["all_reduce"]["count"] == 0
-    # the model's payload formulas (scripts/scaleout_model.py) at this run's settings give the counted bytes: exactly
-    # for FSDP, and for the all-to-alls up to the routing metadata they send beside the hidden states
+    # the model's shard and payload formulas (scripts/scaleout_model.py) at this run's settings give the counted
+    # bytes: exactly for the shards and FSDP, and for the all-to-alls up to the routing metadata sent beside the tokens
     (check,) = scaleout_model.check(report)
+    assert check["modelled"]["parameters_held"] == check["counted"]["parameters_held"]
     assert check["modelled"]["all_gather"] == check["counted"]["all_gather"]
     assert check["modelled"]["reduce_scatter"] == check["counted"]["reduce_scatter"]
     assert check["modelled"]["all_to_all"] <= check["counted"]["all_to_all"] <= 1.2 * check["modelled"]["all_to_all"]
