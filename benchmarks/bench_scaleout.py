@@ -5,12 +5,13 @@ Transformers' distributed engine (issue #39).
     python benchmarks/bench_scaleout.py --quick      # tiny-switchall, one process and fsdp_size=2 + ep_size=2
 
 For each model (the 47M SwitchAll preset; with --models also SwitchHead-XL's; dropout off, fp32) and each layout
-(`MODELS`: one process; fsdp 2, tp 2, fsdp 2 + ep 2 on 2 processes; fsdp 4, fsdp 4 + ep 4, fsdp 2 + tp 2 on 4), a
-saved folder is loaded with `from_pretrained(..., distributed_config=DistributedConfig(...))` under `torchrun`
-(gloo, CPU, one thread per process), or alone for the one-process row, and trained with AdamW: one warm-up step,
-`--steps` timed steps, then one step whose collectives are counted. The global batch is the same in every row
-(`--batch` sequences of `--context` tokens): each data-parallel group (`fsdp_size`) takes an equal share of it, and
-the processes of a tensor-parallel group share theirs. Each process reports:
+(`MODELS`: one process; fsdp 2, tp 2, fsdp 2 + ep 2 on 2 processes; fsdp 4, fsdp 4 + ep 4, fsdp 2 + tp 2, and
+dp_replicate 2 x fsdp 2 (HSDP) on 4), a saved folder is loaded with `from_pretrained(...,
+distributed_config=DistributedConfig(...))` under `torchrun` (gloo, CPU, one thread per process), or alone for the
+one-process row, and trained with AdamW: one warm-up step, `--steps` timed steps, then one step whose collectives
+are counted. The global batch is the same in every row (`--batch` sequences of `--context` tokens): each
+data-parallel group (`dp_replicate_size * fsdp_size` of them) takes an equal share of it, and the processes of a
+tensor-parallel group share theirs. Each process reports:
 
 - peak resident memory (VmHWM of /proc/self/status) while loading, and during training (after loading, the heap it
   freed is handed back with malloc_trim and the high-water mark reset through /proc/self/clear_refs, so the second
@@ -56,7 +57,8 @@ NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "mlp_expert_dropo
 MODELS = {
     "SwitchAll": ("wt103-47m-switchall-xl", [{}, {"fsdp_size": 2}, {"tp_size": 2}, {"fsdp_size": 2, "ep_size": 2},
                                              {"fsdp_size": 4}, {"fsdp_size": 4, "ep_size": 4},
-                                             {"fsdp_size": 2, "tp_size": 2}]),
+                                             {"fsdp_size": 2, "tp_size": 2},
+                                             {"dp_replicate_size": 2, "fsdp_size": 2}]),
     "SwitchHead-XL": ("wt103-47m-switchhead-xl", [{}, {"fsdp_size": 2}, {"tp_size": 2}, {"fsdp_size": 4}]),
 }
 QUICK_MODELS = {"SwitchAll": ("tiny-switchall", [{}, {"fsdp_size": 2, "ep_size": 2}])}
@@ -201,7 +203,8 @@ def worker(model_folder: str, out: str, layout: dict, batch: int, context: int, 
         from transformers import DistributedConfig
 
         model = SwitchHeadForCausalLM.from_pretrained(model_folder, distributed_config=DistributedConfig(**layout))
-        rank, tp, fsdp = dist.get_rank(), layout.get("tp_size", 1), layout.get("fsdp_size", 1)
+        rank, tp = dist.get_rank(), layout.get("tp_size", 1)
+        fsdp = layout.get("dp_replicate_size", 1) * layout.get("fsdp_size", 1)  # the data-parallel groups
         share = (rank // tp) % fsdp  # Transformers' mesh puts tp innermost: a tensor-parallel group shares a batch
     else:
         model = SwitchHeadForCausalLM.from_pretrained(model_folder)
@@ -357,8 +360,9 @@ def main(argv=None) -> int:
     models = QUICK_MODELS if args.quick else {name: MODELS[name] for name in args.models.split(",")}
     for name, (_, layouts) in models.items():
         for layout in layouts:
-            if args.batch % layout.get("fsdp_size", 1):
-                parser.error(f"--batch ({args.batch}) must divide by every fsdp_size ({label(layout)})")
+            if args.batch % (layout.get("dp_replicate_size", 1) * layout.get("fsdp_size", 1)):
+                parser.error(f"--batch ({args.batch}) must divide by every dp_replicate_size * fsdp_size "
+                             f"({label(layout)})")
     torch.set_num_threads(1)
     from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 

@@ -156,6 +156,7 @@ def fsdp_bytes(params: float, tail: float, group: int, replicas: int, gather_byt
                reduce_scatter=rho(group) * params * reduce_bytes if group > 1 else 0.0,
                all_reduce=2 * rho(replicas) * params * reduce_bytes / group if replicas > 1 else 0.0)
     out["payload_all_gather"] = gathered if group > 1 else 0.0
+    out["payload_all_reduce"] = params * reduce_bytes / group if replicas > 1 else 0.0
     out["payload_reduce_scatter"] = params * reduce_bytes if group > 1 else 0.0
     return out
 
@@ -188,14 +189,15 @@ def step_bytes(shapes: dict, config, plan: dict, batch: int, context: int, activ
     fs = fsdp_bytes(elements["dense"], elements["tail"], f, r, gather_bytes, reduce_bytes)
     out["fsdp"] = dict(sent=fs["all_gather"] + fs["reduce_scatter"], group=f, stride=t,
                        payload_all_gather=fs["payload_all_gather"], payload_reduce_scatter=fs["payload_reduce_scatter"])
-    out["replicas"] = dict(sent=fs["all_reduce"], group=r, stride=f * t)
+    out["replicas"] = dict(sent=fs["all_reduce"], group=r, stride=f * t, payload_all_reduce=fs["payload_all_reduce"])
     if e > 1:
         efsdp = f * t // e
         ex = fsdp_bytes(elements["experts"], 0, efsdp, r, gather_bytes, reduce_bytes)
         out["experts_fsdp"] = dict(sent=ex["all_gather"] + ex["reduce_scatter"], group=efsdp, stride=e,
                                    payload_all_gather=ex["payload_all_gather"],
                                    payload_reduce_scatter=ex["payload_reduce_scatter"])
-        out["experts_replicas"] = dict(sent=ex["all_reduce"], group=r, stride=f * t)
+        out["experts_replicas"] = dict(sent=ex["all_reduce"], group=r, stride=f * t,
+                                       payload_all_reduce=ex["payload_all_reduce"])
         a2a = 4 * L * b * context * k * d * activation_bytes  # dispatch + combine, forward + backward
         out["ep"] = dict(sent=rho(e) * a2a, group=e, stride=1, payload_all_to_all=a2a)
     if t > 1:
@@ -273,7 +275,7 @@ def check(benchmark: dict) -> list[dict]:
                              activation_bytes=4, gather_bytes=4, reduce_bytes=4)
         model = dict(all_gather=sum(p.get("payload_all_gather", 0) for p in traffic.values()),
                      reduce_scatter=sum(p.get("payload_reduce_scatter", 0) for p in traffic.values()),
-                     all_reduce_tp=traffic.get("tp", {}).get("payload_all_reduce", 0),
+                     all_reduce=sum(p.get("payload_all_reduce", 0) for p in traffic.values()),
                      all_to_all=traffic.get("ep", {}).get("payload_all_to_all", 0))
         model["parameters_held"] = 4 * fsdp_groups(parameter_shapes(config), row["layout"])["held"]
         counted = {kind: row["collectives"][kind]["payload_bytes"] for kind in ("all_gather", "reduce_scatter",
@@ -315,16 +317,17 @@ def markdown(report: dict) -> str:
                      f"{row['communication_seconds'] * 1e3:.1f} | {row['communication_over_compute']:.2f} | "
                      f"{'at any batch' if over is None else f'{over:.1f}'} | {links or '-'} |")
     if report.get("check"):
-        lines += ["", "**The payload formulas against the bytes counted on CPU** (fp32; MiB per step: modelled / "
+        lines += ["", "**The shard and payload formulas against what was counted on CPU** (fp32; MiB per step: "
+                  "modelled / "
                   f"counted by benchmarks/bench_scaleout.py on {report['check_machine']})", "",
-                  "| model | layout | parameters held | all-gather | reduce-scatter | TP all-reduce | all-to-all |",
+                  "| model | layout | parameters held | all-gather | reduce-scatter | all-reduce | all-to-all |",
                   "|---|---|---|---|---|---|---|"]
         for row in report["check"]:
             m, c = row["modelled"], row["counted"]
             lines.append(f"| {row['model']} | `{row['layout']}` | {m['parameters_held'] / mib:.2f} / "
                          f"{c['parameters_held'] / mib:.2f} | {m['all_gather'] / mib:.2f} / "
                          f"{c['all_gather'] / mib:.2f} | {m['reduce_scatter'] / mib:.2f} / "
-                         f"{c['reduce_scatter'] / mib:.2f} | {m['all_reduce_tp'] / mib:.2f} / "
+                         f"{c['reduce_scatter'] / mib:.2f} | {m['all_reduce'] / mib:.2f} / "
                          f"{c['all_reduce'] / mib:.2f} | {m['all_to_all'] / mib:.2f} / {c['all_to_all'] / mib:.2f} |")
     return "\n".join(lines) + "\n"
 
