@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -202,3 +203,44 @@ def test_compare_runs_installs_the_package_of_a_commit(tmp_path):
                                check=True, capture_output=True, text=True).stdout
     assert (site / "switchhead" / "modeling_switchhead.py").read_text() == committed  # the commit's, not the tree's
     assert (site / "switchhead" / "kernels" / "__init__.py").is_file()  # laid out as the package imports
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers.distributed.expert_parallel") is None,
+                    reason="this Transformers release has no expert parallelism in its distributed engine")
+def test_scaleout_benchmark_quick_run_counts_what_fsdp_and_expert_parallelism_send(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import json
+
+    import bench_scaleout
+    import scaleout_model
+
+    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+
+    out = tmp_path / "scaleout.json"
+    assert bench_scaleout.main(["--quick", "--context", "16", "--steps", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    single, sharded = report["rows"]
+    assert (single["processes"], sharded["processes"]) == (1, 2) and not sharded.get("refused")
+    assert single["sent_bytes"] == 0 and sharded["unaccounted_collectives"] == {}
+    assert single["train_peak_rss_bytes"] > single["held_bytes"] > 0 and single["median_step_seconds"] > 0
+    # 2 processes: FSDP shards the dense parameters and EP puts 4 of the 8 experts of a layer on each, so each holds
+    # half of the parameters, gradients and AdamW state
+    assert sharded["held_parts"]["parameters"] * 2 == single["held_parts"]["parameters"]
+    assert sharded["held_parts"]["gradients"] * 2 == single["held_parts"]["gradients"]
+    assert sharded["held_bytes"] * 2 == pytest.approx(single["held_bytes"], rel=1e-3)  # AdamW's step counters
+    # FSDP reduce-scatters each gradient outside the experts once (the experts' own group has one process here)
+    config = SwitchHeadConfig.from_preset("tiny-switchall")
+    dense = sum(p.numel() for name, p in SwitchHeadForCausalLM(config).named_parameters()
+                if ".mlp.experts." not in name)
+    kinds = sharded["collectives"]
+    assert kinds["reduce_scatter"]["payload_bytes"] == 4 * dense
+    assert kinds["all_to_all"]["count"] >= 4 * config.num_hidden_layers and kinds["all_reduce"]["count"] == 0
+    # the model's shard and payload formulas (scripts/scaleout_model.py) at this run's settings give the counted
+    # bytes: exactly for the shards and FSDP, and for the all-to-alls up to the routing metadata sent beside the tokens
+    (check,) = scaleout_model.check(report)
+    assert check["modelled"]["parameters_held"] == check["counted"]["parameters_held"]
+    assert check["modelled"]["all_gather"] == check["counted"]["all_gather"]
+    assert check["modelled"]["reduce_scatter"] == check["counted"]["reduce_scatter"]
+    assert check["modelled"]["all_to_all"] <= check["counted"]["all_to_all"] <= 1.2 * check["modelled"]["all_to_all"]
+    assert "| SwitchAll | `fsdp_size=2, ep_size=2` | 2 |" in out.with_suffix(".md").read_text()
