@@ -120,6 +120,13 @@ class ExpertSelection(nn.Module):
         return logits, scores.gather(-1, index), index
 
 
+def _plain_call(module: nn.Module) -> bool:
+    """Whether calling `module` runs its class's forward and nothing else (no hooks, no forward set on it)."""
+    hooks = nn.modules.module
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
 # ======================================================================================== attention
 def eager_attention_forward(
     module: nn.Module,
@@ -187,11 +194,17 @@ class SwitchHeadAttentionBase(nn.Module):
             # space.
             self.position_key_proj = nn.Linear(config.hidden_size, inner, bias=False)
 
-    def project_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def route(self, sources: torch.Tensor, destinations: torch.Tensor) -> tuple | None:
+        """The routing of both expert sides computed together, handed to both projections, or None: each side
+        routes itself (dense attention has no router)."""
+        return None
+
+    def project_values(self, hidden_states: torch.Tensor, routing: tuple | None = None) -> torch.Tensor:
         """hidden_states `[B, T, d]` -> values `[B, T, H, dh]`."""
         raise NotImplementedError
 
-    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor,
+                       routing: tuple | None = None) -> torch.Tensor:
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
@@ -214,7 +227,8 @@ class SwitchHeadAttentionBase(nn.Module):
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
         key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
-        value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], already expert-mixed
+        routing = self.route(sources, hidden_states)
+        value = self.project_values(sources, routing=routing).transpose(1, 2)  # [B, H, M+T, dh], expert-mixed
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
@@ -254,7 +268,7 @@ class SwitchHeadAttentionBase(nn.Module):
         # nothing) by one whose output is not
         if torch.compiler.is_exporting():
             attended = attended.clone(memory_format=torch.contiguous_format)
-        return self.project_output(attended.reshape(heads_shape), hidden_states), probs
+        return self.project_output(attended.reshape(heads_shape), hidden_states, routing=routing), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
@@ -295,21 +309,43 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         return expert_projection(tokens, index, weight, gates, out_groups, self.config._experts_implementation,
                                  grouped_routing=True)
 
-    def project_values(self, hidden_states):
+    def route(self, sources, destinations):
+        """Both routers' scores from one matmul and one top-k: ((gates, index) of the values, of the output).
+
+        Taken for one token that is its own source (decoding without XL memory), where a router call is a
+        noticeable part of the step. Not for more tokens (there the stacked matmul is not bitwise the two
+        separate ones, and a training step must not depend on how its batch is split over processes), nor where
+        a router's call is more than its forward: hooks (recorded router logits), a forward replaced by a
+        parallel style, projections replaced per process (tensor_parallel.py), or expert dropout in training
+        (each router draws its own masks)."""
+        if sources is not destinations or destinations.shape[0] * destinations.shape[1] != 1:
+            return None
+        if not (self.expert_values and self.expert_output) or "project_values" in self.__dict__:
+            return None
+        values, output = self.value_selection, self.output_selection
+        if (self.training and values.expert_dropout > 0) or not (_plain_call(values) and _plain_call(output)):
+            return None
+        tokens = destinations.reshape(1, -1)
+        _, gates, index = values.select(F.linear(tokens, torch.cat((values.weight, output.weight))))
+        index = index + torch.cat((values.group_offsets, output.group_offsets)).unsqueeze(-1)
+        gates, index, half = gates.flatten(1), index.flatten(1), self.num_heads * self.top_k
+        return (gates[:, :half], index[:, :half]), (gates[:, half:], index[:, half:])
+
+    def project_values(self, hidden_states, routing=None):
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         tokens = hidden_states.reshape(-1, d)
-        _, gates, index = self.value_selection(tokens)
+        gates, index = routing[0] if routing is not None else self.value_selection(tokens)[1:]
         values = self._project(tokens.unsqueeze(1), index, self.value_experts, gates, self.num_heads)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
-    def project_output(self, attended, hidden_states):
+    def project_output(self, attended, hidden_states, routing=None):
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
         rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
-        _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
+        gates, index = routing[1] if routing is not None else self.output_selection(hidden_states.reshape(-1, d))[1:]
         return self._project(rows, index, self.output_experts, gates, 1).view(batch, length, -1)
 
 
@@ -330,10 +366,10 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
         self.output_gate = nn.Parameter(torch.empty(self.num_heads, config.hidden_size)) \
             if config.attention_output_gate else None
 
-    def project_values(self, hidden_states):
+    def project_values(self, hidden_states, routing=None):
         return self.v_proj(hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim)
 
-    def project_output(self, attended, hidden_states):
+    def project_output(self, attended, hidden_states, routing=None):
         if self.output_gate is not None:
             attended = attended * torch.sigmoid(F.linear(hidden_states, self.output_gate)).unsqueeze(-1)  # [B,T,H,dh]
         return self.o_proj(attended.flatten(2))

@@ -97,12 +97,12 @@ if TensorParallelLayer is not None:
         def _local(self, module, method, mesh, sum_output):
             group = mesh.get_group()
 
-            def run(*args):
+            def run(*args, **kwargs):
                 *rest, hidden_states = args
                 if torch.is_grad_enabled() and hidden_states.requires_grad:
                     hidden_states = _SumGradients.apply(hidden_states, group)
                 with self.context_around_forward(module, mesh):
-                    out = method(*rest, hidden_states)
+                    out = method(*rest, hidden_states, **kwargs)
                 return _SumOutputs.apply(out, group) if sum_output else out
 
             return run

@@ -429,3 +429,74 @@ def test_many_token_formulations_compile_in_fp32():
         torch.testing.assert_close(compiled, eager, rtol=2e-5, atol=2e-5)
         for a, b in zip(got, want):  # sums over 512 tokens in another order: fp32 rounding relative to the scale
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * float(b.abs().max()))
+
+
+def _routes_taken(model, call):
+    """Run `call()` and return what each SwitchHead attention layer's `route` returned, in call order."""
+    taken, route = [], modeling.SwitchHeadAttention.route
+
+    def spy(self, sources, destinations):
+        taken.append(route(self, sources, destinations))
+        return taken[-1]
+
+    with unittest.mock.patch.object(modeling.SwitchHeadAttention, "route", spy):
+        result = call()
+    return taken, result
+
+
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl"])
+def test_one_token_decoding_routes_both_sides_with_one_router_matmul(variant):
+    # decoding one token, both routers run as one matmul and one top-k (`route`), and both projections read that
+    # routing: the logits equal each side routing itself; prompts (several tokens) route each side separately
+    joint, separate = variant_model(variant), variant_model(variant)
+    for layer in separate.model.layers:
+        layer.self_attn.route = lambda sources, destinations: None  # this instance: each side routes itself
+    layers = joint.config.num_hidden_layers
+    ids = torch.randint(0, joint.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        taken, out = _routes_taken(joint, lambda: joint(input_ids=ids[:, :5], use_cache=True))
+        assert taken == [None] * layers  # a prompt of 5 tokens
+        caches = [out.past_key_values, separate(input_ids=ids[:, :5], use_cache=True).past_key_values]
+        for t in range(5, 9):
+            taken, stepped = _routes_taken(joint, lambda: joint(input_ids=ids[:, t:t + 1], past_key_values=caches[0],
+                                                                use_cache=True).logits)
+            assert len(taken) == layers and all(routing is not None for routing in taken)
+            reference = separate(input_ids=ids[:, t:t + 1], past_key_values=caches[1], use_cache=True).logits
+            torch.testing.assert_close(stepped, reference, rtol=1e-6, atol=1e-6)
+    # the joint routing is each router's own: the same expert ids, the same gates
+    attention = joint.model.layers[0].self_attn
+    tokens = torch.randn(1, 1, joint.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        values, output = attention.route(tokens, tokens)
+        for (gates, index), router in ((values, attention.value_selection), (output, attention.output_selection)):
+            _, want_gates, want_index = router(tokens.reshape(1, -1))
+            assert torch.equal(index, want_index)
+            torch.testing.assert_close(gates, want_gates, rtol=1e-6, atol=1e-7)
+
+
+def test_recorded_router_logits_and_expert_dropout_keep_each_router_its_own_call():
+    # a router whose call records its logits (Transformers' output hooks) or draws expert dropout routes itself:
+    # a one-token step asked for router logits returns every router's, one row each
+    model = variant_model("switchhead-rope")
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+        taken, out = _routes_taken(model, lambda: model(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True,
+                                                        output_router_logits=True))
+    assert taken == [None] * layers
+    assert len(out.router_logits) == layers * model.config.routers_per_layer
+    assert all(logits.shape[0] == 1 for logits in out.router_logits)
+    # SwitchAll trains with its routers' logits recorded (the entropy regulariser): its hooks are always there
+    switchall = variant_model("switchall-rope")
+    with torch.no_grad():
+        cache = switchall(input_ids=ids[:, :5], use_cache=True).past_key_values
+        taken, _ = _routes_taken(switchall, lambda: switchall(input_ids=ids[:, 5:], past_key_values=cache,
+                                                              use_cache=True))
+    assert taken == [None] * switchall.config.num_hidden_layers
+    fresh = variant_model("switchhead-rope").train()
+    attention, tokens = fresh.model.layers[0].self_attn, torch.randn(1, 1, fresh.config.hidden_size)
+    attention.value_selection.expert_dropout = attention.output_selection.expert_dropout = 0.5
+    assert attention.route(tokens, tokens) is None
+    attention.value_selection.expert_dropout = attention.output_selection.expert_dropout = 0.0
+    assert attention.route(tokens, tokens) is not None
