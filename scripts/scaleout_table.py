@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -26,21 +27,17 @@ WORKER = Path(__file__).resolve().parents[1] / "tests" / "training" / "scaleout_
 PRESETS = {"SwitchAll": "tiny-switchall", "SwitchHead-XL": "tiny-switchhead-xl", "SwitchHead (RoPE)": "tiny-switchhead"}
 LAYOUTS = [{"tp_size": 2}, {"fsdp_size": 2}, {"pp_size": 2}, {"fsdp_size": 2, "ep_size": 2},
            {"tp_size": 2, "ep_size": 2}, {"tp_size": 2, "fsdp_size": 2}, {"dp_replicate_size": 2, "fsdp_size": 2}]
+NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "mlp_expert_dropout": 0.0,
+              "attention_expert_dropout": 0.0}
 
 
 def processes(layout: dict) -> int:
     """Processes a layout runs on: tp x fsdp x dp_replicate x pp (ep divides the FSDP processes); at least 2."""
-    sizes = ("tp_size", "fsdp_size", "dp_replicate_size", "pp_size")
-    count = 1
-    for size in sizes:
-        count *= layout.get(size, 1)
-    return max(count, 2)
+    return max(math.prod(layout.get(size, 1) for size in ("tp_size", "fsdp_size", "dp_replicate_size", "pp_size")), 2)
 
 
 def data_parallel_shares(layout: dict) -> int:
     return layout.get("fsdp_size", 1) * layout.get("dp_replicate_size", 1)
-NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "mlp_expert_dropout": 0.0,
-              "attention_expert_dropout": 0.0}
 
 
 def free_port() -> int:
