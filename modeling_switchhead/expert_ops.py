@@ -176,10 +176,12 @@ def _batched(inputs, expert_index, weight, gates, out_groups):
     n, s = expert_index.shape
     r, d_in, d_out = inputs.shape[1], inputs.shape[2], weight.shape[2]
     matrices = weight.index_select(0, expert_index.reshape(-1))  # [M, d_in, d_out]
-    rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n, s, d_in)
     if gates is None:
-        return torch.bmm(rows.reshape(n * s, 1, d_in), matrices).view(n, s, d_out)
-    rows = rows * gates.unsqueeze(-1).to(rows.dtype)  # the gated sum inside the matmul, per output group
+        rows = inputs.unsqueeze(2).expand(n, r, s // r, d_in).reshape(n * s, 1, d_in)
+        return torch.bmm(rows, matrices).view(n, s, d_out)
+    # each slot's input row scaled by its gate (one broadcast product): the gated sum inside the matmul, per group
+    gates = gates if gates.dtype == inputs.dtype else gates.to(inputs.dtype)
+    rows = inputs.unsqueeze(2) * gates.view(n, r, s // r, 1)  # [N, R, S / R, d_in]
     per_group = s // out_groups
     out = torch.bmm(rows.reshape(n * out_groups, 1, per_group * d_in),
                     matrices.view(n * out_groups, per_group * d_in, d_out))
@@ -229,21 +231,25 @@ def choose_formulation(tokens: int, slots: int, rows: int, out_groups: int | Non
                        grouped_routing: bool = False) -> Callable:
     """The "auto" rule behind "eager": the formulation for a call of these sizes (`out_groups` None: no gates).
 
-    Compiled (not exported), while a call selects fewer matrices than there are experts (N * S < G: decoding a
-    few tokens), `_gathered`, whose gather inductor fuses into the product, so only the selected matrices are read.
-    Otherwise `_batched` for a handful of selected matrices (N * S <= 4: the weight copy is small); `_all_experts`
-    while its extra work is small: it multiplies by every expert, i.e. min(R, out groups) * G matrix products per
-    token where S are needed, so it is taken when that is at most twice S, or for few tokens (N * S <= 512, where
-    sorting and copying cost more than the extra products); else `_grouped`. With grouped routing and gates on a
-    side with one input row or one output group, `_per_head` replaces `_batched` and `_all_experts` (the work of
-    `_all_experts` in fewer ops): this is what eager one-token decoding runs. Exporting with a symbolic token
-    count: `_all_experts` (one graph for every size; the others are size-dependent choices, and `_grouped` does not
-    export).
+    While a call selects fewer matrices than there are experts (N * S < G: decoding a few tokens), only the selected
+    ones are read: compiled (not exported) by `_gathered`, whose gather inductor fuses into the product; eager by
+    `_batched`, which copies them first (weights that stream from memory, as in decoding, cost their reading, and
+    the copy stays in cache: at one token it beats every formulation that reads all experts,
+    benchmarks/results/decode_*). Otherwise `_batched` for a handful of selected matrices (N * S <= 4: the weight
+    copy is small); `_all_experts` while its extra work is small: it multiplies by every expert, i.e.
+    min(R, out groups) * G matrix products per token where S are needed, so it is taken when that is at most twice
+    S, or for few tokens (N * S <= 512, where sorting and copying cost more than the extra products); else
+    `_grouped`. With grouped routing and gates on a side with one input row or one output group, `_per_head`
+    replaces `_batched` and `_all_experts` there (the work of `_all_experts` in fewer ops). Exporting with a
+    symbolic token count: `_all_experts` (one graph for every size; the others are size-dependent choices, and
+    `_grouped` does not export).
     """
     if isinstance(tokens, torch.SymInt) and torch.compiler.is_exporting():
         return _all_experts
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting() and tokens * slots < num_experts:
-        return _gathered  # fewer selected matrices than experts (decoding): read only those, fused
+    if tokens * slots < num_experts:  # fewer selected matrices than experts (decoding): read only those
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            return _gathered
+        return _batched
     mixed = min(rows, out_groups or slots) * num_experts  # products per token of `_all_experts`
     if mixed > 2 * slots and tokens * slots > 512:
         return _grouped
@@ -319,14 +325,16 @@ def expert_projection(
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them.
     """
+    if expert_index.dtype != torch.long:
+        expert_index = expert_index.long()
     entry = EXPERTS_IMPLEMENTATIONS.get(implementation, _cvmm)
-    return entry(inputs, expert_index.long(), weight, gates, out_groups, grouped_routing)
+    return entry(inputs, expert_index, weight, gates, out_groups, grouped_routing)
 
 
 # ---------------------------------------------------------------------------------------------------- per head
 # "per_head" holds the top-k as dense gates `[N, H, E]` (zero for the experts not chosen) and runs against every
-# expert of a head: the work of "all_experts" in a handful of ops, which is what decoding pays for. Under autograd
-# the custom functions keep what their backward needs: the value side its arguments and every expert's products
+# expert of a head: the work of "all_experts" in a handful of ops (training, batch decoding). Under autograd the
+# custom functions keep what their backward needs: the value side its arguments and every expert's products
 # `[N, H * E, dh]` (the gates' gradient reads them), the output side only its arguments (the gated input rows are
 # elementwise, recomputed).
 def dense_head_gates(expert_index: torch.Tensor, gates: torch.Tensor, num_groups: int, num_experts: int,
@@ -339,24 +347,7 @@ def dense_head_gates(expert_index: torch.Tensor, gates: torch.Tensor, num_groups
 
 def _every_expert_values(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """inputs `[N, d]`, weight `[H * E, d, dh]` -> every expert's projection `[H * E, N, dh]`."""
-    if inputs.shape[0] == 1:  # decoding one token: one batched matrix-vector product (no broadcasting matmul)
-        return torch.bmm(inputs.expand(weight.shape[0], 1, inputs.shape[1]), weight)
     return torch.matmul(inputs.unsqueeze(0), weight)
-
-
-def _head_values_forward(inputs: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    n, heads, experts = gates.shape
-    if n == 1 and torch.compiler.is_compiling():
-        # one token, compiled: inductor would turn the batched matrix-vector products into a generated loop;
-        # mixing each head's expert matrices by their gates first (one pass over the weights, into [d, H * dh])
-        # leaves one ATen matrix product
-        d, dh = weight.shape[1], weight.shape[2]
-        mixed = (gates.view(heads, experts, 1, 1) * weight.view(heads, experts, d, dh)).sum(1)  # [H, d, dh]
-        return torch.mm(inputs, mixed.permute(1, 0, 2).reshape(d, heads * dh)).view(1, heads, dh)
-    every = _every_expert_values(inputs, weight)  # [H * E, N, dh]
-    if n == 1:  # [H, 1, E] x [H, E, dh]
-        return torch.bmm(gates.view(heads, 1, experts), every.view(heads, experts, -1)).view(1, heads, -1)
-    return _mix_values(every, gates)
 
 
 def _mix_values(every: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -432,7 +423,7 @@ def head_expert_values(inputs: torch.Tensor, gates: torch.Tensor, weight: torch.
     out[n, h] = sum_e gates[n, h, e] * inputs[n] @ weight[h * E + e]."""
     if _lean_autograd(inputs, gates, weight):
         return _HeadExpertValues.apply(inputs, gates, weight)
-    return _head_values_forward(inputs, gates, weight)
+    return _mix_values(_every_expert_values(inputs, weight), gates)
 
 
 def head_expert_output(rows: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

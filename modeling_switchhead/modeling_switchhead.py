@@ -325,11 +325,11 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         values, output = self.value_selection, self.output_selection
         if (self.training and values.expert_dropout > 0) or not (_plain_call(values) and _plain_call(output)):
             return None
-        tokens = destinations.reshape(1, -1)
-        _, gates, index = values.select(F.linear(tokens, torch.cat((values.weight, output.weight))))
-        index = index + torch.cat((values.group_offsets, output.group_offsets)).unsqueeze(-1)
-        gates, index, half = gates.flatten(1), index.flatten(1), self.num_heads * self.top_k
-        return (gates[:, :half], index[:, :half]), (gates[:, half:], index[:, half:])
+        logits = F.linear(destinations.reshape(1, -1), torch.cat((values.weight, output.weight)))
+        _, gates, index = values.select(logits)  # [1, 2H, k]: the value side's H groups, then the output side's
+        # both sides have H groups of E experts: the value router's group offsets serve both halves
+        index = index.view(2, self.num_heads, self.top_k) + values.group_offsets.view(-1, 1)
+        return tuple(zip(gates.view(2, 1, -1).unbind(0), index.view(2, 1, -1).unbind(0)))  # per side [1, H * k]
 
     def project_values(self, hidden_states, routing=None):
         batch, length, d = hidden_states.shape

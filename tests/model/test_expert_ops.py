@@ -108,12 +108,15 @@ def test_every_entry_with_repeated_and_cross_group_expert_ids(use):
 
 def test_eager_picks_by_problem_size():
     choose, f = expert_ops.choose_formulation, expert_ops
-    # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding one sequence gathers its 4 matrices
+    # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding while fewer matrices are selected than there
+    # are experts (N * S < G) gathers the selected ones, per head or not, on either side, gated or not
     assert choose(1, 4, 1, 2, 10) is f._batched
-    assert choose(1, 4, 1, 2, 10, grouped_routing=True) is f._per_head  # one-token decoding, per head
-    assert choose(1, 4, 2, 1, 10, grouped_routing=True) is f._per_head  # the output side
-    assert choose(1, 4, 1, None, 10, grouped_routing=True) is f._batched  # no gates: no per-head formulation
-    assert choose(2, 4, 1, 2, 10) is f._all_experts  # batch decoding: no weight copies
+    assert choose(1, 4, 1, 2, 10, grouped_routing=True) is f._batched
+    assert choose(1, 4, 2, 1, 10, grouped_routing=True) is f._batched  # the output side
+    assert choose(1, 4, 1, None, 10, grouped_routing=True) is f._batched  # no gates
+    assert choose(2, 4, 1, 2, 10) is f._batched  # 8 of 10
+    assert choose(1, 10, 1, 2, 10, grouped_routing=True) is f._per_head  # every expert selected: no copies
+    assert choose(3, 4, 1, 2, 10) is f._all_experts  # batch decoding: no weight copies
     assert choose(8, 4, 1, 2, 10, grouped_routing=True) is f._per_head
     assert choose(4096, 4, 1, 2, 10) is f._grouped  # training: G / k times the products is too much
     assert choose(4096, 4, 1, 2, 10, grouped_routing=True) is f._grouped
@@ -267,7 +270,7 @@ def _per_head(case, use, heads, experts):
 @pytest.mark.parametrize("repeats", [False, True], ids=["distinct", "repeated-ids"])
 def test_per_head_formulation_matches_the_twin(use, repeats, dtype):
     # outputs and gradients w.r.t. inputs, weight and the router's gates, through the custom autograd functions
-    # (grad mode) and the plain forward (no grad); one token (decoding's batched matrix-vector products) and more
+    # (grad mode) and the plain forward (no grad); no token, one token (every expert selected, or not) and more
     generator = torch.Generator().manual_seed(21 + repeats)
     heads, experts = 2, 5
     for tokens, k in ((0, 2), (1, 3), (1, 1), (7, 3), (33, 2)):
@@ -283,7 +286,7 @@ def test_per_head_formulation_matches_the_twin(use, repeats, dtype):
 
 
 def test_per_head_formulation_compiles_for_one_token():
-    # decoding under torch.compile(fullgraph=True): one token takes the fused weight-streaming reduction
+    # one token (every expert selected: the rule gathers fewer) under torch.compile(fullgraph=True)
     generator = torch.Generator().manual_seed(8)
     heads, experts = 2, 5
     for use in ("value", "output"):
@@ -371,15 +374,18 @@ def test_per_head_path_equals_the_generic_path(variant):
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     per_head.eval(), generic.eval()
-    with torch.no_grad():  # decoding steps through the cache: one token per step (the batched mat-vec products)
-        caches = [model(input_ids=ids[:1, :5], use_cache=True).past_key_values for model in (per_head, generic)]
-        for t in range(5, 9):
-            with unittest.mock.patch.object(expert_ops, "choose_formulation", spy):
-                stepped = per_head(input_ids=ids[:1, t:t + 1], past_key_values=caches[0], use_cache=True).logits
-            reference = generic(input_ids=ids[:1, t:t + 1], past_key_values=caches[1], use_cache=True).logits
-            torch.testing.assert_close(stepped, reference, rtol=1e-5, atol=1e-5)
-    # one token: the rule chose the per-head formulation for both SwitchHead sides of every layer
-    assert chosen[:2] == [expert_ops._per_head, expert_ops._per_head]
+    # decoding steps through the cache: two sequences select as many matrices as there are experts (2 * H * k = H * E,
+    # the per-head formulation), one sequence fewer (the selected matrices gathered, both sides routed together)
+    for rows, formulation in ((2, expert_ops._per_head), (1, expert_ops._batched)):
+        chosen.clear()
+        with torch.no_grad():
+            caches = [model(input_ids=ids[:rows, :5], use_cache=True).past_key_values for model in (per_head, generic)]
+            for t in range(5, 9):
+                with unittest.mock.patch.object(expert_ops, "choose_formulation", spy):
+                    stepped = per_head(input_ids=ids[:rows, t:t + 1], past_key_values=caches[0], use_cache=True).logits
+                reference = generic(input_ids=ids[:rows, t:t + 1], past_key_values=caches[1], use_cache=True).logits
+                torch.testing.assert_close(stepped, reference, rtol=1e-5, atol=1e-5)
+        assert len(chosen) == 4 * 2 * per_head.config.num_hidden_layers and set(chosen) == {formulation}
 
 
 def test_recorded_router_logits_keep_each_router_call():
