@@ -182,6 +182,8 @@ def _batched(inputs, expert_index, weight, gates, out_groups):
     # each slot's input row scaled by its gate (one broadcast product): the gated sum inside the matmul, per group
     gates = gates if gates.dtype == inputs.dtype else gates.to(inputs.dtype)
     rows = inputs.unsqueeze(2) * gates.view(n, r, s // r, 1)  # [N, R, S / R, d_in]
+    if n * out_groups == 1:  # one output row: a matrix-vector product
+        return torch.mm(rows.view(1, s * d_in), matrices.view(s * d_in, d_out)).view(1, 1, d_out)
     per_group = s // out_groups
     out = torch.bmm(rows.reshape(n * out_groups, 1, per_group * d_in),
                     matrices.view(n * out_groups, per_group * d_in, d_out))

@@ -37,6 +37,7 @@ from torch import nn
 from .transformers_compat import (  # first: it checks the installed Transformers release
     accepts_past_key_values,
     cache_kwarg,
+    experts_implementation,
     incompatible_release,
     model_cache,
     output_cache,
@@ -306,7 +307,7 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
 
     def _project(self, tokens, index, weight, gates, out_groups):
         """The expert projection the configured experts implementation picks, told that routing is per head."""
-        return expert_projection(tokens, index, weight, gates, out_groups, self.config._experts_implementation,
+        return expert_projection(tokens, index, weight, gates, out_groups, experts_implementation(self.config),
                                  grouped_routing=True)
 
     def route(self, sources, destinations):
@@ -335,9 +336,9 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
-        tokens = hidden_states.reshape(-1, d)
-        gates, index = routing[0] if routing is not None else self.value_selection(tokens)[1:]
-        values = self._project(tokens.unsqueeze(1), index, self.value_experts, gates, self.num_heads)
+        rows = hidden_states.reshape(-1, 1, d)  # one input row per token
+        gates, index = routing[0] if routing is not None else self.value_selection(rows.view(-1, d))[1:]
+        values = self._project(rows, index, self.value_experts, gates, self.num_heads)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
     def project_output(self, attended, hidden_states, routing=None):

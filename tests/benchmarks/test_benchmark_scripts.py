@@ -244,3 +244,31 @@ def test_scaleout_benchmark_quick_run_counts_what_fsdp_and_expert_parallelism_se
     assert check["modelled"]["reduce_scatter"] == check["counted"]["reduce_scatter"]
     assert check["modelled"]["all_to_all"] <= check["counted"]["all_to_all"] <= 1.2 * check["modelled"]["all_to_all"]
     assert "| SwitchAll | `fsdp_size=2, ep_size=2` | 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_decode_experts_benchmark_checks_every_formulation_and_names_the_rules_choice(tmp_path, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import json
+
+    import bench_decode_experts
+
+    out = tmp_path / "decode_experts.json"
+    assert bench_decode_experts.main(["--reps", "1", "--ring-mib", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["variant"], r["k"]) for r in report["rows"]] == [(v, k) for v in ("rope", "xl") for k in range(1, 6)]
+    # one token: fewer selected matrices than experts gathers them; all of them selected reads every expert per head
+    assert [r["rule_chooses"] for r in report["rows"][:5]] == ["batched"] * 4 + ["per_head"]
+    assert all(len(r["us_per_layer"]) == 5 and min(r["us_per_layer"].values()) > 0 for r in report["rows"])
+    assert "| rope | 3 of 5 |" in out.with_suffix(".md").read_text()
+    # a formulation that disagrees with the naive twin stops the run before any timing
+    broken = dict(bench_decode_experts.FORMULATIONS, batched=lambda x, i, w, g, o: expert_ops_naive(x, i, w, g, o) * 2)
+    monkeypatch.setattr(bench_decode_experts, "FORMULATIONS", broken)
+    with pytest.raises(SystemExit) as stopped:
+        bench_decode_experts.main(["--reps", "1", "--ring-mib", "1", "--out", str(tmp_path / "broken.json")])
+    assert stopped.value.code == 1 and not (tmp_path / "broken.json").exists()
+
+
+def expert_ops_naive(*args):
+    from switchhead import expert_ops
+
+    return expert_ops.naive(*args)

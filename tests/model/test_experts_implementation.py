@@ -233,3 +233,31 @@ def test_training_step_compiles_fullgraph_with_the_switch_and_dynamic_rope(imple
     eager_loss = loss_fn(ids)
     compiled_loss = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(ids)
     torch.testing.assert_close(compiled_loss, eager_loss, **TOL)
+
+
+def test_the_attention_reads_the_configured_implementation_as_set():
+    # the attention reads the implementation behind Transformers' property (without the configuration's attribute
+    # hooks): the same value after from_config, set_experts_implementation and a plain assignment, and through the
+    # property where a release keeps it elsewhere
+    from switchhead.transformers_compat import experts_implementation
+
+    model = SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-switchhead"))
+    config = model.model.layers[0].self_attn.config
+    assert experts_implementation(config) == config._experts_implementation
+    for name in ("batched_mm", "eager", "cvmm"):
+        model.set_experts_implementation(name)
+        assert experts_implementation(config) == config._experts_implementation == name
+    config._experts_implementation = "grouped_mm"
+    assert experts_implementation(config) == "grouped_mm"
+    called = []  # the implementation each projection is asked for
+    with unittest.mock.patch.object(modeling, "expert_projection",
+                                    lambda *args, **kwargs: called.append(args[5]) or expert_ops.expert_projection(
+                                        *args, **kwargs)):
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert called and set(called) == {"grouped_mm"}
+
+    class Elsewhere:  # a release without the instance attribute: the property's value
+        _experts_implementation = "batched_mm"
+
+    assert experts_implementation(Elsewhere()) == "batched_mm"
