@@ -233,12 +233,12 @@ def choose_formulation(tokens: int, slots: int, rows: int, out_groups: int | Non
                        grouped_routing: bool = False) -> Callable:
     """The "auto" rule behind "eager": the formulation for a call of these sizes (`out_groups` None: no gates).
 
-    While a call selects fewer matrices than there are experts (N * S < G: decoding a few tokens), only the selected
-    ones are read: compiled (not exported) by `_gathered`, whose gather inductor fuses into the product; eager by
-    `_batched`, which copies them first (weights that stream from memory, as in decoding, cost their reading, and
-    the copy stays in cache: at one token it beats every formulation that reads all experts,
-    benchmarks/results/decode_*). Otherwise `_batched` for a handful of selected matrices (N * S <= 4: the weight
-    copy is small); `_all_experts` while its extra work is small: it multiplies by every expert, i.e.
+    While a call selects at most as many matrices as there are experts (N * S <= G: decoding a few tokens), only
+    the selected ones are read: compiled (not exported) by `_gathered`, whose gather inductor fuses into the product;
+    eager by `_batched`, which copies them first (in decoding the weights stream from memory and the copy stays in
+    cache: at one token it beats every formulation that reads all experts, even with all of them selected,
+    benchmarks/results/decode_experts_*). Otherwise `_batched` for a handful of selected matrices (N * S <= 4: the
+    weight copy is small); `_all_experts` while its extra work is small: it multiplies by every expert, i.e.
     min(R, out groups) * G matrix products per token where S are needed, so it is taken when that is at most twice
     S, or for few tokens (N * S <= 512, where sorting and copying cost more than the extra products); else
     `_grouped`. With grouped routing and gates on a side with one input row or one output group, `_per_head`
@@ -248,7 +248,7 @@ def choose_formulation(tokens: int, slots: int, rows: int, out_groups: int | Non
     """
     if isinstance(tokens, torch.SymInt) and torch.compiler.is_exporting():
         return _all_experts
-    if tokens * slots < num_experts:  # fewer selected matrices than experts (decoding): read only those
+    if tokens * slots <= num_experts:  # no more selected matrices than experts (decoding): read only those
         if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
             return _gathered
         return _batched

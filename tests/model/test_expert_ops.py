@@ -108,14 +108,15 @@ def test_every_entry_with_repeated_and_cross_group_expert_ids(use):
 
 def test_eager_picks_by_problem_size():
     choose, f = expert_ops.choose_formulation, expert_ops
-    # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding while fewer matrices are selected than there
-    # are experts (N * S < G) gathers the selected ones, per head or not, on either side, gated or not
+    # SwitchHead values (R=1, S=H*k=4, H=2 groups, G=10): decoding while no more matrices are selected than there
+    # are experts (N * S <= G) gathers the selected ones, per head or not, on either side, gated or not
     assert choose(1, 4, 1, 2, 10) is f._batched
     assert choose(1, 4, 1, 2, 10, grouped_routing=True) is f._batched
     assert choose(1, 4, 2, 1, 10, grouped_routing=True) is f._batched  # the output side
     assert choose(1, 4, 1, None, 10, grouped_routing=True) is f._batched  # no gates
     assert choose(2, 4, 1, 2, 10) is f._batched  # 8 of 10
-    assert choose(1, 10, 1, 2, 10, grouped_routing=True) is f._per_head  # every expert selected: no copies
+    assert choose(1, 10, 1, 2, 10, grouped_routing=True) is f._batched  # every expert selected, once
+    assert choose(2, 10, 1, 2, 10, grouped_routing=True) is f._per_head  # more slots than experts: no copies
     assert choose(3, 4, 1, 2, 10) is f._all_experts  # batch decoding: no weight copies
     assert choose(8, 4, 1, 2, 10, grouped_routing=True) is f._per_head
     assert choose(4096, 4, 1, 2, 10) is f._grouped  # training: G / k times the products is too much
@@ -126,7 +127,7 @@ def test_eager_picks_by_problem_size():
 
 @pytest.mark.parametrize("use", sorted(USES))
 def test_compiled_decoding_reads_only_the_selected_experts(use):
-    # compiled, a call with fewer selected matrices than experts takes `_gathered` (the gather fused into the
+    # compiled, a call with no more selected matrices than experts takes `_gathered` (the gather fused into the
     # product); its values and gradients are the twin's; more slots than experts keep the eager rule's choice
     choose, f = expert_ops.choose_formulation, expert_ops
     chosen = []
@@ -147,8 +148,8 @@ def test_compiled_decoding_reads_only_the_selected_experts(use):
             got = compiled()
         _assert_same(got, want, _grads(got, case.leaves()), _grads(want, case.leaves()), torch.float32)
     slots, experts = case.expert_index.shape[1], case.weight.shape[0]
-    assert chosen[0] is f._gathered and slots < experts  # one token: fewer selected matrices than experts
-    assert chosen[1] is not f._gathered and 6 * slots >= experts
+    assert chosen[0] is f._gathered and slots <= experts  # one token: no more selected matrices than experts
+    assert chosen[1] is not f._gathered and 6 * slots > experts
 
 
 def test_grouped_mm_falls_back_where_grouped_mm_cannot_run():
@@ -354,7 +355,7 @@ def _two_paths(variant="switchhead-rope"):
 def test_per_head_path_equals_the_generic_path(variant):
     per_head, generic = _two_paths(variant)
     per_head.set_experts_implementation("eager")
-    ids = torch.randint(0, per_head.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, per_head.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
     chosen = []
     choose = expert_ops.choose_formulation
 
@@ -374,9 +375,9 @@ def test_per_head_path_equals_the_generic_path(variant):
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     per_head.eval(), generic.eval()
-    # decoding steps through the cache: two sequences select as many matrices as there are experts (2 * H * k = H * E,
+    # decoding steps through the cache: three sequences select more matrices than there are experts (3 * H * k > H * E,
     # the per-head formulation), one sequence fewer (the selected matrices gathered, both sides routed together)
-    for rows, formulation in ((2, expert_ops._per_head), (1, expert_ops._batched)):
+    for rows, formulation in ((3, expert_ops._per_head), (1, expert_ops._batched)):
         chosen.clear()
         with torch.no_grad():
             caches = [model(input_ids=ids[:rows, :5], use_cache=True).past_key_values for model in (per_head, generic)]
