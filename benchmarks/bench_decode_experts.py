@@ -24,7 +24,6 @@ versions and the load average before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -39,7 +38,7 @@ from switchhead import expert_ops
 from switchhead.configuration_switchhead import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_name  # noqa: E402
+from machine import cpu_name, file_slug, save_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"rope": "wt103-45m-switchhead-rope", "xl": "wt103-47m-switchhead-xl"}
@@ -172,13 +171,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     report = run(args)
-    slug = "".join(ch if ch.isalnum() else "-" for ch in report["machine"]["cpu"].lower()).strip("-")[:40]
-    out = args.out or RESULTS / f"decode_experts_cpu_{slug}_{args.threads}t.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
-    print(f"saved {out} and {out.with_suffix('.md')}")
+    slug = file_slug(report["machine"]["cpu"])
+    save_results(args.out or RESULTS / f"decode_experts_cpu_{slug}_{args.threads}t.json", report, markdown(report))
     return 0
 
 

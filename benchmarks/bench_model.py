@@ -46,7 +46,7 @@ from transformers import StaticCache  # noqa: E402
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_name  # noqa: E402
+from machine import cpu_name, file_slug, save_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = 128  # default prompt length (tokens) for prefill and decoding
@@ -391,16 +391,11 @@ def main(argv=None) -> int:
     args.reps = args.reps or (1 if args.quick else 3)
     torch.set_num_threads(args.threads)
     report = run(args)
-    slug = "".join(ch if ch.isalnum() else "-" for ch in report["machine"]["cpu"].lower()).strip("-")[:40]
     kind = "decode" if args.decode_only else report["mode"]
     if args.prompt != PROMPT and not args.quick:
         kind += f"_p{args.prompt}"  # another prompt length: its own result files
-    out = args.out or RESULTS / f"model_{kind}_cpu_{slug}_{args.threads}t.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
-    print(f"saved {out} and {out.with_suffix('.md')}")
+    slug = file_slug(report["machine"]["cpu"])
+    save_results(args.out or RESULTS / f"model_{kind}_cpu_{slug}_{args.threads}t.json", report, markdown(report))
     return 0
 
 

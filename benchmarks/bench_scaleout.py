@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from machine import describe, file_slug, save_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "mlp_expert_dropout": 0.0,
@@ -393,12 +393,8 @@ def main(argv=None) -> int:
                   oversubscribed=any(row["processes"] > cores for row in rows),
                   note="step times of rows with more processes than cores measure time-sharing of the cores",
                   rows=rows)
-    slug = "".join(c if c.isalnum() else "-" for c in report["machine"]["device"].lower()).strip("-")[:40]
-    out = args.out or RESULTS / f"scaleout_cpu_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    save_results(args.out or RESULTS / f"scaleout_cpu_{file_slug(report['machine']['device'])}.json", report,
+                 markdown(report))
     return 0
 
 

@@ -43,3 +43,19 @@ def describe(device, interpreted: bool = False) -> dict:
         info["device"] = cpu_name() + (" (Triton interpreter)" if interpreted else "")
         info["threads"] = torch.get_num_threads()
     return info
+
+
+def file_slug(name: str) -> str:
+    """A CPU or device name as part of a result file's name: lower case, other characters as '-', 40 at most."""
+    return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")[:40]
+
+
+def save_results(path: Path, report: dict, markdown: str) -> None:
+    """`report` as JSON at `path` and `markdown` beside it (`.md`); the Markdown and both paths printed."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    path.with_suffix(".md").write_text(markdown)
+    print(markdown)
+    print(f"saved {path} and {path.with_suffix('.md')}")
