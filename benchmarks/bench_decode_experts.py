@@ -124,8 +124,9 @@ def run(args) -> dict:
                     for name, f in FORMULATIONS.items()}
             runs["dense V + O"] = (lambda i: torch.nn.functional.linear(
                 torch.nn.functional.linear(x, dense[i][0]), dense[i][1]), len(dense))
-            chosen = expert_ops.choose_formulation(1, case["heads"] * k, 1, case["heads"], case["heads"] * case["experts"],
-                                                   grouped_routing=True).__name__.lstrip("_")
+            heads, experts = case["heads"], case["experts"]
+            chosen = expert_ops.choose_formulation(1, heads * k, 1, heads, heads * experts, grouped_routing=True)
+            chosen = chosen.__name__.lstrip("_")
             times: dict[str, list[float]] = {name: [] for name in runs}
             names = list(runs)
             with torch.no_grad():
@@ -145,13 +146,13 @@ def run(args) -> dict:
 def markdown(report: dict) -> str:
     m = report["machine"]
     names = list(report["rows"][0]["us_per_layer"])
+    before, after = (tuple(round(x, 2) for x in report[key]) for key in ("load_average_before", "load_average_after"))
     lines = [
         "# SwitchHead's V and O at one token, weights out of cache", "",
         f"CPU: {m['cpu']} ({m['threads']} threads), torch {m['torch']}. A ring of {report['ring_mib']} MiB of weight "
         f"sets per formulation, median of {report['reps']} interleaved repetitions; microseconds per layer for V and "
-        f"O together (lower is better). Load average before {tuple(round(x, 2) for x in report['load_average_before'])}"
-        f", after {tuple(round(x, 2) for x in report['load_average_after'])}. `python benchmarks/bench_decode_experts.py "
-        f"--threads {m['threads']}`.", "",
+        f"O together (lower is better). Load average before {before}, after {after}. "
+        f"`python benchmarks/bench_decode_experts.py --threads {m['threads']}`.", "",
         "| shape | k of E | " + " | ".join(names) + " | the rule's choice |",
         "|---|---|" + "---:|" * len(names) + "---|",
     ]

@@ -66,13 +66,12 @@ def triton_installed() -> bool:
 
 
 def _triton_runs_on(device: torch.device) -> bool:
-    kind = device.type
-    return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def triton_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Triton kernels run tensors on `device` of `dtype` (what the model's "cvmm" entry asks)."""
-    return dtype in TRITON_DTYPES and _TRITON_INSTALLED and _triton_runs_on(device)
+    return triton_installed() and _triton_runs_on(device) and dtype in TRITON_DTYPES
 
 
 def _triton_module():

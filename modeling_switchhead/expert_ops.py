@@ -327,10 +327,8 @@ def expert_projection(
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them.
     """
-    if expert_index.dtype != torch.long:
-        expert_index = expert_index.long()
     entry = EXPERTS_IMPLEMENTATIONS.get(implementation, _cvmm)
-    return entry(inputs, expert_index, weight, gates, out_groups, grouped_routing)
+    return entry(inputs, expert_index.long(), weight, gates, out_groups, grouped_routing)
 
 
 # ---------------------------------------------------------------------------------------------------- per head

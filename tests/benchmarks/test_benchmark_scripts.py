@@ -252,6 +252,8 @@ def test_decode_experts_benchmark_checks_every_formulation_and_names_the_rules_c
 
     import bench_decode_experts
 
+    from switchhead import expert_ops
+
     out = tmp_path / "decode_experts.json"
     assert bench_decode_experts.main(["--reps", "1", "--ring-mib", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -261,14 +263,8 @@ def test_decode_experts_benchmark_checks_every_formulation_and_names_the_rules_c
     assert all(len(r["us_per_layer"]) == 5 and min(r["us_per_layer"].values()) > 0 for r in report["rows"])
     assert "| rope | 3 of 5 |" in out.with_suffix(".md").read_text()
     # a formulation that disagrees with the naive twin stops the run before any timing
-    broken = dict(bench_decode_experts.FORMULATIONS, batched=lambda x, i, w, g, o: expert_ops_naive(x, i, w, g, o) * 2)
+    broken = dict(bench_decode_experts.FORMULATIONS, batched=lambda *args: expert_ops.naive(*args) * 2)
     monkeypatch.setattr(bench_decode_experts, "FORMULATIONS", broken)
     with pytest.raises(SystemExit) as stopped:
         bench_decode_experts.main(["--reps", "1", "--ring-mib", "1", "--out", str(tmp_path / "broken.json")])
     assert stopped.value.code == 1 and not (tmp_path / "broken.json").exists()
-
-
-def expert_ops_naive(*args):
-    from switchhead import expert_ops
-
-    return expert_ops.naive(*args)
