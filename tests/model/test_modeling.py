@@ -109,6 +109,56 @@ def test_eager_and_sdpa_agree_with_padding(preset):
     torch.testing.assert_close(sdpa[real], eager[real], atol=1e-5, rtol=1e-5)
 
 
+def attention_inputs_and_outputs(model, ids, mask, positions, feed=None):
+    """Each layer's attention input and output for one forward pass. With `feed` (a list of hidden states, one per
+    layer), each layer's attention runs on `feed[i]` instead of what the layer below produced."""
+    inputs, outputs, handles = [], [], []
+    for index, layer in enumerate(model.model.layers):
+        def replace_and_record(module, args, index=index):
+            hidden = args[0] if feed is None else feed[index]
+            inputs.append(hidden)
+            return (hidden, *args[1:])
+
+        handles.append(layer.self_attn.register_forward_pre_hook(replace_and_record))
+        handles.append(layer.self_attn.register_forward_hook(lambda module, args, output: outputs.append(output[0])))
+    try:
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=positions)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs, outputs
+
+
+# Half precision, layer by layer: the eager and sdpa attention round differently in fp16 / bf16, and a sigma-gated
+# top-k router turns a rounding difference in one layer's output into a different expert choice further up for some
+# inputs (a discrete jump that no tolerance covers; see tests/conformance/test_transformers_conformance.py). Fed the
+# same input, an attention layer routes identically under both backends, so its outputs may differ by rounding only:
+# here at most 2 units in the last place of the largest output (measured: under 1), for every input draw, padding
+# and mask. A masking or position error differs by the size of the outputs themselves.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["tiny-switchhead", "tiny-switchall", "tiny-switchhead-xl"])
+def test_eager_and_sdpa_attention_agree_layer_by_layer_in_half_precision(preset, dtype):
+    model = tiny_model(preset, dtype=dtype).eval()
+    for seed in range(4):
+        ids, mask = left_padded_batch(512, lengths=(11, 6, 9, 11), seed=seed)
+        for use_mask in (True, False):
+            attention_mask = mask if use_mask else None
+            positions = positions_from_mask(mask) if use_mask else None
+            model.set_attn_implementation("eager")
+            eager_inputs, eager_outputs = attention_inputs_and_outputs(model, ids, attention_mask, positions)
+            model.set_attn_implementation("sdpa")
+            _, sdpa_outputs = attention_inputs_and_outputs(model, ids, attention_mask, positions, feed=eager_inputs)
+            real = mask.bool() if use_mask else torch.ones_like(mask, dtype=torch.bool)
+            assert len(eager_outputs) == len(sdpa_outputs) == model.config.num_hidden_layers
+            for layer, (eager, sdpa) in enumerate(zip(eager_outputs, sdpa_outputs)):
+                assert eager.dtype == sdpa.dtype == dtype
+                eager, sdpa = eager[real].float(), sdpa[real].float()
+                bound = 2 * torch.finfo(dtype).eps * eager.abs().max()
+                difference = (sdpa - eager).abs().max()
+                assert difference <= bound, f"seed {seed}, mask {use_mask}, layer {layer}: {difference} > {bound}"
+
+
 def test_plain_causal_sdpa_gets_no_dense_mask(monkeypatch):
     """Without padding the sdpa backend sees no mask, so it can dispatch to flash / efficient kernels."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
