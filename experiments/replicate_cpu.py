@@ -194,11 +194,21 @@ def plan(records: dict[str, dict]) -> tuple[list[replicate.RunSpec], list[str]]:
 # ================================================================================================ provenance
 def git_state() -> dict:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
 
-    changed = [line[3:] for line in git("status", "--porcelain").splitlines()]  # uncommitted changes, new files
-    return dict(commit=git("rev-parse", "HEAD"), dirty=changed,
+    # uncommitted changes and new files: "XY path" lines (not stripped: X is a space for a change not yet staged)
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines() if line.strip()]
+    return dict(commit=git("rev-parse", "HEAD").strip(), dirty=changed,
                 at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def changes_to_code(dirty: list[str]) -> list[str]:
+    """The changed paths of a `git_state` that are not the grid's own results pages (benchmarks/results/
+    replication_cpu*, which the grid rewrites after every run in the checkout it runs from). Records written before
+    `git_state` kept the porcelain's leading space lost the first path's first letter: matched by name, they count
+    as results pages too."""
+    return [path for path in dirty
+            if not (Path(path).parent.name == "results" and Path(path).name.startswith("replication_cpu"))]
 
 
 # ================================================================================================ one run (child)
@@ -487,7 +497,8 @@ def write_results(out: Path, results_dir: Path) -> dict:
               "min / max | BLiMP % | LAMBADA % |", "|---" * 16 + "|"]
     for name, r in records.items():
         costs, rs, zero = r["costs"], r.get("routing_summary"), r.get("zero_shot")
-        code = r["code"][0]["commit"][:8] + ("+dirty" if any(c["dirty"] for c in r["code"]) else "") + (
+        dirty = any(changes_to_code(start["dirty"]) for start in r["code"])
+        code = r["code"][0]["commit"][:8] + ("+dirty" if dirty else "") + (
             f" (+{len(r['code']) - 1} resumes)" if len(r["code"]) > 1 else "")
         load = r["train"].get("load_average_1min") or [math.nan, math.nan]
         lines.append(
@@ -499,7 +510,9 @@ def write_results(out: Path, results_dir: Path) -> dict:
             + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min']:.3f} | {rs['share_min']:.3f} / {rs['share_max']:.3f}"
                if rs else "- | -") + " | "
             + (f"{100 * zero['blimp_acc']:.1f} | {100 * zero['lambada_acc']:.1f}" if zero else "- | -") + " |")
-    lines += ["", "Not finished yet (in grid order): " + (", ".join(report["planned_not_finished"]) or "none") + ".",
+    lines += ["", "Code: the commit each run started from (a resume may start from a later one; every start is in the "
+              "JSON); +dirty where a start had uncommitted changes other than these results pages.",
+              "", "Not finished yet (in grid order): " + (", ".join(report["planned_not_finished"]) or "none") + ".",
               ("Not yet decided: " + "; ".join(undecided) + ".") if undecided else "Every run of the grid is decided.",
               ("Failed (left out after " + str(MAX_ATTEMPTS) + " tries): " + ", ".join(failed) + ".") if failed
               else "", ""]

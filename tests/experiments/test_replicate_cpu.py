@@ -176,3 +176,30 @@ def test_order_and_learning_rate_choice():
         grid.model_spec(role, 0.008, 0).name for role in ("E2", "E8", "Vonly", "Oonly")] + [
         grid.model_spec(role, lr, 0, "xl").name for role, lr in (("switchhead", 0.008), ("dense-total", 0.004),
                                                                  ("gate", 0.016))]
+
+
+def test_git_state_lists_changed_paths_whole_and_the_report_ignores_the_grids_own_pages(tmp_path, monkeypatch):
+    """A change not yet staged starts its porcelain line with a space; the first path keeps its first letter. The
+    report's +dirty counts changes to anything but the grid's own results pages."""
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    page = tmp_path / "benchmarks" / "results" / "replication_cpu.md"
+    page.write_text("a")
+    git("add", ".")
+    git("commit", "-qm", "x")
+    page.write_text("b")
+    monkeypatch.setattr(grid, "REPO", tmp_path)
+    state = grid.git_state()
+    assert state["dirty"] == ["benchmarks/results/replication_cpu.md"]
+    assert grid.changes_to_code(state["dirty"]) == []
+    (tmp_path / "model.py").write_text("x = 1")
+    state = grid.git_state()
+    assert sorted(state["dirty"]) == ["benchmarks/results/replication_cpu.md", "model.py"]
+    assert grid.changes_to_code(state["dirty"]) == ["model.py"]
+    # records written before the fix: the first path lost its first letter
+    assert grid.changes_to_code(["enchmarks/results/replication_cpu.json", "benchmarks/results/x.md"]) == \
+        ["benchmarks/results/x.md"]
