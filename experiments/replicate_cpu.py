@@ -612,6 +612,11 @@ def run_grid(args) -> int:
                             + (["--tiny"] if args.tiny else []))
 
 
+def unscored(record: dict | None) -> bool:
+    """Whether a finished run still needs its zero-shot scores (every record is written with `zero_shot: None`)."""
+    return record is not None and not record.get("zero_shot")
+
+
 def zero_shot(args) -> int:
     """BLiMP / LAMBADA of every finished 3-seed model run (the main comparison at its best lr); records updated."""
     import torch
@@ -622,7 +627,7 @@ def zero_shot(args) -> int:
     for role, lr in best.items():
         for seed in range(SCALE.seeds):
             name = model_spec(role, lr, seed).name
-            if name not in records or "zero_shot" in records[name]:
+            if not unscored(records.get(name)):
                 continue
             if not (args.out / name).is_dir():
                 print(f"[zero-shot] {name}: finished on an earlier machine, its weights are not here; not scored",

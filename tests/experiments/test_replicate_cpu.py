@@ -203,3 +203,12 @@ def test_git_state_lists_changed_paths_whole_and_the_report_ignores_the_grids_ow
     # records written before the fix: the first path lost its first letter
     assert grid.changes_to_code(["enchmarks/results/replication_cpu.json", "benchmarks/results/x.md"]) == \
         ["benchmarks/results/x.md"]
+
+
+def test_zero_shot_scores_runs_whose_record_has_none_yet():
+    """A finished run's record carries `zero_shot: None` until it is scored; `--zero-shot` must score it, and skip
+    only a scored run or one that has not finished."""
+    assert grid.unscored({"name": "lr0.004-switchhead-s0", "zero_shot": None})
+    assert grid.unscored({"name": "lr0.004-switchhead-s0"})
+    assert not grid.unscored({"name": "lr0.004-switchhead-s0", "zero_shot": {"blimp_acc": 0.6, "lambada_acc": 0.1}})
+    assert not grid.unscored(None)
