@@ -74,6 +74,9 @@ def parse_args(argv):
     parser.add_argument("--experts-implementation", default=None,
                         help="how SwitchHead's experts run (eager, batched_mm, grouped_mm, cvmm; default: the "
                              "model's automatic choice)")
+    parser.add_argument("--compiled-decode", action="store_true",
+                        help="time only greedy decoding, through `generate` with a static cache and its compiled "
+                             "step (CUDA graphs on a GPU), at each --decode-batches (training and prefill not timed)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="result file stem (default: e2e_<device>)")
     parser.add_argument("--no-markdown", action="store_true", help="write the JSON only (scripts/gpu/gpu_report.py "
@@ -187,6 +190,102 @@ def prefill_and_decode(model, batch: int, prompt: int, steps: int, device, autoc
     return prefill_s, decode_s, kv_bytes
 
 
+def compiled_decode(model, batch: int, prompt: int, steps: int, device, autocast_dtype, clock, reps: int) -> dict:
+    """Greedy decoding through `generate` with a static cache, whose decoding step Transformers compiles
+    (fullgraph; `mode="reduce-overhead"`, i.e. CUDA graphs, on a GPU): seconds to compile, decode tokens per second
+    of each repetition, and whether the compiled tokens equal the eager loop's. The decode time of a repetition is
+    generate(1 + steps new tokens) less generate(1 new token): the prompt's prefill and the first token cancel; the
+    static cache is sized by the first, longer call and reused by the second, so neither recompiles."""
+    from transformers import CompileConfig
+
+    model.eval()
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = True  # Transformers compiles on accelerators only unless told
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
+
+    def generate(new_tokens, **kwargs):
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **common, **kwargs)
+
+    static = dict(cache_implementation="static", compile_config=config)
+    with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
+                                         enabled=autocast_dtype is not None):
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        compiled_tokens = generate(1 + steps, **static)  # compiles (and records the CUDA graphs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        if getattr(model, "_compiled_call", None) is None:
+            raise RuntimeError("generate did not compile the decoding step (static cache refused?)")
+        eager_tokens = generate(1 + steps)  # dynamic cache, no compilation: the tokens to match
+        tok_s = []
+        for _ in range(reps):
+            long = clock(lambda: generate(1 + steps, **static))
+            short = clock(lambda: generate(1, **static))
+            tok_s.append(batch * steps / max(long - short, 1e-9))
+    same = compiled_tokens.shape == eager_tokens.shape and bool((compiled_tokens == eager_tokens).all())
+    return dict(compile_s=compile_s, tok_s=tok_s, tokens_equal_eager=same)
+
+
+def run_pair_compiled(name: str, args, device, log, deadline: float, save) -> dict:
+    """--compiled-decode: each decode batch in turn, SwitchHead then dense; a batch the time left cannot hold (judged
+    from the last one) is not started, and `save` gets the pair so far after each batch (a run stopped at a hard
+    limit keeps the batches it finished)."""
+    smoke = args.cpu_smoke
+    (moe_preset, moe_over), (dense_preset, dense_over) = PAIRS[name]
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    clock = Clock(device)
+    models = {"switchhead": build(moe_preset, moe_over, device, smoke, args.attn, args.experts_implementation),
+              "dense": build(dense_preset, dense_over, device, smoke, args.attn)}
+    result = dict(pair=name, presets={"switchhead": moe_preset, "dense": dense_preset}, batch=None, context=None,
+                  compiled_decode=True, mode="reduce-overhead" if device.type == "cuda" else "default",
+                  parameters={k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
+                  experts_implementation=models["switchhead"].config._experts_implementation, samples={},
+                  compile_s={}, tokens_equal_eager={}, not_run=[])
+    last = 0.0
+    for number, decode_batch in enumerate(args.decode_batches):
+        started = time.perf_counter()
+        if started + last > deadline:
+            result["not_run"] = [f"b{b}" for b in args.decode_batches[number:]]
+            log(f"{name}: out of time, decode batches {', '.join(result['not_run'])} not run")
+            break
+        for kind, model in models.items():
+            key = f"{kind}/b{decode_batch}"
+            try:
+                measured = compiled_decode(model, decode_batch, args.prompt, args.decode_steps, device,
+                                           autocast_dtype, clock, args.reps)
+            except Exception as error:  # noqa: BLE001 (recorded; the other measurements go on)
+                result.setdefault("errors", {})[f"compiled_decode/{key}"] = f"{type(error).__name__}: " + \
+                    (str(error).splitlines() or [""])[0][:300]
+                continue
+            result["samples"][f"decode_tok_s/{key}"] = measured["tok_s"]
+            result["compile_s"][key] = measured["compile_s"]
+            result["tokens_equal_eager"][key] = measured["tokens_equal_eager"]
+            log(f"{name}: compiled decode {key}: {statistics.median(measured['tok_s']):.1f} tokens/s "
+                f"(compiled in {measured['compile_s']:.0f} s)")
+        last = time.perf_counter() - started
+        summarize_compiled(result, args.decode_batches)
+        save(result)
+    del models
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return summarize_compiled(result, args.decode_batches)
+
+
+def summarize_compiled(result: dict, decode_batches) -> dict:
+    """Medians of the samples, and SwitchHead / dense per decode batch measured for both."""
+    medians = {key: statistics.median(values) for key, values in result["samples"].items()}
+    result["medians"] = medians
+    result["ratios"] = {}
+    for decode_batch in decode_batches:
+        moe, dense = (medians.get(f"decode_tok_s/{k}/b{decode_batch}") for k in ("switchhead", "dense"))
+        if moe is not None and dense:
+            result["ratios"][f"decode_tok_s@b{decode_batch}"] = moe / dense
+    return result
+
+
 # ------------------------------------------------------------------------------------------------ driver
 def run_pair(name: str, args, device, log) -> dict:
     smoke = args.cpu_smoke
@@ -266,6 +365,10 @@ def markdown(report: dict) -> str:
              f"(asked: {report.get('experts_implementation', 'auto')}); "
              f"{'bf16 autocast' if env['device_type'] == 'cuda' else 'fp32'}; medians of {report['reps']} "
              f"interleaved repetitions. Paper: {PAPER}.", "",
+             *(["Compiled decoding: `generate` with a static cache and its compiled decoding step (fullgraph; "
+                "CUDA graphs on a GPU), after a prompt of "
+                f"{report['settings']['prompt']} tokens; training and prefill not timed.", ""]
+               if report.get("settings", {}).get("compiled_decode") else []),
              "## Ratios (SwitchHead / dense; time and memory: lower is better, tokens/s: higher)", ""]
     pairs = report["pairs"]
     measures = list(dict.fromkeys(m for p in pairs for m in p["ratios"]))
@@ -293,8 +396,13 @@ def markdown(report: dict) -> str:
         for kind, value in p.get("kv_cache_bytes", {}).items():
             merged.setdefault("kv_cache_MiB", {})[kind] = value / 2 ** 20
         for measure, values in merged.items():
-            lines.append(f"| {p['pair']} | {p['batch']} x {p['context']} | {params} | {measure} | "
+            shape = f"{p['batch']} x {p['context']}" if p.get("batch") else "-"
+            lines.append(f"| {p['pair']} | {shape} | {params} | {measure} | "
                          f"{values.get('switchhead', math.nan):.4g} | {values.get('dense', math.nan):.4g} |")
+        for key, seconds in p.get("compile_s", {}).items():
+            same = p.get("tokens_equal_eager", {}).get(key)
+            lines.append(f"| {p['pair']} | - | {params} | compile seconds, {key} (tokens equal the eager loop's: "
+                         f"{'yes' if same else 'no'}) | {seconds:.1f} | |")
         for where, error in p.get("errors", {}).items():
             lines.append(f"| {p['pair']} | | | {where} | {error} | |")
     if report.get("not_run"):
@@ -319,10 +427,19 @@ def main(argv=None) -> int:
     report = dict(environment=env, smoke=args.cpu_smoke, attn=args.attn, reps=args.reps,
                   experts_implementation=args.experts_implementation or "auto",
                   settings=dict(train_steps=args.train_steps, decode_batches=args.decode_batches, prompt=args.prompt,
-                                decode_steps=args.decode_steps), pairs=[], not_run=[])
+                                decode_steps=args.decode_steps, compiled_decode=args.compiled_decode),
+                  pairs=[], not_run=[])
 
     def log(line):
         print(line, flush=True)
+
+    def save(pair=None):  # after every pair (and every compiled batch): a run cut short keeps what it measured
+        saved = dict(report, pairs=report["pairs"] + ([pair] if pair is not None else []))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(saved, indent=1))
+        os.replace(tmp, path)
+        if not args.no_markdown:
+            path.with_suffix(".md").write_text(markdown(saved))
 
     begun = time.perf_counter()
     deadline = begun + args.time_budget if args.time_budget else math.inf
@@ -334,13 +451,10 @@ def main(argv=None) -> int:
             report["not_run"] += names[number:]
             log(f"out of time: {', '.join(names[number:])} not run")
             break
-        report["pairs"].append(run_pair(name, args, device, log))
+        report["pairs"].append(run_pair_compiled(name, args, device, log, deadline, save) if args.compiled_decode
+                               else run_pair(name, args, device, log))
         report["pairs"][-1]["seconds"] = time.perf_counter() - started
-        tmp = path.with_name(path.name + ".tmp")  # after every pair: a run cut short keeps what it measured
-        tmp.write_text(json.dumps(report, indent=1))
-        os.replace(tmp, path)
-        if not args.no_markdown:
-            path.with_suffix(".md").write_text(markdown(report))
+        save()
         log(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in report["pairs"][-1]["ratios"].items() if v is not None))
     if not report["pairs"]:
         path.write_text(json.dumps(report, indent=1))

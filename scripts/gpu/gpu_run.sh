@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The GPU session (issue #40), run on the device machine from the repository root, as ONE call:
-#   bash scripts/gpu/gpu_run.sh all [--time-budget SECONDS] [--cvmm-only TEXT]   # default 540 s: the whole session
+#   bash scripts/gpu/gpu_run.sh all [--time-budget SECONDS] [--stages LIST] [--cvmm-only TEXT]   # default 540 s
 #   bash scripts/gpu/gpu_run.sh smoke [--time-budget SECONDS]   # the same sequence on the CPU, Triton interpreted
 #   bash scripts/gpu/gpu_run.sh check|cvmm|e2e [args]           # one script alone, its arguments passed on
-# `all` runs, in order, each stage as its own process with its own share of the budget, and starts no stage that
-# the time left cannot hold:
-#   a. correctness (gpu_check.py: paper shapes, >= 100 random problems, whole models, cached decoding);
-#   c. end to end (bench_e2e.py: the 47M RoPE and XL pairs, training step, memory, decode after 1024 tokens),
-#      then the same with SwitchHead's experts on the PyTorch path (--experts-implementation eager);
-#   b. kernel speed (bench_cvmm.py --full: paper shapes, bf16, against dense mm, grouped_mm, a loop, the authors';
-#      --cvmm-only "c4-262m,switchall" times only the problems and layers whose names contain one of the texts);
-#   d. only with time left: the 262M RoPE pair, then the inductor-compiled training step and generate.
-# The end-to-end pairs come before the kernel timings: they are what the package is for, and a window that
-# follows one which timed the kernel can spare that stage.
+# `all` runs the stages of --stages (comma separated, in that order; at most 6, as 8 files come back), each as its
+# own process with its own share of the budget, and starts no stage that the time left cannot hold. The default,
+# check,e2e,e2e_compiled,e2e_262m,e2e_eager,compile:
+#   check: correctness (gpu_check.py: paper shapes, >= 100 random problems, whole models, cached decoding);
+#   e2e: end to end (bench_e2e.py: the 47M RoPE and XL pairs, training step, memory, decode after 1024 tokens);
+#   e2e_compiled: the 47M RoPE pair decoding through generate's compiled step with a static cache (CUDA graphs);
+#   e2e_262m: the 262M RoPE pair; e2e_eager: the 47M pairs with SwitchHead's experts on the PyTorch path;
+#   compile: the inductor-compiled training step and static-cache generate against eager (correctness).
+# cvmm (kernel speed, bench_cvmm.py --full: paper shapes, bf16, against dense mm, grouped_mm, a loop, the authors';
+# --cvmm-only "c4-262m,switchall" times only the problems and layers whose names contain one of the texts) is not in
+# the default: the first two windows timed it; `--stages check,cvmm,...` brings it back.
 # Each stage writes its JSON as it goes (a stage stopped at its limit keeps what it finished); the JSON files, the
 # log and summary.json (every stage's status, seconds and budget, and whether correctness passed) are copied to
 # $OUT after each stage: at most 8 files, the device tool's limit. scripts/gpu/gpu_report.py renders them here.
@@ -72,16 +73,30 @@ single() {
 # ------------------------------------------------------------------------------------------ the whole session
 budget=540
 cvmm_only=""
+ALL_STAGES="check e2e e2e_compiled e2e_262m e2e_eager cvmm compile"
+# the default: every stage but the kernel timings, which the first two windows took (--stages adds it back)
+stages_arg=check,e2e,e2e_compiled,e2e_262m,e2e_eager,compile
 smoke=()
 if [[ "$stage" == "all" || "$stage" == "smoke" ]]; then
     while [[ $# -gt 0 ]]; do
         case "$1" in
             --time-budget) budget=${2:?--time-budget needs seconds}; shift 2 ;;
             --cvmm-only) cvmm_only=${2:?--cvmm-only needs a text}; shift 2 ;;
-            *) echo "gpu_run.sh: error: $stage takes only --time-budget SECONDS and --cvmm-only TEXT (got $1)" >&2
+            --stages) stages_arg=${2:?--stages needs a comma separated list}; shift 2 ;;
+            *) echo "gpu_run.sh: error: $stage takes only --time-budget SECONDS, --cvmm-only TEXT and --stages LIST" \
+                    "(got $1)" >&2
                exit 2 ;;
         esac
     done
+    IFS=, read -r -a stage_list <<< "$stages_arg"
+    for name in "${stage_list[@]}"; do
+        [[ " $ALL_STAGES " == *" $name "* ]] || {
+            echo "gpu_run.sh: error: unknown stage '$name' in --stages (stages: $ALL_STAGES)" >&2; exit 2; }
+    done
+    # the device tool brings back at most 8 files: the log, summary.json and one JSON per stage
+    ((${#stage_list[@]} >= 1 && ${#stage_list[@]} <= 6)) || {
+        echo "gpu_run.sh: error: --stages takes 1 to 6 stages (8 files come back: the log, the summary and one" \
+             "JSON per stage); got ${#stage_list[@]}" >&2; exit 2; }
     [[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu_run.sh: error: --time-budget must be whole seconds" >&2; exit 2; }
     [[ "$stage" == "smoke" ]] && smoke=(--cpu-smoke)
 fi
@@ -128,33 +143,45 @@ publish() {  # the JSONs and the summary to $OUT (a copy, then a rename: a reade
 session() {
     local cases=120 tokens=8192 e2e_only=47m check_sections=paper,sweep,model cvmm_only=$cvmm_only
     local contenders=("${authors[@]}") jobs=$(( $(nproc) > 16 ? 16 : $(nproc) )) full=(--full)
+    local compiled_batches=32,1
     if [[ ${#smoke[@]} -gt 0 ]]; then  # tiny; the authors' kernel needs a GPU driver even interpreted
         cases=4; tokens=48; e2e_only=47m-rope; contenders=(); jobs=2; full=()
         cvmm_only=wt103-47m-switchhead-xl/v  # interpreted: one problem is minutes
+        compiled_batches=1
     fi
-    # a. correctness: the op sections (Triton compiles in a pool, one process per core: compiling is most of a
-    # fresh machine's time) get the budget less 90 s for the whole-model checks after them; each random problem
-    # in fp32 and one other precision in turn (--sweep-precisions rotate), so that 100 or more fit
-    run_stage check 220 90 60 -- bash -c 'exec python3 scripts/gpu/gpu_check.py "$@" --time-budget $((STAGE_BUDGET > 120 ? STAGE_BUDGET - 90 : 30))' _ \
-        "${smoke[@]}" --sections "$check_sections" --cases "$cases" --max-tokens "$tokens" --jobs "$jobs" \
-        --sweep-precisions rotate --name gpu_check --no-markdown --out-dir "$work"
-    # c. end to end, the 47M pairs, first: the figures the package exists for (the kernel stage below is the one
-    # a shorter window can spare: pass --cvmm-only to time only the shapes an earlier window did not reach)
-    run_stage e2e 160 60 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
-        "${smoke[@]}" --only "$e2e_only" --name e2e --no-markdown --out-dir "$work"
-    # ... and again with SwitchHead's experts on the PyTorch path ("eager"), which beat the kernel on an H100
-    run_stage e2e_eager 110 45 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
-        "${smoke[@]}" --only "$e2e_only" --reps 2 --experts-implementation eager --name e2e_eager --no-markdown \
-        --out-dir "$work"
-    # b. kernel speed (paper shapes on CUDA; the interpreter's small shapes in the smoke)
-    run_stage cvmm 120 45 45 -- bash -c 'exec python3 benchmarks/bench_cvmm.py "$@" --time-budget $STAGE_BUDGET' _ \
-        "${smoke[@]}" "${full[@]}" ${cvmm_only:+--only "$cvmm_only"} "${contenders[@]}" --no-markdown \
-        --out "$work/cvmm.json"
-    # d. with the time left: the 262M RoPE pair, then the compiled training step and generate
-    run_stage e2e_262m 170 60 120 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
-        "${smoke[@]}" --only 262m-rope --reps 2 --name e2e_262m --no-markdown --out-dir "$work"
-    run_stage compile 600 0 90 -- python3 scripts/gpu/gpu_check.py "${smoke[@]}" --sections compile \
-        --name gpu_check_compile --no-markdown --out-dir "$work"
+    local name
+    for name in "${stage_list[@]}"; do
+        case "$name" in
+            # a. correctness: the op sections (Triton compiles in a pool, one process per core: compiling is most
+            # of a fresh machine's time) get the budget less 90 s for the whole-model checks after them; each
+            # random problem in fp32 and one other precision in turn (--sweep-precisions rotate), so that 100 or
+            # more fit
+            check) run_stage check 220 90 60 -- bash -c 'exec python3 scripts/gpu/gpu_check.py "$@" --time-budget $((STAGE_BUDGET > 120 ? STAGE_BUDGET - 90 : 30))' _ \
+                "${smoke[@]}" --sections "$check_sections" --cases "$cases" --max-tokens "$tokens" --jobs "$jobs" \
+                --sweep-precisions rotate --name gpu_check --no-markdown --out-dir "$work" ;;
+            # c. end to end, the 47M pairs: the figures the package exists for
+            e2e) run_stage e2e 160 60 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
+                "${smoke[@]}" --only "$e2e_only" --name e2e --no-markdown --out-dir "$work" ;;
+            # ... decoding through generate's compiled step with a static cache (CUDA graphs): the eager loop is
+            # bound by kernel launches, not by the KV cache's bytes that SwitchHead saves
+            e2e_compiled) run_stage e2e_compiled 150 60 90 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
+                "${smoke[@]}" --only 47m-rope --compiled-decode --decode-batches "$compiled_batches" --reps 3 \
+                --name e2e_compiled --no-markdown --out-dir "$work" ;;
+            # ... and again with SwitchHead's experts on the PyTorch path ("eager"), which beat the kernel on an H100
+            e2e_eager) run_stage e2e_eager 110 45 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
+                "${smoke[@]}" --only "$e2e_only" --reps 2 --experts-implementation eager --name e2e_eager --no-markdown \
+                --out-dir "$work" ;;
+            # b. kernel speed (paper shapes on CUDA; the interpreter's small shapes in the smoke)
+            cvmm) run_stage cvmm 120 45 45 -- bash -c 'exec python3 benchmarks/bench_cvmm.py "$@" --time-budget $STAGE_BUDGET' _ \
+                "${smoke[@]}" "${full[@]}" ${cvmm_only:+--only "$cvmm_only"} "${contenders[@]}" --no-markdown \
+                --out "$work/cvmm.json" ;;
+            # d. the 262M RoPE pair, then the compiled training step and generate (correctness)
+            e2e_262m) run_stage e2e_262m 170 60 120 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
+                "${smoke[@]}" --only 262m-rope --reps 2 --name e2e_262m --no-markdown --out-dir "$work" ;;
+            compile) run_stage compile 600 0 90 -- python3 scripts/gpu/gpu_check.py "${smoke[@]}" --sections compile \
+                --name gpu_check_compile --no-markdown --out-dir "$work" ;;
+        esac
+    done
     publish
 }
 

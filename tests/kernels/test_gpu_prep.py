@@ -294,10 +294,11 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
     result = _session(out, "smoke", "--time-budget", "1200")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["cvmm.json", "e2e.json", "e2e_262m.json", "e2e_eager.json", "gpu_check.json",
+    assert files == ["e2e.json", "e2e_262m.json", "e2e_compiled.json", "e2e_eager.json", "gpu_check.json",
                      "gpu_check_compile.json", "log.txt", "summary.json"]
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["stage"] for s in summary["stages"]] == ["check", "e2e", "e2e_eager", "cvmm", "e2e_262m", "compile"]
+    assert [s["stage"] for s in summary["stages"]] == ["check", "e2e", "e2e_compiled", "e2e_262m", "e2e_eager",
+                                                       "compile"]
     assert all(s["status"] == "ok" for s in summary["stages"]), summary
     assert summary["smoke"] is True and summary["elapsed_s"] <= 1200
     e2e = json.loads((out / "e2e.json").read_text())
@@ -308,14 +309,19 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
     assert e2e["pairs"][0]["experts_implementation"] != "eager"  # the automatic choice: the kernel where it runs
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["sweep_precisions"] == "rotate"
+    [compiled] = json.loads((out / "e2e_compiled.json").read_text())["pairs"]
+    assert compiled["compiled_decode"] and compiled["pair"] == "47m-rope" and not compiled.get("errors"), compiled
+    assert set(compiled["compile_s"]) == {"switchhead/b1", "dense/b1"}
+    assert all(compiled["tokens_equal_eager"].values()) and compiled["ratios"]["decode_tok_s@b1"] > 0
 
     import gpu_report
 
     session = gpu_report.render(out, tmp_path / "rendered").read_text()
     assert "Correctness: every check passed." in session
-    assert "## Kernel" in session and "## End to end" in session
+    assert "## End to end" in session
     assert "| 47m-rope | eager |" in session
-    for name in ("gpu_check.md", "cvmm.md", "e2e.md", "e2e_eager.md", "e2e_262m.md", "gpu_check_compile.md"):
+    assert "decode_tok_s@b1 (compiled, static cache)" in session
+    for name in ("gpu_check.md", "e2e.md", "e2e_compiled.md", "e2e_eager.md", "e2e_262m.md", "gpu_check_compile.md"):
         assert (tmp_path / "rendered" / name).is_file()
 
 
@@ -372,6 +378,19 @@ def test_gpu_run_sh_starts_no_stage_the_budget_cannot_hold(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "summary.json"]
     bad = _session(tmp_path, "all", "--time-budget", "soon", timeout=300)
     assert bad.returncode == 2 and "whole seconds" in bad.stderr
+
+
+def test_gpu_run_sh_runs_the_stages_asked_for_in_that_order(tmp_path):
+    """--stages picks and orders the stages (the kernel timings are not in the default); an unknown stage, or more
+    stages than the 8 files the device tool brings back can hold, is refused before anything runs."""
+    result = _session(tmp_path, "smoke", "--time-budget", "30", "--stages", "cvmm,check", timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == ["cvmm", "check"]
+    for stages, why in (("check,kernels", "unknown stage 'kernels'"), (",".join(["e2e"] * 7), "1 to 6 stages")):
+        bad = _session(tmp_path / "bad", "all", "--stages", stages, timeout=300)
+        assert bad.returncode == 2 and why in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+        assert not (tmp_path / "bad" / "summary.json").exists()
 
 
 def test_gpu_report_withholds_timings_when_a_check_failed(tmp_path):
