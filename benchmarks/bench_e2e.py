@@ -190,18 +190,21 @@ def prefill_and_decode(model, batch: int, prompt: int, steps: int, device, autoc
     return prefill_s, decode_s, kv_bytes
 
 
-def compiled_decode(model, batch: int, prompt: int, steps: int, device, autocast_dtype, clock, reps: int) -> dict:
+def compiled_decode(model, batch: int, prompt: int, steps: int, device, clock, reps: int) -> dict:
     """Greedy decoding through `generate` with a static cache, whose decoding step Transformers compiles
     (fullgraph; `mode="reduce-overhead"`, i.e. CUDA graphs, on a GPU): seconds to compile, decode tokens per second
-    of each repetition, and whether the compiled tokens equal the eager loop's. The decode time of a repetition is
+    of each repetition, and whether the compiled tokens equal the eager loop's. The model is in bf16 (weights, not
+    autocast: a static cache is allocated in the model's dtype, and autocast's bf16 keys cannot be copied into an
+    fp32 one). The decode time of a repetition is
     generate(1 + steps new tokens) less generate(1 new token): the prompt's prefill and the first token cancel; the
     static cache is sized by the first, longer call and reused by the second, so neither recompiles."""
     from transformers import CompileConfig
 
-    model.eval()
+    model.eval().to(torch.bfloat16)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
-    config = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    mode = "reduce-overhead" if device.type == "cuda" else "default"  # CUDA graphs where there is CUDA
+    config = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
     config._compile_all_devices = True  # Transformers compiles on accelerators only unless told
     common = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
 
@@ -209,8 +212,7 @@ def compiled_decode(model, batch: int, prompt: int, steps: int, device, autocast
         return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **common, **kwargs)
 
     static = dict(cache_implementation="static", compile_config=config)
-    with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
-                                         enabled=autocast_dtype is not None):
+    with torch.no_grad():
         torch._dynamo.reset()
         start = time.perf_counter()
         compiled_tokens = generate(1 + steps, **static)  # compiles (and records the CUDA graphs)
@@ -235,12 +237,12 @@ def run_pair_compiled(name: str, args, device, log, deadline: float, save) -> di
     limit keeps the batches it finished)."""
     smoke = args.cpu_smoke
     (moe_preset, moe_over), (dense_preset, dense_over) = PAIRS[name]
-    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     clock = Clock(device)
     models = {"switchhead": build(moe_preset, moe_over, device, smoke, args.attn, args.experts_implementation),
               "dense": build(dense_preset, dense_over, device, smoke, args.attn)}
     result = dict(pair=name, presets={"switchhead": moe_preset, "dense": dense_preset}, batch=None, context=None,
-                  compiled_decode=True, mode="reduce-overhead" if device.type == "cuda" else "default",
+                  compiled_decode=True, dtype="bfloat16 weights",
+                  mode="reduce-overhead" if device.type == "cuda" else "default",
                   parameters={k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
                   experts_implementation=models["switchhead"].config._experts_implementation, samples={},
                   compile_s={}, tokens_equal_eager={}, not_run=[])
@@ -254,8 +256,8 @@ def run_pair_compiled(name: str, args, device, log, deadline: float, save) -> di
         for kind, model in models.items():
             key = f"{kind}/b{decode_batch}"
             try:
-                measured = compiled_decode(model, decode_batch, args.prompt, args.decode_steps, device,
-                                           autocast_dtype, clock, args.reps)
+                measured = compiled_decode(model, decode_batch, args.prompt, args.decode_steps, device, clock,
+                                           args.reps)
             except Exception as error:  # noqa: BLE001 (recorded; the other measurements go on)
                 result.setdefault("errors", {})[f"compiled_decode/{key}"] = f"{type(error).__name__}: " + \
                     (str(error).splitlines() or [""])[0][:300]
@@ -356,6 +358,12 @@ def target_verdict(pair: str, measure: str, value, smoke: bool) -> str:
     return f" ({'met' if met else 'missed'}: target {sign} {bound})"
 
 
+def precision(report: dict) -> str:
+    if report.get("settings", {}).get("compiled_decode"):
+        return "bf16 weights"
+    return "bf16 autocast" if report["environment"]["device_type"] == "cuda" else "fp32"
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# End-to-end benchmark ({'CPU smoke' if report['smoke'] else env['device']})", "",
@@ -363,10 +371,10 @@ def markdown(report: dict) -> str:
              f"triton {env['triton']}; transformers {env['transformers']}; attention {report['attn']}; SwitchHead's "
              f"experts {', '.join(sorted({p.get('experts_implementation', '?') for p in report['pairs']})) or '-'} "
              f"(asked: {report.get('experts_implementation', 'auto')}); "
-             f"{'bf16 autocast' if env['device_type'] == 'cuda' else 'fp32'}; medians of {report['reps']} "
+             f"{precision(report)}; medians of {report['reps']} "
              f"interleaved repetitions. Paper: {PAPER}.", "",
              *(["Compiled decoding: `generate` with a static cache and its compiled decoding step (fullgraph; "
-                "CUDA graphs on a GPU), after a prompt of "
+                "CUDA graphs on a GPU), bf16 weights (no autocast), after a prompt of "
                 f"{report['settings']['prompt']} tokens; training and prefill not timed.", ""]
                if report.get("settings", {}).get("compiled_decode") else []),
              "## Ratios (SwitchHead / dense; time and memory: lower is better, tokens/s: higher)", ""]

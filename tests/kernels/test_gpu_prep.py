@@ -312,7 +312,10 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
     [compiled] = json.loads((out / "e2e_compiled.json").read_text())["pairs"]
     assert compiled["compiled_decode"] and compiled["pair"] == "47m-rope" and not compiled.get("errors"), compiled
     assert set(compiled["compile_s"]) == {"switchhead/b1", "dense/b1"}
-    assert all(compiled["tokens_equal_eager"].values()) and compiled["ratios"]["decode_tok_s@b1"] > 0
+    # recorded, not required: in bf16 a fresh model's near-tied logits let inductor's rounding change a greedy token
+    # (the compile stage checks compiled generate token for token in fp32)
+    assert set(compiled["tokens_equal_eager"]) == set(compiled["compile_s"])
+    assert compiled["ratios"]["decode_tok_s@b1"] > 0
 
     import gpu_report
 
@@ -359,6 +362,41 @@ def test_fp32_model_diagnosis_names_the_side_far_from_float64():
     assert row["errors"][f"{name} vs fp64 (triton)"] > 0.04
     assert row["errors"][f"{name} vs fp64 (torch)"] < gpu_check.MODEL_TOLERANCE["fp32"]
     assert row["errors"][f"{name} vs fp64 (triton pinned)"] < gpu_check.MODEL_TOLERANCE["fp32"]
+
+
+def test_relu_decisions_make_the_fp32_model_check_well_posed_at_a_kink():
+    """The SwitchAll-XL case the GPU windows flagged, on the CPU: the PyTorch path in fp32 and float64, at the whole-
+    model check's sizes and inputs. One sigma-MoE key pre-activation lies within rounding of zero (positive in fp32,
+    negative in float64), so the gradients differ by 3.6% while the logits agree to 1e-6. With the fp32 run's ReLU
+    decisions replayed in the float64 run, every gradient agrees within the check's tolerance, and the one kink is
+    counted."""
+    import copy
+
+    import gpu_check
+
+    preset, overrides = gpu_check.model_presets(False)["switchall-xl"]
+    model = gpu_check.build_model(preset, overrides, torch.device("cpu"), train=True)
+    model.set_experts_implementation("eager")
+    ids = torch.randint(1, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(5))
+    decisions = gpu_check.ReluDecisions(model)
+    assert len(decisions.modules) == model.config.num_hidden_layers  # every layer's sigma-MoE ReLU
+    with decisions.record():
+        logits, grads = gpu_check.loss_and_grads(model, ids)
+    wide = copy.deepcopy(model).double()
+    free_logits, free_grads = gpu_check.loss_and_grads(wide, ids)
+    replayed = gpu_check.ReluDecisions(wide)
+    replayed.masks = decisions.masks
+    with replayed.replay():
+        held_logits, held_grads = gpu_check.loss_and_grads(wide, ids)
+    name = "model.layers.1.mlp.experts.expert_keys"
+    assert gpu_check.relative_error(grads[name], free_grads[name]) > 0.03  # the kink, not held
+    assert gpu_check.relative_error(logits, free_logits) < 1e-5
+    assert replayed.kinks == 1
+    worst = max(gpu_check.relative_error(grads[n], held_grads[n]) for n in held_grads)
+    assert worst < gpu_check.MODEL_TOLERANCE["fp32"] and gpu_check.relative_error(logits, held_logits) < 1e-5
+    from switchhead.expert_ops import relu
+
+    assert all(m.act_fn is relu for m in decisions.modules + replayed.modules)  # put back after each run
 
 
 def test_bench_cvmm_only_takes_comma_separated_texts():
