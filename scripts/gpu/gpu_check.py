@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import itertools
 import json
 import math
 import os
@@ -440,7 +441,7 @@ class ReluDecisions:
     @contextlib.contextmanager
     def _patched(self, replace):
         originals = [m.act_fn for m in self.modules]
-        calls = iter(range(10 ** 9))
+        calls = itertools.count()  # the ReLUs run in the same order in every run of a model
         for module, original in zip(self.modules, originals):
             module.act_fn = lambda x, original=original: replace(x, original, next(calls))
         try:
