@@ -195,9 +195,9 @@ def compiled_decode(model, batch: int, prompt: int, steps: int, device, clock, r
     (fullgraph; `mode="reduce-overhead"`, i.e. CUDA graphs, on a GPU): seconds to compile, decode tokens per second
     of each repetition, and whether the compiled tokens equal the eager loop's. The model is in bf16 (weights, not
     autocast: a static cache is allocated in the model's dtype, and autocast's bf16 keys cannot be copied into an
-    fp32 one). The decode time of a repetition is
-    generate(1 + steps new tokens) less generate(1 new token): the prompt's prefill and the first token cancel; the
-    static cache is sized by the first, longer call and reused by the second, so neither recompiles."""
+    fp32 one). The decode time of a repetition is generate(1 + steps new tokens) less generate(1 new token): the
+    prompt's prefill and the first token cancel; the static cache is sized by the first, longer call and reused by
+    the second, so neither recompiles."""
     from transformers import CompileConfig
 
     model.eval().to(torch.bfloat16)

@@ -433,7 +433,7 @@ class ReluDecisions:
     def __init__(self, model):
         from switchhead.expert_ops import relu
 
-        self.model, self.masks, self.kinks = model, [], 0
+        self.masks, self.kinks = [], 0
         self.modules = [m for m in model.modules() if getattr(m, "act_fn", None) is relu]
         if not self.modules and getattr(model.config, "hidden_act", None) == "relu":
             raise RuntimeError("the model's ReLUs were not found: the check cannot hold its kinks fixed")
