@@ -33,6 +33,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "compat: the compatibility subset run under every Transformers release "
                                        "(COMPAT_SUBSET; scripts/test.sh)")
     config.addinivalue_line("markers", "slow: long variants (e.g. 20 SIGKILLs); run with `-m slow`, left out by default")
+    config.addinivalue_line("markers", "integration: starts processes, trains, compiles with inductor, builds docs or "
+                                       "environments; in the default run, left out of the fast tier "
+                                       "(`pytest -m \"not integration\"`)")
     if not config.option.markexpr:  # the default suite leaves the slow variants out (deselected, not skipped)
         config.option.markexpr = "not slow"
 
