@@ -46,6 +46,9 @@ def register(subparsers) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     parser.add_argument("--no-verify", action="store_true",
                         help="evaluate a training run's folder even when its SHA-256 manifest does not verify")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the folder's own Python files (an auto_map in its config or tokenizer config); "
+                             "without it such a folder is refused")
     parser.add_argument("--task-dir", action="store_true", help="print the lm-eval task folder (for "
                                                                 "--include_path) and exit")
     parser.set_defaults(handler=run_eval)
@@ -71,8 +74,11 @@ def register(subparsers) -> None:
         parser.add_argument("model", help="model folder")
         if name == "publish":
             parser.add_argument("repo", help="Hub repository id, owner/name")
-            parser.add_argument("--private", action="store_true")
+            parser.add_argument("--private", action="store_true", help="create the repository as private")
             parser.add_argument("--token", help="Hub token (default: the logged-in one)")
+            parser.add_argument("--upload-results", action="store_true",
+                                help="also upload the --results file, as eval_results.json (default: only the "
+                                     "card shows its numbers)")
         else:
             parser.add_argument("--repo-id", help="Hub repository id shown in the usage snippet")
             parser.add_argument("--output", help="where to write the card (default: MODEL/README.md; '-' for stdout)")
@@ -152,13 +158,14 @@ def run_eval(args) -> int:
             raise UsageError(f"--{flag} must be >= 1, got {value}")
     from switchhead.integrity import check_saved_model
 
-    check_saved_model(args.model, verify=not args.no_verify)
+    trust = check_saved_model(args.model, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
     if args.perplexity and args.context is not None:
         from transformers import AutoConfig
 
         import switchhead  # noqa: F401 - registers the config class
 
-        limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+        limit = getattr(AutoConfig.from_pretrained(args.model, trust_remote_code=trust), "max_position_embeddings",
+                        None)
         if limit is not None and args.context > limit:
             raise UsageError(f"--context {args.context} is longer than the model reads ({limit}, "
                                "max_position_embeddings); give at most that")
@@ -175,8 +182,8 @@ def run_eval(args) -> int:
 
         import switchhead  # noqa: F401 - registers the Auto classes
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=trust).to(device).eval()
     if args.protocol == "paper":
         from switchhead.evaluation.zero_shot import run_paper_protocol
 
@@ -188,7 +195,7 @@ def run_eval(args) -> int:
         from switchhead.evaluation.zero_shot import blimp_mean, run_lm_eval, summarize
 
         summary = summarize(run_lm_eval(args.model, lm_eval_tasks, limit=args.limit, batch_size=args.batch_size,
-                                        device=device, metadata=metadata))
+                                        device=device, metadata=metadata, trust_remote_code=trust))
         if "switchhead_blimp" not in summary and blimp_mean(summary) is not None and paradigms:
             summary["switchhead_blimp"] = {"acc": blimp_mean(summary)}
         report["results"].update(summary)
@@ -292,9 +299,20 @@ def run_publish(args, api=None) -> int:
 
     if not (Path(args.model) / "config.json").is_file():
         raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
-    card = _card(args, args.repo)
+    if getattr(args, "upload_results", False) and not args.results:
+        raise UsageError("--upload-results needs --results FILE")
+    from switchhead.evaluation.card import publish_files
+
     try:
-        url = publish(args.model, args.repo, card, api=api, private=args.private, token=args.token)
+        names = publish_files(args.model)
+    except (OSError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    card = _card(args, args.repo)
+    print(f"uploading {', '.join(names)}, README.md (the card)"
+          + (", eval_results.json" if getattr(args, "upload_results", False) else ""))
+    try:
+        url = publish(args.model, args.repo, card, api=api, private=args.private, token=args.token,
+                      results=args.results if getattr(args, "upload_results", False) else None)
     except Exception as error:  # noqa: BLE001 - the Hub unreachable, offline mode, refused credentials
         if type(error).__module__.split(".")[0] not in ("huggingface_hub", "httpx", "httpx2", "requests", "urllib3") \
                 and not isinstance(error, (ConnectionError, TimeoutError)):

@@ -133,28 +133,105 @@ def build_card(model_dir: str | Path, evaluation: dict | None = None, *, repo_id
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
+# What a Hub model repository receives: the model, its generation settings and tokenizer, the code that
+# `trust_remote_code` imports, and the card (plus, when asked, the evaluation results). A training run's folder also
+# holds checkpoints with optimizer pickles, RNG and XL-memory states, logs and TensorBoard events: none of it is
+# sent, and no pickle (.bin, .pt, .pth, .pkl) ever is, as loading one runs code.
+MODEL_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+RESULTS_NAME = "eval_results.json"
+
+
+def _weight_files(model_dir: Path) -> list[str]:
+    """The safetensors weights: one file, or the shards an index names (every one must be there)."""
+    if (model_dir / WEIGHTS_INDEX).is_file():
+        index = json.loads((model_dir / WEIGHTS_INDEX).read_text(encoding="utf-8"))
+        shards = sorted(set(index.get("weight_map", {}).values()))
+        bad = [name for name in shards if Path(name).name != name or not name.endswith(".safetensors")]
+        if not shards or bad:
+            raise ValueError(f"{model_dir / WEIGHTS_INDEX} does not name safetensors shards of this folder"
+                             + (f" ({', '.join(bad)})" if bad else ""))
+        missing = [name for name in shards if not (model_dir / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir} lacks the weight shards {', '.join(missing)} its index names")
+        return [WEIGHTS_INDEX, *shards]
+    if (model_dir / WEIGHTS).is_file():
+        return [WEIGHTS]
+    raise FileNotFoundError(f"{model_dir} is not a complete save_pretrained folder: missing {WEIGHTS} (or "
+                            f"{WEIGHTS_INDEX} and its shards)")
+
+
+def _code_files(model_dir: Path) -> list[str]:
+    """The Python files `trust_remote_code` loads: the modules the `auto_map` of config.json and
+    tokenizer_config.json name, and every file they import relatively (what Transformers copies, and fetches)."""
+    import ast
+
+    modules: list[str] = []
+    for name in ("config.json", "tokenizer_config.json"):
+        if (model_dir / name).is_file():
+            auto_map = json.loads((model_dir / name).read_text(encoding="utf-8")).get("auto_map") or {}
+            for reference in auto_map.values():
+                for entry in reference if isinstance(reference, (list, tuple)) else [reference]:
+                    if isinstance(entry, str) and "--" not in entry:  # "owner/repo--module.Class": code of another repo
+                        modules.append(entry.rsplit(".", 1)[0])
+    found: list[str] = []
+    while modules:
+        module = modules.pop()
+        filename = module.replace(".", "/") + ".py"
+        if filename in found:
+            continue
+        if "/" in filename or not (model_dir / filename).is_file():
+            raise FileNotFoundError(f"{model_dir} lacks {filename}, which its auto_map loads (directly or through "
+                                    "a relative import)")
+        found.append(filename)
+        for node in ast.walk(ast.parse((model_dir / filename).read_text(encoding="utf-8"), filename)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                modules += [node.module] if node.module else [alias.name for alias in node.names]
+    return sorted(found)
+
+
+def publish_files(model_dir: str | Path) -> list[str]:
+    """The files of `model_dir` that `publish` uploads, by name (all at the top level of the folder): config,
+    generation config, safetensors weights (and index), tokenizer files and the model code. Everything else stays
+    on this machine. A chosen file that is a symbolic link is refused rather than followed."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a complete save_pretrained folder: missing config.json"
+                                + ("" if any(model_dir.glob("*.safetensors")) else " and safetensors weights"))
+    names = [name for name in (*MODEL_FILES, *TOKENIZER_FILES) if (model_dir / name).is_file()]
+    names += _weight_files(model_dir) + _code_files(model_dir)
+    linked = [name for name in names if (model_dir / name).is_symlink()]
+    if linked:
+        raise ValueError(f"{model_dir}: {', '.join(linked)} is a symbolic link; publish a folder of plain files")
+    return names
+
 
 def publish(model_dir: str | Path, repo_id: str, card, *, api=None, private: bool = False, token: str | None = None,
-            commit_message: str = "Upload SwitchHead model") -> str:
-    """Create (or reuse) the Hub repository, upload the model folder, then the card as README.md. Returns the URL.
+            results: str | Path | None = None, commit_message: str = "Upload SwitchHead model") -> str:
+    """Create (or reuse) the Hub repository and upload, in one commit, the files `publish_files` chooses, the card
+    as README.md and, when `results` (a `switchhead eval --output` file) is given, that file as eval_results.json.
+    Returns the URL.
 
     `api` is an `huggingface_hub.HfApi` (made from `token` when None); tests pass a recording fake.
     """
+    from huggingface_hub import CommitOperationAdd
+
     model_dir = Path(model_dir)
     if not REPO_ID.match(repo_id):
         raise ValueError(f"repository id must look like 'owner/name', got {repo_id!r}")
-    missing = [name for name in ("config.json",) if not (model_dir / name).is_file()]
-    if not any(model_dir.glob("*.safetensors")):
-        missing.append("*.safetensors weights")
-    if missing:
-        raise FileNotFoundError(f"{model_dir} is not a complete save_pretrained folder: missing {', '.join(missing)}")
+    names = publish_files(model_dir)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(model_dir / name)) for name in names]
+    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode("utf-8")))
+    if results is not None:
+        load_results(results)  # a results file only, checked before anything is sent
+        operations.append(CommitOperationAdd(path_in_repo=RESULTS_NAME, path_or_fileobj=Path(results).read_bytes()))
     if api is None:
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
     api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
-    api.upload_folder(folder_path=str(model_dir), repo_id=repo_id, repo_type="model", commit_message=commit_message,
-                      ignore_patterns=["README.md"])
-    api.upload_file(path_or_fileobj=str(card).encode("utf-8"), path_in_repo="README.md", repo_id=repo_id,
-                    repo_type="model", commit_message=f"{commit_message}: model card")
+    api.create_commit(repo_id=repo_id, repo_type="model", operations=operations, commit_message=commit_message)
     return f"https://huggingface.co/{repo_id}"
