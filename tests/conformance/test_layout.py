@@ -7,7 +7,12 @@ an import that points the wrong way fails the test with the file and line.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"modeling_switchhead": "model", "kernels": "kernels", "training": "training", "evaluation": "evaluation",
@@ -122,3 +127,31 @@ def test_the_checker_sees_a_string_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import importlib\nimportlib.import_module('switchhead.kernels')\n__import__('os')\n")
     assert string_imports_of(bad) == [(2, "switchhead.kernels")]
+
+
+def _import_from(folder: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    code = "import switchhead, switchhead.cli; from switchhead import SwitchHeadConfig; print(switchhead.__file__)"
+    return subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+@pytest.mark.integration
+def test_the_package_imports_from_the_folder_that_holds_a_checkout_named_switchhead(tmp_path):
+    """A clone keeps the repository's name, so Python started beside it finds the folder `switchhead` first; the
+    import is handed over to the installed package instead of an empty namespace package."""
+    (tmp_path / "switchhead").symlink_to(ROOT, target_is_directory=True)
+    result = _import_from(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert Path(result.stdout.strip().splitlines()[-1]) == ROOT / "modeling_switchhead" / "__init__.py"
+
+
+@pytest.mark.integration
+def test_without_the_package_installed_the_shadowing_checkout_says_what_to_do(tmp_path):
+    (tmp_path / "switchhead").symlink_to(ROOT, target_is_directory=True)
+    # an interpreter that sees neither site-packages nor the editable install
+    env = dict(os.environ, PYTHONNOUSERSITE="1")
+    result = subprocess.run([sys.executable, "-S", "-c", "import switchhead"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: the folder ") and "switchhead is not installed: run `pip install -e" in last

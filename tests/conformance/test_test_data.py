@@ -56,6 +56,22 @@ def test_without_the_data_the_run_says_what_is_missing_first_and_skips_what_need
     assert "FileNotFoundError" not in out and "error" not in out.splitlines()[-1]
 
 
+@pytest.mark.integration
+def test_tests_that_read_their_own_sub_run_pass_without_the_data(tmp_path):
+    """A test that runs pytest in a child reads the child's counts, not its banners: without the data the run's
+    first line says "skipped", which must not fail a test that needs no data (the Triton interpreter suite)."""
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    env = {key: value for key, value in os.environ.items() if key != fetch_test_data.REQUIRE_ENV}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", SWITCHHEAD_DATA_DIR=str(empty))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "tests/kernels/test_kernels.py::test_triton_kernels_under_interpreter"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = result.stdout
+    assert out.splitlines()[0].startswith("test data missing in "), out[-3000:]
+    assert result.returncode == 0 and "1 passed" in out.splitlines()[-1], out[-3000:] + result.stderr[-2000:]
+
+
 def test_ci_fails_at_the_start_instead_of_skipping(tmp_path):
     result = _pytest(tmp_path, SWITCHHEAD_REQUIRE_DATA="1")
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout[-2000:] + result.stderr[-2000:]

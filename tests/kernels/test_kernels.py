@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,7 +127,11 @@ def test_triton_kernels_under_interpreter():
     )
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
-    assert " passed" in report and "skipped" not in report and "failed" not in report, report
+    # pytest's last line counts the outcomes ("12 passed in 3.1s"); the run's banners may name skips of other
+    # tests (the missing-data note), so only that line is read: every case ran and passed
+    summary = [line for line in result.stdout.splitlines() if line.strip()][-1]
+    counts = dict((word.strip(","), int(number)) for number, word in re.findall(r"(\d+) (\w+)", summary))
+    assert counts.get("passed", 0) > 0 and set(counts) <= {"passed", "warning", "warnings"}, report
 
 
 def test_benchmark_script_runs_and_writes_json(tmp_path):
