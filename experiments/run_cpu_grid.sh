@@ -5,16 +5,16 @@
 #
 #   experiments/run_cpu_grid.sh                        # start / resume (extra arguments go to replicate_cpu.py);
 #                                                     # after the last run, the zero-shot step
-#   kill -STOP -$(cat /work/evidence.pgid)            # pause the whole grid (driver and its run)
-#   kill -CONT -$(cat /work/evidence.pgid)            # resume it
-#   kill -TERM -$(cat /work/evidence.pgid)            # stop it (the next start resumes from the last checkpoint)
+#   kill -STOP -$(cat runs/replication-cpu/grid.pgid) # pause the whole grid (driver and its run)
+#   kill -CONT -$(cat runs/replication-cpu/grid.pgid) # resume it
+#   kill -TERM -$(cat runs/replication-cpu/grid.pgid) # stop it (the next start resumes from the last checkpoint)
 #   tail -f runs/replication-cpu/grid.log
 #
-# PYTHON (default /work/venv-evidence/bin/python) and PGID_FILE (default /work/evidence.pgid) can be overridden.
+# PYTHON (default: python3 on PATH) and PGID_FILE (default: grid.pgid in the run folder) can be overridden.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-/work/venv-evidence/bin/python}
-PGID_FILE=${PGID_FILE:-/work/evidence.pgid}
+PY=${PYTHON:-python3}
+PGID_FILE=${PGID_FILE:-runs/replication-cpu/grid.pgid}
 LOG=runs/replication-cpu/grid.log
 mkdir -p runs/replication-cpu
 if [ -f "$PGID_FILE" ] && kill -0 -- "-$(cat "$PGID_FILE")" 2>/dev/null; then
