@@ -271,6 +271,9 @@ def run_flops(args) -> int:
 # ---------------------------------------------------------------------------------------------------- card
 def _card(args, repo_id):
     from switchhead.evaluation.card import build_card, load_results
+    from switchhead.integrity import check_remote_code
+
+    check_remote_code(args.model)  # a card reads config.json only: never with the folder's own code
 
     evaluation = load_results(args.results) if args.results else None
     return build_card(args.model, evaluation, repo_id=repo_id, training_data=args.training_data,

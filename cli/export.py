@@ -27,6 +27,8 @@ def register(subparsers) -> None:
                         help="replace an existing output file (only once the new one is complete)")
     parser.add_argument("--no-verify", action="store_true",
                         help="export a training run's folder even when its SHA-256 manifest does not verify")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the folder's own Python files (an auto_map); without it such a folder is refused")
     parser.set_defaults(handler=run)
 
 
@@ -42,11 +44,11 @@ def run(args) -> int:
 
     from switchhead.conversion import ConversionError
     from switchhead.conversion.export import check_onnx, supported_opsets, to_onnx
-    from switchhead.integrity import check_saved_model
+    from switchhead.integrity import check_remote_code, check_saved_model
 
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"{args.model} is not a saved model folder (it has no config.json)")
-    refuse_existing_output(args.output, args.overwrite)
+    refuse_existing_output(args.output, args.overwrite, model=args.model)  # never a file of the model read
     try:
         opsets = supported_opsets()
     except ConversionError as error:
@@ -54,7 +56,8 @@ def run(args) -> int:
     if args.opset is not None and args.opset not in opsets:  # the exporter would write another one and say nothing
         raise UsageError(f"--opset {args.opset} is not one this exporter can write; choose {opsets.start} to "
                          f"{opsets.stop - 1}, or leave it out")
-    config = transformers.AutoConfig.from_pretrained(args.model)
+    trust = check_remote_code(args.model, args.trust_remote_code)  # before config.json is read: it may name code
+    config = transformers.AutoConfig.from_pretrained(args.model, trust_remote_code=trust)
     if config.model_type != "switchhead":
         raise UsageError(f"{args.model} holds a {config.model_type!r} model; this command exports SwitchHead models")
     architecture = (config.architectures or ["SwitchHeadForCausalLM"])[0]
@@ -62,8 +65,8 @@ def run(args) -> int:
         raise UsageError(f"{architecture} has no logits to export; export a causal LM or a sequence / token "
                          f"classifier")
     auto_class = getattr(transformers, AUTO_CLASSES[architecture])
-    check_saved_model(args.model, verify=not args.no_verify)
-    model = auto_class.from_pretrained(args.model, dtype=torch.float32).eval()
+    check_saved_model(args.model, verify=not args.no_verify, trust_remote_code=trust)
+    model = auto_class.from_pretrained(args.model, dtype=torch.float32, trust_remote_code=trust).eval()
     try:  # an existing file is replaced by the rename that ends the export, never removed before it
         to_onnx(model, args.output, opset_version=args.opset, overwrite=args.overwrite)
         print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:.1f} MiB): inputs input_ids, "

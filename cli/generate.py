@@ -17,6 +17,9 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-verify", action="store_true",
                         help="load a training run's folder even when its SHA-256 manifest does not verify")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the folder's own Python files (an auto_map in its config or tokenizer config); "
+                             "without it such a folder is refused")
     parser.set_defaults(handler=run)
 
 
@@ -39,21 +42,22 @@ def run(args) -> int:
     if not args.prompt:
         raise UsageError("--prompt is empty; give some text to continue")
     # --no-verify skips the manifest, not the rest: pickled or missing weights, sizes past this machine's memory,
-    # weights that do not fit config.json, NaN weights
-    check_saved_model(args.model, verify=not args.no_verify)
+    # weights that do not fit config.json, NaN weights; code from the folder only with --trust-remote-code
+    trust = check_saved_model(args.model, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=trust)
     inputs = tokenizer(args.prompt, return_tensors="pt")
     prompt_tokens = inputs["input_ids"].shape[-1]
     if prompt_tokens == 0:
         raise UsageError(f"--prompt {args.prompt!r} gives no tokens with this tokenizer; give some text")
-    context = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    context = getattr(AutoConfig.from_pretrained(args.model, trust_remote_code=trust),
+                      "max_position_embeddings", None)
     if context is not None and prompt_tokens + args.max_new_tokens > context:
         room = context - prompt_tokens
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: the prompt has {prompt_tokens} tokens and the model "
                          f"reads at most {context} (max_position_embeddings), "
                          + (f"so at most {room} new ones" if room > 0 else "so shorten the prompt"))
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=trust).eval()
     sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
     output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id
                             or tokenizer.eos_token_id or 0, **sampling)

@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     parser.add_argument("--attn-implementation", default=None, help="eager, sdpa or flex_attention")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0 or auto (default cpu)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--log-level", default="warning", help="Transformers log level (default warning)")
+    parser.add_argument("--log-level", default="warning", type=str.lower, choices=LOG_LEVELS,
+                        help="Transformers log level (default warning)")
     parser.add_argument("--default-seed", type=int, default=None, help="torch seed at start")
     parser.add_argument("--enable-cors", action="store_true", help="permissive CORS")
     parser.add_argument("--no-verify", action="store_true",
@@ -60,6 +61,8 @@ def register(subparsers) -> None:
 
 
 ENGINES = ("transformers", "vllm")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MAX_CB_BLOCK_SIZE = 1 << 16  # tokens per paged-cache block; a larger block is a typo (the cache is blocks x size)
 # options of Transformers' server that `vllm serve` has no equivalent for: refused with --engine vllm, not ignored
 TRANSFORMERS_ONLY = {"continuous_batching": ("--no-continuous-batching", True), "attn_implementation": (None, None),
                      "cb_block_size": (None, None), "cb_num_blocks": (None, None), "cb_max_batch_tokens": (None, None),
@@ -134,6 +137,8 @@ def run(args) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.cb_block_size is not None and args.cb_block_size > MAX_CB_BLOCK_SIZE:
+        fail(f"--cb-block-size must be <= {MAX_CB_BLOCK_SIZE} tokens, got {args.cb_block_size}")
     if args.cb_max_memory_percent is not None and not 0 < args.cb_max_memory_percent <= 1:
         fail(f"--cb-max-memory-percent must be in (0, 1], got {args.cb_max_memory_percent}")
     if args.device != "auto":
@@ -152,10 +157,17 @@ def run(args) -> int:
         # last, as it reads every tensor; as generate and eval: the manifest (unless --no-verify), safetensors
         # weights only, sizes within memory, weights that fit config.json, finite values (Transformers would load
         # a damaged folder and serve garbage)
-        check_saved_model(checkpoint, verify=not args.no_verify)
+        check_saved_model(checkpoint, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
         if args.cb_num_blocks is not None and args.continuous_batching:
-            cache = paged_cache_bytes(read_config(checkpoint), args.cb_num_blocks, args.cb_block_size)
+            cache = paged_cache_bytes(read_config(checkpoint, args.trust_remote_code), args.cb_num_blocks,
+                                      args.cb_block_size)
             check_fits_memory(cache, f"--cb-num-blocks {args.cb_num_blocks}: the paged KV cache")
+        elif args.cb_block_size is not None and args.continuous_batching and str(args.device).startswith("cpu"):
+            from switchhead.serving import CPU_CACHE_BLOCKS  # the blocks a CPU server gets when none are given
+
+            cache = paged_cache_bytes(read_config(checkpoint), CPU_CACHE_BLOCKS, args.cb_block_size)
+            check_fits_memory(cache, f"--cb-block-size {args.cb_block_size}: the paged KV cache of "
+                                     f"{CPU_CACHE_BLOCKS} blocks")
     if args.engine == "vllm":
         return run_vllm(args)
     from transformers.utils.import_utils import is_serve_available

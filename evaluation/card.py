@@ -99,7 +99,7 @@ def build_card(model_dir: str | Path, evaluation: dict | None = None, *, repo_id
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json; give a save_pretrained folder")
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # our type is registered: no folder code
     if getattr(config, "model_type", None) != "switchhead":
         raise ValueError(f"{model_dir} holds a {config.model_type!r} model, not a switchhead one")
     with torch.device("meta"):  # count parameters without allocating them

@@ -1,9 +1,12 @@
 """Zero-shot evaluation: lm-eval on our local-file task folder, and the authors' scoring protocol.
 
 `run_lm_eval` wraps `lm_eval.simple_evaluate` with a TaskManager on `TASKS_DIR`; it gives the same numbers as
-`lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True --include_path TASKS_DIR ...`.
+`lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True --include_path TASKS_DIR ...` (which runs
+the folder's copy of our model code; in this process `import switchhead` registers the model type, so no code from
+the folder runs unless the caller passes `trust_remote_code=True`).
 
-`run_paper_protocol` scores with the authors' protocol (PAPER.md section 7) where it differs from lm-eval's:
+`run_paper_protocol` scores with the authors' protocol (docs/evaluation.md, "The authors' protocol") where it
+differs from lm-eval's:
 
 * CBT: each candidate substituted into the question; the choice with the highest *mean log-probability per
   token* of the continuation wins (lm-eval's acc sums log-probabilities, acc_norm divides by bytes).
@@ -118,18 +121,22 @@ def blimp_mean(summary: dict[str, dict[str, float]]) -> float | None:
 
 def run_lm_eval(model: str, tasks: list[str], *, limit: int | float | None = None, batch_size: int = 1,
                 device: str = "cpu", metadata: dict | None = None, log_samples: bool = False,
-                dtype: str | None = None, progress: bool = True) -> dict:
+                dtype: str | None = None, progress: bool = True, trust_remote_code: bool = False) -> dict:
     """`lm_eval.simple_evaluate` on a saved model folder with our task folder; returns lm-eval's result dict.
 
     The numbers are those of `lm-eval run --model hf --model_args pretrained=MODEL,trust_remote_code=True ...`
     (the same HFLM, built from the same argument string). What differs is the output: one progress line or bar per
     request type for the whole run (`progress=False`: none) instead of lm-eval's bar per task and per batch of
     rolling windows, and without its per-task "Custom kwargs" warning that our local-file tasks trigger.
+    `trust_remote_code` is the caller's decision (`switchhead.integrity.check_remote_code`): our own folders need
+    none, since `import switchhead` registers the model type.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    model_args = f"pretrained={model},trust_remote_code=True" + (f",dtype={dtype}" if dtype else "")
+    if trust_remote_code is not True and trust_remote_code is not False:
+        raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
+    model_args = f"pretrained={model},trust_remote_code={trust_remote_code}" + (f",dtype={dtype}" if dtype else "")
     manager = TaskManager(include_path=str(TASKS_DIR), metadata=metadata or {})
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:

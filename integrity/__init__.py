@@ -18,8 +18,10 @@ transformers and the model package).
 from .files import atomic_file
 from .lock import LOCK_NAME, FolderLock, FolderLocked, FolderLockPathInvalid
 from .loading import UnloadableModel, check_fits_memory, check_model_size, check_saved_model
+from .trust import RemoteCodeRefused, check_remote_code
 from .manifest import MANIFEST, check_model_folder, file_sha256, read_manifest, verify_manifest, write_manifest
 
-__all__ = ["FolderLock", "FolderLocked", "FolderLockPathInvalid", "LOCK_NAME", "MANIFEST", "UnloadableModel",
-           "atomic_file", "check_fits_memory", "check_model_folder", "check_model_size", "check_saved_model",
+__all__ = ["FolderLock", "FolderLocked", "FolderLockPathInvalid", "LOCK_NAME", "MANIFEST", "RemoteCodeRefused",
+           "UnloadableModel", "atomic_file", "check_fits_memory", "check_model_folder", "check_model_size",
+           "check_remote_code", "check_saved_model",
            "file_sha256", "read_manifest", "verify_manifest", "write_manifest"]

@@ -4,13 +4,22 @@
 config.json and the safetensors headers, then each tensor once, and raises `UnloadableModel` (a ValueError: one
 line, exit code 2) naming the first problem:
 
+- the folder asks to run its own code (an `auto_map`, `switchhead.integrity.trust`) and the user did not pass
+  `--trust-remote-code`; the bool it returns is what the command passes to every `from_pretrained`;
 - the manifest does not verify (a training run's folder or one with `SHA256SUMS`; skipped with `verify=False`,
   the commands' `--no-verify`);
 - no safetensors weights: only a pickled `pytorch_model.bin` / `.pt` (never unpickled here: it can run code), or
   no weights at all;
+- which weights Transformers would load cannot be told for sure, or differ from what is checked: both
+  model.safetensors and an index (Transformers reads the first, a user may mean the second), a LoRA adapter beside
+  the model (Transformers applies it on load), a weight file that is not a regular file (a FIFO would hang the
+  load), an index naming a shard outside the folder, a shard that is missing, a tensor in two shards or in a shard
+  the index does not name for it; `transformers_weights` in config.json names the file, as Transformers reads it;
 - config.json asks for more than the machine holds (`check_fits_memory`, computed from the config on the meta
   device before anything is allocated), or for more layers than the weights have;
-- a tensor is missing or has another shape than config.json gives it;
+- a tensor is missing, has another shape than config.json gives it, or is not one the model has (a checkpoint of
+  more layers than config.json says: Transformers would drop the rest), or holds integers or booleans where the
+  model has a floating-point tensor (Transformers would cast them);
 - a sigma-MoE tensor is stored under both its old and its new name (`mlp.keys` and `mlp.experts.expert_keys`) with
   different values: which one is meant cannot be told;
 - a weight is NaN or infinite (a bit flip, a diverged run saved by other code).
@@ -26,6 +35,7 @@ import os
 import re
 
 from .manifest import check_model_folder
+from .trust import check_remote_code
 
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "tf_model.h5",
                    "flax_model.msgpack")
@@ -56,9 +66,9 @@ def check_fits_memory(needed: int | float, what: str) -> None:
                               "make it smaller")
 
 
-def meta_model(config):
+def meta_model(config, trust_remote_code: bool = False):
     """The model `config` describes (its saved architecture, else a causal LM), built on the meta device: shapes
-    only, nothing allocated."""
+    only, nothing allocated. `trust_remote_code` as the user decided (`switchhead.integrity.trust`)."""
     import torch
     import transformers
 
@@ -69,17 +79,17 @@ def meta_model(config):
             model_class = getattr(switchhead, name, None) or getattr(transformers, name, None)
             if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
                 return model_class(config)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def parameter_count(config) -> int:
+def parameter_count(config, trust_remote_code: bool = False) -> int:
     """Parameters of the model that `config` describes, counted on the meta device (nothing is allocated): the
     model with one and with two layers gives the cost of the rest and of one layer, so even a config of 10^6 layers
     costs two small meta models."""
     def count(layers: int) -> int:
         small = copy.deepcopy(config)
         small.num_hidden_layers = layers
-        return sum(parameter.numel() for parameter in meta_model(small).parameters())
+        return sum(parameter.numel() for parameter in meta_model(small, trust_remote_code).parameters())
 
     layers = int(config.num_hidden_layers)
     one = count(1)
@@ -96,12 +106,13 @@ def config_sizes(config) -> str:
     return ", ".join(f"{name} {getattr(config, name)}" for name in names if getattr(config, name, None) is not None)
 
 
-def check_model_size(config, bytes_per_parameter: int = 4, what: str = "the model") -> int:
+def check_model_size(config, bytes_per_parameter: int = 4, what: str = "the model",
+                     trust_remote_code: bool = False) -> int:
     """Refuse (UnloadableModel with the reason) a config whose parameters cannot fit this machine's memory, before
     anything is allocated; returns the parameter count. `bytes_per_parameter`: 4 to hold fp32 weights, 16 to train
     them with AdamW (weights, gradients, two moments)."""
     try:
-        parameters = parameter_count(config)
+        parameters = parameter_count(config, trust_remote_code)
     except (RuntimeError, OverflowError) as error:  # sizes past what a tensor's element count can hold
         raise UnloadableModel(f"{what} is too large to build ({config_sizes(config)}: {error}); make it "
                               "smaller") from None
@@ -110,24 +121,99 @@ def check_model_size(config, bytes_per_parameter: int = 4, what: str = "the mode
     return parameters
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def _raw_config(folder: str) -> dict:
+    """config.json as a dict ({} where it is not a readable JSON object: `read_config` refuses it then)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+            value = json.load(handle)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _plain_name(folder: str, name, what: str) -> str:
+    """`name` when it is a file name inside `folder` (no folder part, not '..'), else UnloadableModel: Transformers
+    joins it to the folder, so '../x' or an absolute path would load a file from elsewhere."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or os.path.isabs(name):
+        raise UnloadableModel(f"model folder {folder!r}: {what} names {name!r}, which is not a file name inside the "
+                              "folder; weights are read from the folder only")
+    return name
+
+
+def _regular_file(folder: str, name: str, what: str) -> None:
+    """UnloadableModel unless `folder/name` is (or links to) a regular file: a FIFO or a device would hang or feed
+    the load endlessly, a dangling link loads nothing."""
+    path = os.path.join(folder, name)
+    if not os.path.lexists(path):
+        raise UnloadableModel(f"model folder {folder!r}: {what} {name} is missing")
+    if not os.path.isfile(path):
+        kind = "a folder" if os.path.isdir(path) else "a link to nothing" if not os.path.exists(path) else \
+            "not a regular file"
+        raise UnloadableModel(f"model folder {folder!r}: {what} {name} is {kind}; weights must be a regular "
+                              ".safetensors file")
+
+
+def _index_shards(folder: str, index: str) -> list[str]:
+    """The shards `index` names (each a regular file in the folder), sorted."""
+    try:
+        with open(os.path.join(folder, index), encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise TypeError("weight_map is not a non-empty object")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+        raise UnloadableModel(f"model folder {folder!r}: {index} is unreadable "
+                              f"({type(error).__name__}: {error})") from None
+    files = sorted({_plain_name(folder, name, index) for name in weight_map.values()})
+    for name in files:
+        if not name.endswith(".safetensors"):
+            raise UnloadableModel(f"model folder {folder!r}: {index} names the shard {name!r}, which is not a "
+                                  ".safetensors file")
+        _regular_file(folder, name, f"the shard listed in {index},")
+    return files
+
+
 def weight_files(folder: str) -> list[str]:
-    """The safetensors files of a saved folder (sharded or not); UnloadableModel when it has none, naming what it
-    holds instead (pickled weights are never loaded: unpickling can run code stored in the file)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as handle:
-                files = sorted(set(json.load(handle)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise UnloadableModel(f"model folder {folder!r}: model.safetensors.index.json is unreadable "
-                                  f"({type(error).__name__}: {error})") from None
-        missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
-        if missing:
-            raise UnloadableModel(f"model folder {folder!r}: the shard {missing[0]} listed in "
-                                  "model.safetensors.index.json is missing")
-        return files
-    if os.path.isfile(os.path.join(folder, "model.safetensors")):
-        return ["model.safetensors"]
+    """The safetensors files Transformers loads from `folder`: `weight_source(folder)`'s files."""
+    return weight_source(folder)[0]
+
+
+def weight_source(folder: str) -> tuple[list[str], str | None]:
+    """(the safetensors files Transformers' `from_pretrained` loads from a saved folder (sharded or not), in the order
+    it picks them: config.json's `transformers_weights`, else model.safetensors, else the index's shards; the index
+    read, or None). UnloadableModel where the folder has none (naming what it holds instead: pickled weights are never loaded,
+    unpickling can run code stored in the file), or where what Transformers loads could differ from these files
+    (see the module docstring)."""
+    adapter = [name for name in ADAPTER_FILES if os.path.lexists(os.path.join(folder, name))]
+    if adapter:
+        raise UnloadableModel(f"model folder {folder!r} holds a LoRA adapter ({adapter[0]}) beside the model, which "
+                              "Transformers would apply on load; load the model from a folder without the adapter, "
+                              "or merge it (finetune --merge)")
+    explicit = _raw_config(folder).get("transformers_weights")
+    if explicit is not None:
+        name = _plain_name(folder, explicit, "config.json's transformers_weights")
+        if name.endswith(".safetensors.index.json"):
+            return _index_shards(folder, name), name
+        if not name.endswith(".safetensors"):
+            raise UnloadableModel(f"model folder {folder!r}: config.json's transformers_weights {name!r} is not a "
+                                  ".safetensors file")
+        _regular_file(folder, name, "the weight file named by config.json's transformers_weights,")
+        return [name], None
+    single, index = (os.path.lexists(os.path.join(folder, name)) for name in (SAFE_WEIGHTS, SAFE_INDEX))
+    if single and index:
+        raise UnloadableModel(f"model folder {folder!r} holds both {SAFE_WEIGHTS} and {SAFE_INDEX}: Transformers "
+                              f"loads {SAFE_WEIGHTS} and ignores the shards, which may not be what was meant; remove "
+                              "one of them")
+    if index:
+        return _index_shards(folder, SAFE_INDEX), SAFE_INDEX
+    if single:
+        _regular_file(folder, SAFE_WEIGHTS, "the weight file")
+        return [SAFE_WEIGHTS], None
     pickled = [name for name in PICKLED_WEIGHTS if os.path.isfile(os.path.join(folder, name))]
     if pickled:
         raise UnloadableModel(f"model folder {folder!r} holds its weights only as {pickled[0]}, a pickle, which is "
@@ -137,27 +223,59 @@ def weight_files(folder: str) -> list[str]:
                           "holds no weights; give a save_pretrained folder")
 
 
-def _headers(folder: str, files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (file, shape)} from the safetensors headers (nothing else is read)."""
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}
+
+
+def _headers(folder: str, files: list[str], index: str | None = None
+             ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
+    """({tensor name: (file, shape)}, {tensor name: safetensors dtype}) from the safetensors headers (nothing else
+    is read). A file safetensors cannot open, a tensor in two files, or an index that does not name each tensor's
+    file as the file that holds it is refused: which value Transformers would load could not be told."""
     from safetensors import safe_open
 
-    tensors = {}
+    tensors, dtypes = {}, {}
     for name in files:
-        with safe_open(os.path.join(folder, name), framework="pt") as handle:
-            for key in handle.keys():
-                tensors[key] = (name, tuple(handle.get_slice(key).get_shape()))
-    return tensors
+        try:
+            with safe_open(os.path.join(folder, name), framework="pt") as handle:
+                for key in handle.keys():
+                    if key in tensors:
+                        raise UnloadableModel(f"model folder {folder!r}: {key} is stored in both {tensors[key][0]} "
+                                              f"and {name}; which one is meant cannot be told")
+                    piece = handle.get_slice(key)
+                    tensors[key] = (name, tuple(piece.get_shape()))
+                    dtypes[key] = str(piece.get_dtype())
+        except UnloadableModel:
+            raise
+        except Exception as error:  # noqa: BLE001 - SafetensorError, OSError: a damaged or lying header
+            if type(error).__name__ != "SafetensorError" and not isinstance(error, OSError):
+                raise
+            text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UnloadableModel(f"model folder {folder!r}: {name} is not a readable .safetensors file "
+                                  f"({text})") from None
+    if index is not None:
+        with open(os.path.join(folder, index), encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        for key, file in sorted(weight_map.items()):
+            if key not in tensors or tensors[key][0] != file:
+                raise UnloadableModel(f"model folder {folder!r}: {index} puts {key} in {file}, which does not hold "
+                                      "it; the index does not describe the shards")
+        unlisted = sorted(set(tensors) - set(weight_map))
+        if unlisted:
+            raise UnloadableModel(f"model folder {folder!r}: {tensors[unlisted[0]][0]} holds {unlisted[0]}, which "
+                                  f"{index} does not list; the index does not describe the shards")
+    return tensors, dtypes
 
 
-def _expected_shapes(config) -> tuple[dict[str, tuple[int, ...]], set[str], str]:
-    """({name: shape} of what the model config.json describes saves (parameters and persistent buffers), the names
-    a file may leave out (weights tied to another one), its base model's prefix), from a meta-device model."""
-    model = meta_model(config)
+def _expected_tensors(config, trust_remote_code: bool = False):
+    """({name: meta tensor} of what the model config.json describes saves (parameters and persistent buffers), the
+    names a file may leave out (weights tied to another one), its base model's prefix, the patterns of saved names
+    Transformers ignores on load), from a meta-device model."""
+    model = meta_model(config, trust_remote_code)
     tied = set()
     if getattr(config, "tie_word_embeddings", False):
         tied.update(getattr(model, "_tied_weights_keys", None) or ())  # {tied name: its source} (a list before 5.0)
-    return ({name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}, tied,
-            getattr(model, "base_model_prefix", ""))
+    ignored = [re.compile(pattern) for pattern in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    return dict(model.state_dict()), tied, getattr(model, "base_model_prefix", ""), ignored
 
 
 def _saved_names(config) -> dict[str, str]:
@@ -178,24 +296,30 @@ def _rename(key: str, renamed: dict[str, str]) -> str:
 
 
 def _layer_problem(config, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
-    """config.json asking for more layers than the files hold (read from the names alone: no model is built)."""
-    saved = {int(match.group(1)) for key in tensors for match in [LAYER_KEY.search(key)] if match}
+    """config.json asking for another number of layers than the files hold (read from the names alone: no model is
+    built), or for a number of layers that is not a positive whole number."""
     wanted = getattr(config, "num_hidden_layers", None)
-    if saved and isinstance(wanted, int) and wanted > max(saved) + 1:
+    if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
+        return f"config.json has num_hidden_layers {wanted!r}; it must be a whole number >= 1"
+    saved = {int(match.group(1)) for key in tensors for match in [LAYER_KEY.search(key)] if match}
+    if saved and isinstance(wanted, int) and wanted != max(saved) + 1:
         return (f"config.json has num_hidden_layers {wanted}, but the weights hold {max(saved) + 1} layers; the "
                 "weights do not belong to this config.json")
     return None
 
 
-def weight_problem(config, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
-    """The first way the tensors in the files ({name: (file, shape)}) do not fit `config` (a sentence), or None:
-    more layers in config.json than in the files, a tensor missing, a tensor of another shape. Builds the model on
-    the meta device: check its size first (`check_model_size`)."""
+def weight_problem(config, tensors: dict[str, tuple[str, tuple[int, ...]]], dtypes: dict[str, str] | None = None,
+                   trust_remote_code: bool = False) -> str | None:
+    """The first way the tensors in the files ({name: (file, shape)}, {name: safetensors dtype}) do not fit
+    `config` (a sentence), or None: another number of layers in config.json than in the files, a tensor missing,
+    one the model does not have, a tensor of another shape, integers or booleans for a floating-point tensor (or
+    the reverse). Builds the model on the meta device: check its size first (`check_model_size`)."""
     problem = _layer_problem(config, tensors)
     if problem is not None:
         return problem
     renamed = _saved_names(config)
-    expected, tied, prefix = _expected_shapes(config)
+    expected_tensors, tied, prefix, ignored = _expected_tensors(config, trust_remote_code)
+    expected = {name: tuple(tensor.shape) for name, tensor in expected_tensors.items()}
     present = {_rename(key, renamed): (key, file, shape) for key, (file, shape) in tensors.items()}
     # a base model's folder (`h.0...`) read as its LM (`transformer.h.0...`), as Transformers reads it
     present.update({f"{prefix}.{name}": entry for name, entry in list(present.items())
@@ -210,6 +334,20 @@ def weight_problem(config, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> s
         if shape != want:
             return (f"{file}: {key} has shape {list(shape)}, but config.json makes it {list(want)}; the weights do "
                     "not belong to this config.json")
+        stored = (dtypes or {}).get(key)
+        if stored is not None and (stored in FLOAT_DTYPES) != expected_tensors[name].is_floating_point():
+            return (f"{file}: {key} is stored as {stored}, but the model's {name} is "
+                    f"{str(expected_tensors[name].dtype).replace('torch.', '')}; Transformers would cast it: refused "
+                    "(the weights are damaged or not this model's)")
+    for key, (file, _) in sorted(tensors.items()):
+        name = _rename(key, renamed)
+        if name in expected or (prefix and f"{prefix}.{name}" in expected) or \
+                (prefix and name.startswith(f"{prefix}.") and name[len(prefix) + 1:] in expected):
+            continue
+        if any(pattern.search(key) for pattern in ignored):
+            continue
+        return (f"{file}: {key} is not a tensor of config.json's model; Transformers would drop it, so the weights "
+                "do not belong to this config.json")
     return None
 
 
@@ -245,36 +383,42 @@ def _check_values(folder: str, config, tensors: dict[str, tuple[str, tuple[int, 
                             "name) with different values; which one is meant cannot be told: remove one of them")
 
 
-def read_config(folder: str):
+def read_config(folder: str, trust_remote_code: bool = False):
     """config.json of `folder` through AutoConfig (after `import switchhead`, which registers ours), as
-    UnloadableModel on failure."""
+    UnloadableModel on failure. `trust_remote_code` is passed as given (a bool: never a prompt)."""
     from transformers import AutoConfig
 
     import switchhead  # noqa: F401 - registers the config class
 
     try:
-        return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder, trust_remote_code=bool(trust_remote_code))
     except (ValueError, TypeError, KeyError, OSError) as error:
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UnloadableModel(f"model folder {folder!r}: config.json does not load ({text})") from None
 
 
-def check_saved_model(folder: str, verify: bool = True) -> None:
+def check_saved_model(folder: str, verify: bool = True, trust_remote_code: bool = False) -> bool:
     """Refuse (UnloadableModel naming the problem) a saved model folder that should not be loaded; see the module
-    docstring. Reads every tensor once; allocates no model."""
+    docstring. Reads every tensor once; allocates no model. Returns the `trust_remote_code` bool to pass to every
+    Transformers call on the folder (`switchhead.integrity.trust.check_remote_code`)."""
+    try:
+        trust = check_remote_code(folder, trust_remote_code)
+    except ValueError as error:
+        raise UnloadableModel(str(error)) from None
     if verify:
         check_model_folder(folder)
-    files = weight_files(folder)
-    config = read_config(folder)
-    tensors = _headers(folder, files)
+    files, index = weight_source(folder)
+    config = read_config(folder, trust)
+    tensors, dtypes = _headers(folder, files, index)
     problem = _layer_problem(config, tensors)  # before any model is built: config.json may ask for 10^6 layers
     if problem is None and isinstance(getattr(config, "num_hidden_layers", None), int):
-        check_model_size(config, what=f"the model of {folder!r}")
-        problem = weight_problem(config, tensors)
+        check_model_size(config, what=f"the model of {folder!r}", trust_remote_code=trust)
+        problem = weight_problem(config, tensors, dtypes, trust)
     if problem is not None:
         raise UnloadableModel(f"model folder {folder!r}: {problem}")
     _check_values(folder, config, tensors)
+    return trust
 
 
 __all__ = ["UnloadableModel", "check_fits_memory", "check_model_size", "check_saved_model", "meta_model",
-           "parameter_count", "physical_memory_bytes", "read_config", "weight_files", "weight_problem"]
+           "parameter_count", "physical_memory_bytes", "read_config", "weight_files", "weight_problem", "weight_source"]

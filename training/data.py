@@ -235,9 +235,12 @@ def load_tokenizer(path: str):
     files = set(os.listdir(path))
     if not ({"tokenizer_config.json", "tokenizer.json"} & files or {"vocab.json", "merges.txt"} <= files):
         raise DataError(f"tokenizer folder {path!r} has neither tokenizer.json nor vocab.json + merges.txt")
+    from ..integrity import check_remote_code
+
+    check_remote_code(path)  # a tokenizer of the folder's own code (auto_map) is refused: no code from it runs
     try:
         if "tokenizer_config.json" in files:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         elif "tokenizer.json" in files:
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
         else:

@@ -256,7 +256,8 @@ def load_quantized(model_dir: str, name: str, device_map: str | None = None, com
 
     config = quantization_config(name, compute_dtype)
     device_map = device_map or ("auto" if torch.cuda.is_available() else "cpu")
-    return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, device_map=device_map)
+    return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, device_map=device_map,
+                                                trust_remote_code=False)
 
 
 # ============================================================================================ fine-tuning run
@@ -353,7 +354,7 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
     tokenizer = load_tokenizer(model_dir)
     set_seed(seed)
     if quantize is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=False)
     else:
         model = load_quantized(model_dir, quantize)
     block_size = block_size or min(model.config.max_position_embeddings, 256)
