@@ -481,7 +481,20 @@ def code_state_dirty(start: dict) -> list[str]:
             if not (Path(p).parent.name == "results" and Path(p).name.startswith(STEM))]
 
 
-def write_results(out: Path, results_dir: Path) -> dict:
+def scrub(value, replacements: dict[str, str]):
+    """`value` (JSON data) with every string's folder prefixes replaced by placeholders: the records keep the run
+    folder and data folder of the machine that ran them, which do not belong in a committed page."""
+    if isinstance(value, dict):
+        return {key: scrub(item, replacements) for key, item in value.items()}
+    if isinstance(value, list):
+        return [scrub(item, replacements) for item in value]
+    if isinstance(value, str):
+        for prefix, placeholder in replacements.items():
+            value = value.replace(prefix, placeholder)
+    return value
+
+
+def write_results(out: Path, results_dir: Path, data: str | None = None) -> dict:
     records = finished_records(out, results_dir)
     replicate_cpu.add_timing(out, records)
     runs, undecided = plan(records)
@@ -493,6 +506,9 @@ def write_results(out: Path, results_dir: Path) -> dict:
                   effect=EFFECT, code=code, machine=replicate.machine(), written=written, finished=list(records),
                   planned=[spec.name for spec in runs], undecided=undecided, failed=failed, summary=summary,
                   runs=records)
+    folders = {str(out): "OUT", str(Path(data or replicate.DEFAULT_DATA).resolve()): "DATA",
+               str(Path(data or replicate.DEFAULT_DATA)): "DATA", str(REPO): "REPO"}
+    report = scrub(report, {k: v for k, v in sorted(folders.items(), key=lambda kv: -len(kv[0]))})
     results_dir.mkdir(parents=True, exist_ok=True)
     replicate_cpu.write_json(results_dir / f"{STEM}.json", report)
     lines = render(records, runs, undecided, failed, summary, code, written)
@@ -635,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"undecided: {line}")
         return 0
     if args.report_only:
-        report = write_results(args.out, args.results_dir)
+        report = write_results(args.out, args.results_dir, args.data)
         if args.docs:
             update_docs(report)
         return 0

@@ -198,9 +198,16 @@ def test_results_pages_from_fake_run_folders(tmp_path):
     for name, record in records.items():
         (out / name).mkdir(parents=True)
         (out / name / grid.FINISHED).write_text(json.dumps(record))
-    report = grid.write_results(out, results)
+    first = next(iter(records))
+    record = json.loads((out / first / grid.FINISHED).read_text())
+    record["training_settings"] = dict(output_dir=str(out / first), data=str(tmp_path / "wt2"))
+    (out / first / grid.FINISHED).write_text(json.dumps(record))
+    report = grid.write_results(out, results, str(tmp_path / "wt2"))
     page = (results / f"{grid.STEM}.md").read_text()
     runs, _ = grid.plan(records)
+    # no folder of the machine that ran the grid in the committed pages
+    assert str(tmp_path) not in (results / f"{grid.STEM}.json").read_text()
+    assert report["runs"][first]["training_settings"] == dict(output_dir=f"OUT/{first}", data="DATA")
     assert f"**Progress: {len(records)} of the {len(runs)} runs decided so far have finished**" in page
     assert "## The statistic, fixed before the runs" in page and "0.01 nats" in page
     assert "| A - B | 3 (s0, s1, s2) |" in page and "(interim: not every seed has finished)" in page
