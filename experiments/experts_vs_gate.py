@@ -503,7 +503,8 @@ def write_results(out: Path, results_dir: Path, data: str | None = None) -> dict
     code = code_state()
     written = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report = dict(scale=dataclasses.asdict(SCALE), learning_rates=[lr_of(r) for r in SWEEP_RUNGS], seeds=SEEDS,
-                  effect=EFFECT, code=code, machine=replicate.machine(), written=written, finished=list(records),
+                  effect=EFFECT, code=code, machine={k: v for k, v in replicate.machine().items() if k != "host"},
+                  written=written, finished=list(records),
                   planned=[spec.name for spec in runs], undecided=undecided, failed=failed, summary=summary,
                   runs=records)
     folders = {str(out): "OUT", str(Path(data or replicate.DEFAULT_DATA).resolve()): "DATA",
