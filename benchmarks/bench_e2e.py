@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
 from switchhead.training.paper import PAPER_TRAINING  # noqa: E402
+from switchhead.transformers_compat import output_cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
@@ -178,12 +179,12 @@ def prefill_and_decode(model, batch: int, prompt: int, steps: int, device, autoc
         out = state["out"]
         for _ in range(steps):
             token = out.logits[:, -1:].argmax(-1)
-            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=token, cache=output_cache(out), use_cache=True)
 
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
                                          enabled=autocast_dtype is not None):
         prefill_s = clock(prefill)
-        cache = state["out"].past_key_values
+        cache = output_cache(state["out"])
         kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                        if t is not None)
         decode_s = clock(decode) if steps else 0.0

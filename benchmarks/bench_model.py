@@ -44,6 +44,7 @@ import transformers  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
+from switchhead.transformers_compat import output_cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name, file_slug, save_results  # noqa: E402
@@ -142,9 +143,9 @@ def prefill_and_decode(model, batch: int, prompt: int, steps: int, compiled: boo
     forward = model._compiled_forward if compiled else model
     with torch.no_grad():
         start = time.perf_counter()
-        out = model(input_ids=ids, attention_mask=mask[:, :prompt], past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask[:, :prompt], cache=cache, use_cache=True)
         prefill = time.perf_counter() - start
-        cache = out.past_key_values
+        cache = output_cache(out)
         kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                        if t is not None)
         if compiled:
@@ -157,7 +158,7 @@ def prefill_and_decode(model, batch: int, prompt: int, steps: int, compiled: boo
             # (the not yet written slots are future keys, masked by causality); eager: the usual growing mask
             step_mask = mask if compiled else mask[:, :prompt + i + 1]
             out = forward(input_ids=token, attention_mask=step_mask, position_ids=position,
-                          past_key_values=cache, use_cache=True)
+                          cache=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
         decode = time.perf_counter() - start
     return prefill, decode, kv_bytes

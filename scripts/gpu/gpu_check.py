@@ -522,6 +522,8 @@ def cached_decoding_row(variant, preset, model, device, smoke) -> dict:
     """Greedy decoding through the KV cache: every step's logits against a full forward over the same tokens."""
     import torch
 
+    from switchhead.transformers_compat import output_cache
+
     model.eval()
     prompt, steps = (6, 3) if smoke else (32, 8)
     ids = torch.randint(1, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(6)).to(device)
@@ -531,12 +533,12 @@ def cached_decoding_row(variant, preset, model, device, smoke) -> dict:
     try:
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=True)
-            cache, sequence = out.past_key_values, ids
+            cache, sequence = output_cache(out), ids
             for step in range(steps):
                 token = out.logits[:, -1:].argmax(-1)
                 sequence = torch.cat([sequence, token], 1)
-                out = model(input_ids=token, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = model(input_ids=token, cache=cache, use_cache=True)
+                cache = output_cache(out)
                 full = model(input_ids=sequence, use_cache=False).logits[:, -1]
                 errors[f"step {step}"] = relative_error(out.logits[:, -1], full)
     finally:

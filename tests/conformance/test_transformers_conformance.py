@@ -32,6 +32,7 @@ from switchhead import (
     SwitchHeadForTokenClassification,
     SwitchHeadModel,
 )
+from switchhead.transformers_compat import cache_kwarg, output_cache
 from helpers.transformers_suite import load_common_tests
 
 test_modeling_common, test_configuration_common, STAND_INS = load_common_tests()
@@ -339,7 +340,7 @@ class SwitchHeadGenerationChecks:
         kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
         whole = model.generate(prompt, max_new_tokens=6, **kwargs)
         first = model.generate(prompt, max_new_tokens=3, return_dict_in_generate=True, **kwargs)
-        rest = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=3, **kwargs)
+        rest = model.generate(first.sequences, **cache_kwarg(output_cache(first)), max_new_tokens=3, **kwargs)
         torch.testing.assert_close(rest, whole, rtol=0, atol=0)
 
 

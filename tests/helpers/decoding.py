@@ -28,7 +28,7 @@ def variant_model(variant: str, seed: int = 0) -> SwitchHeadForCausalLM:
 def prefill(model, cache, ids, mask):
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
-                     past_key_values=cache, use_cache=True)
+                     cache=cache, use_cache=True)
 
 
 def next_step(out, ids, mask):

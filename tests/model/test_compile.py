@@ -48,7 +48,7 @@ def test_compiled_xl_decoding_reads_the_encoding_table(variant, monkeypatch):
             position_ops._PAST_ENCODINGS.clear()
         _, step_mask, token = next_step(prefilled, ids, mask)
         step_mask = torch.cat([step_mask, torch.zeros_like(token)], 1)  # the static cache's full length
-        kwargs = dict(input_ids=token, attention_mask=step_mask, past_key_values=cache, use_cache=True,
+        kwargs = dict(input_ids=token, attention_mask=step_mask, cache=cache, use_cache=True,
                       position_ids=positions_from_mask(step_mask)[:, -2:-1])
         torch._dynamo.reset()
         with torch.no_grad():

@@ -12,6 +12,7 @@ import torch
 from switchhead import expert_ops
 from switchhead import modeling_switchhead as modeling
 from switchhead.expert_ops import EXPERTS_IMPLEMENTATIONS, expert_projection, naive
+from switchhead.transformers_compat import output_cache
 
 from helpers.cvmm_cases import USES, every_projection, random_case
 from helpers.decoding import variant_model
@@ -380,11 +381,11 @@ def test_per_head_path_equals_the_generic_path(variant):
     for rows, formulation in ((3, expert_ops._per_head), (1, expert_ops._batched)):
         chosen.clear()
         with torch.no_grad():
-            caches = [model(input_ids=ids[:rows, :5], use_cache=True).past_key_values for model in (per_head, generic)]
+            caches = [output_cache(model(input_ids=ids[:rows, :5], use_cache=True)) for model in (per_head, generic)]
             for t in range(5, 9):
                 with unittest.mock.patch.object(expert_ops, "choose_formulation", spy):
-                    stepped = per_head(input_ids=ids[:rows, t:t + 1], past_key_values=caches[0], use_cache=True).logits
-                reference = generic(input_ids=ids[:rows, t:t + 1], past_key_values=caches[1], use_cache=True).logits
+                    stepped = per_head(input_ids=ids[:rows, t:t + 1], cache=caches[0], use_cache=True).logits
+                reference = generic(input_ids=ids[:rows, t:t + 1], cache=caches[1], use_cache=True).logits
                 torch.testing.assert_close(stepped, reference, rtol=1e-5, atol=1e-5)
         assert len(chosen) == 4 * 2 * per_head.config.num_hidden_layers and set(chosen) == {formulation}
 
@@ -463,12 +464,12 @@ def test_one_token_decoding_routes_both_sides_with_one_router_matmul(variant):
     with torch.no_grad():
         taken, out = _routes_taken(joint, lambda: joint(input_ids=ids[:, :5], use_cache=True))
         assert taken == [None] * layers  # a prompt of 5 tokens
-        caches = [out.past_key_values, separate(input_ids=ids[:, :5], use_cache=True).past_key_values]
+        caches = [output_cache(out), output_cache(separate(input_ids=ids[:, :5], use_cache=True))]
         for t in range(5, 9):
-            taken, stepped = _routes_taken(joint, lambda: joint(input_ids=ids[:, t:t + 1], past_key_values=caches[0],
+            taken, stepped = _routes_taken(joint, lambda: joint(input_ids=ids[:, t:t + 1], cache=caches[0],
                                                                 use_cache=True).logits)
             assert len(taken) == layers and all(routing is not None for routing in taken)
-            reference = separate(input_ids=ids[:, t:t + 1], past_key_values=caches[1], use_cache=True).logits
+            reference = separate(input_ids=ids[:, t:t + 1], cache=caches[1], use_cache=True).logits
             torch.testing.assert_close(stepped, reference, rtol=1e-6, atol=1e-6)
     # the joint routing is each router's own: the same expert ids, the same gates
     attention = joint.model.layers[0].self_attn
@@ -488,8 +489,8 @@ def test_recorded_router_logits_and_expert_dropout_keep_each_router_its_own_call
     layers = model.config.num_hidden_layers
     ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
-        taken, out = _routes_taken(model, lambda: model(input_ids=ids[:, 5:], past_key_values=cache, use_cache=True,
+        cache = output_cache(model(input_ids=ids[:, :5], use_cache=True))
+        taken, out = _routes_taken(model, lambda: model(input_ids=ids[:, 5:], cache=cache, use_cache=True,
                                                         output_router_logits=True))
     assert taken == [None] * layers
     assert len(out.router_logits) == layers * model.config.routers_per_layer
@@ -497,8 +498,8 @@ def test_recorded_router_logits_and_expert_dropout_keep_each_router_its_own_call
     # SwitchAll trains with its routers' logits recorded (the entropy regulariser): its hooks are always there
     switchall = variant_model("switchall-rope")
     with torch.no_grad():
-        cache = switchall(input_ids=ids[:, :5], use_cache=True).past_key_values
-        taken, _ = _routes_taken(switchall, lambda: switchall(input_ids=ids[:, 5:], past_key_values=cache,
+        cache = output_cache(switchall(input_ids=ids[:, :5], use_cache=True))
+        taken, _ = _routes_taken(switchall, lambda: switchall(input_ids=ids[:, 5:], cache=cache,
                                                               use_cache=True))
     assert taken == [None] * switchall.config.num_hidden_layers
     fresh = variant_model("switchhead-rope").train()

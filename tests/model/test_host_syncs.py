@@ -9,6 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import StaticCache
 
 from switchhead import positions as position_ops
+from switchhead.transformers_compat import output_cache
 
 from helpers.cvmm_cases import every_projection, random_case
 from helpers.decoding import MODEL_VARIANTS, host_syncs, next_step, prefill, variant_model
@@ -59,7 +60,7 @@ def test_no_host_sync_in_a_decoding_step(variant, cache_kind):
 
     def step():
         with torch.no_grad():
-            model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
+            model(input_ids=token, attention_mask=mask, position_ids=positions, cache=output_cache(out),
                   use_cache=True)
 
     syncs = host_syncs(step)
@@ -96,7 +97,7 @@ def test_xl_decoding_does_not_project_every_distance():
     ids, mask, token = next_step(out, ids, mask)
     with torch.no_grad():
         model(input_ids=token, attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
-              past_key_values=out.past_key_values, use_cache=True)
+              cache=output_cache(out), use_cache=True)
     assert len(calls) == model.config.num_hidden_layers  # a decoding step projects its queries instead
     # both orders of the product give the same bias
     attention = model.model.layers[0].self_attn

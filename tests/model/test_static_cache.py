@@ -21,7 +21,7 @@ def test_static_cache_logits_equal_the_full_forward_with_left_padding(variant):
         ids, mask, token = next_step(out, ids, mask)
         with torch.no_grad():
             out = model(input_ids=token, attention_mask=mask, position_ids=positions_from_mask(mask)[:, -1:],
-                        past_key_values=cache, use_cache=True)
+                        cache=cache, use_cache=True)
         steps.append(out.logits[:, -1])
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits

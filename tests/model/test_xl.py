@@ -8,6 +8,7 @@ import torch
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.positions import sinusoidal_embedding
+from switchhead.transformers_compat import output_cache
 from helpers.models import tiny_model
 from helpers.padding import left_padded_batch, positions_from_mask
 
@@ -126,7 +127,7 @@ def test_cached_decoding_equals_full_forward_with_left_padding(preset, implement
         steps = [out.logits]
         for t in range(prompt, ids.shape[1]):  # one token at a time through the DynamicCache
             out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=positions[:, t:t + 1],
-                        past_key_values=out.past_key_values, use_cache=True)
+                        cache=output_cache(out), use_cache=True)
             steps.append(out.logits)
     assert_real_tokens_close(torch.cat(steps, 1), full, mask, atol=1e-5)
 
@@ -142,8 +143,8 @@ def test_three_chunks_through_the_cache_equal_one_pass(preset, implementation):
         chunks, cache = [], None
         for start, end in [(0, 5), (5, 7), (7, 12)]:  # chunks of 5, 2 and 5 tokens: q_len > 1 with a cache
             out = model(ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
-                        past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+                        cache=cache, use_cache=True)
+            cache = output_cache(out)
             chunks.append(out.logits)
     assert_real_tokens_close(torch.cat(chunks, 1), full, mask, atol=1e-5)
 
@@ -181,7 +182,7 @@ def test_eager_sdpa_and_flex_agree_on_padding_cache_and_memory(monkeypatch):
             follow = model(ids, xl_memory=first.xl_memory, use_cache=False).logits
             prefix = model(ids[:, :6], attention_mask=mask[:, :6], position_ids=positions[:, :6], use_cache=True)
             chunk = model(ids[:, 6:], attention_mask=mask, position_ids=positions[:, 6:],
-                          past_key_values=prefix.past_key_values, use_cache=True).logits
+                          cache=output_cache(prefix), use_cache=True).logits
             results[impl] = (full.logits, follow, chunk)
     for impl in ("sdpa", "flex_attention"):
         for name, reference, other, rows in zip(("full", "memory", "cached"), results["eager"], results[impl],
