@@ -82,7 +82,7 @@ def run_demo(output_dir: str = "runs/demo", **training_overrides) -> int:
 
     print(f"\nvalidation on held-out standard library text, context {base.block_size}, {base.max_steps} steps "
           f"(unigram perplexity {rows[0][1].unigram_perplexity:.1f}); attention cost per layer and sequence "
-          "(the paper's table formulas, PAPER.md section 6):")
+          "(the paper's table formulas, as `switchhead flops` computes them):")
     print(f"{'model':28s} {'params':>8s} {'valid ppl':>10s} {'attn MACs':>10s} {'attn memory':>12s} {'minutes':>8s}")
     for label, result, macs, memory, _ in rows:
         print(f"{label:28s} {_format(result.num_parameters):>8s} {result.valid_perplexity:10.2f} {_format(macs):>10s} "

@@ -85,8 +85,10 @@ def register(subparsers) -> None:
             parser.add_argument("--overwrite", action="store_true", help="replace an existing card file")
         parser.add_argument("--results", help="JSON written by `switchhead eval --output`")
         parser.add_argument("--training-data", help="one paragraph on the training data")
-        parser.add_argument("--dataset", action="append", default=[], help="Hub dataset id for the metadata")
-        parser.add_argument("--license", default="apache-2.0")
+        parser.add_argument("--dataset", action="append", default=[],
+                            help="Hub dataset id for the metadata; repeatable")
+        parser.add_argument("--license", help="Hub licence id of the model, e.g. apache-2.0 or mit (default: the "
+                                              "switchhead package's licence, apache-2.0)")
         parser.set_defaults(handler=run_card if name == "card" else run_publish)
 
 

@@ -1,6 +1,6 @@
 """The authors' checkpoint layouts, mapped to and from ours.
 
-Two layouts exist (PAPER.md, "Source"):
+Two layouts exist (the paper's training code and the authors' user-facing module):
 
 1. The paper's training code (RobertCsordas/moe_attention): `torch.save` of a dict whose `model` entry is the
    `TransformerLanguageModel` state dict and whose `run_invariants["args"]` is the run's flat argument dict

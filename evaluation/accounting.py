@@ -6,13 +6,13 @@ previous chunk; 1 without memory). Memory counts floats kept for the backward pa
 
 Two SwitchHead MAC formulas exist, and they disagree:
 
-* ``"table"``: what the authors' table script computed (PAPER.md section 6). Every MAC / memory number of the
-  paper's tables (PAPER.md section 5) comes from it. The value and output projections are the two MoE
-  projections (`n_exp = 2`), each running k of the E experts of every head; the two selection networks score
-  all E experts of every head for all C*T positions; the XL positional projection is counted once (T rows)
-  for SwitchHead but C times (C*T rows) for the dense baseline.
-* ``"eq13"``: our reading of the equation printed in the paper (its Eq. 13), which PAPER.md quotes as 200.3M
-  for WT103 47M (the table says 170.4M): it counts the XL positional projection over all C*T positions,
+* ``"table"``: what the authors' table script computed (written out in docs/evaluation.md, "MAC and memory
+  accounting"). Every MAC / memory number of the paper's tables comes from it. The value and output projections
+  are the two MoE projections (`n_exp = 2`), each running k of the E experts of every head; the two selection
+  networks score all E experts of every head for all C*T positions; the XL positional projection is counted
+  once (T rows) for SwitchHead but C times (C*T rows) for the dense baseline.
+* ``"eq13"``: our reading of the equation printed in the paper (its Eq. 13), which gives 200.3M for WT103
+  47M (the table says 170.4M): it counts the XL positional projection over all C*T positions,
   like the dense formula, and leaves the selection networks out. Given only as a labelled cross-check.
 
 Memory has only the table formula. The dense baseline has one formula (the same for both labels).
@@ -191,7 +191,7 @@ def format_report(name: str, config: SwitchHeadConfig, report: CostReport) -> st
         f"per layer, per sequence of T={report.context} tokens, C={1 + report.memory_chunks} "
         f"(1 + {report.memory_chunks} memory chunk{'s' if report.memory_chunks != 1 else ''}):",
         f"  attention MACs    {format_count(report.attention_macs_table):>9}  "
-        f"({report.attention_macs_table:,})  [paper tables' formula, PAPER.md section 6]",
+        f"({report.attention_macs_table:,})  [paper tables' formula]",
     ]
     if report.attention_macs_eq13 is not None:
         lines.append(f"  attention MACs    {format_count(report.attention_macs_eq13):>9}  "

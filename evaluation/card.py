@@ -1,7 +1,8 @@
-"""Model cards from `model_card.md` (a Jinja template for `huggingface_hub.ModelCard`) and publishing to the Hub.
+"""Model cards with evaluation results, and publishing to the Hub.
 
-The template ships in this package (`switchhead/evaluation/model_card.md`, package data), so cards render after
-a non-editable install too; the repository's top-level `model_card.md` is a symbolic link to that one file.
+The card itself is rendered by `switchhead.model_card` (the template `model_card.md` ships in the model package,
+which training imports too; the repository's top-level `model_card.md` is a symbolic link to that one file). This
+module adds what only evaluation knows: the model-index metrics and the attention cost in the paper's accounting.
 
 Evaluation results come from the JSON file `switchhead eval --output` writes:
 `{"results": {task: {metric: value}}, "limit": ..., "protocol": ..., "perplexity": [...]}`.
@@ -13,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-TEMPLATE_PATH = Path(__file__).resolve().parent / "model_card.md"
+from ..model_card import TEMPLATE_PATH, render_card
 
 # our task -> (dataset type, dataset name, [(result metric, model-index metric type, display name)])
 TASK_METRICS = {
@@ -29,12 +30,6 @@ TASK_METRICS = {
                              [("word_perplexity", "perplexity", "Word perplexity"),
                               ("bits_per_byte", "bits_per_byte", "Bits per byte")]),
 }
-CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                 "attention_type", "num_attention_experts", "num_attention_experts_per_tok", "position_encoding",
-                 "mlp_type", "intermediate_size", "num_mlp_experts", "mlp_expert_size", "num_mlp_experts_per_tok",
-                 "max_position_embeddings")
-
-
 def load_results(path: str | Path) -> dict:
     """Read and check a `switchhead eval --output` file."""
     path = Path(path)
@@ -72,27 +67,12 @@ def eval_results(evaluation: dict, model_name: str):
     return entries
 
 
-def _describe(config) -> tuple[str, str]:
-    if config.attention_type == "switchhead":
-        kind = "SwitchAll" if config.mlp_type == "sigma_moe" else "SwitchHead"
-        note = (f"Each of its {config.num_attention_heads} attention heads has {config.num_attention_experts} value "
-                f"and output experts, {config.num_attention_experts_per_tok} of them active per token "
-                "(sigmoid gates, top-k per head).")
-    else:
-        kind, note = "dense-attention Transformer", "It is the dense multi-head attention baseline of the paper."
-    if config.mlp_type == "sigma_moe":
-        note += (f" Its feed-forward blocks are sigma-MoE layers with {config.num_mlp_experts} experts of size "
-                 f"{config.mlp_expert_size}, {config.num_mlp_experts_per_tok} active per token.")
-    return kind, note
-
-
 def build_card(model_dir: str | Path, evaluation: dict | None = None, *, repo_id: str | None = None,
                model_name: str | None = None, training_data: str | None = None, datasets: list[str] | None = None,
-               license: str = "apache-2.0", template_path: str | Path = TEMPLATE_PATH):
-    """Render the model card of a saved model folder, with model-index metrics from `evaluation`."""
-    import torch
-    from huggingface_hub import ModelCard, ModelCardData
-    from transformers import AutoConfig, AutoModelForCausalLM
+               license: str | None = None, template_path: str | Path = TEMPLATE_PATH):
+    """Render the model card of a saved model folder, with model-index metrics from `evaluation`. `license`: a Hub
+    licence id; default this package's licence (`switchhead.model_card.PACKAGE_LICENSE`)."""
+    from transformers import AutoConfig
 
     from .accounting import attention_macs, attention_memory, format_count, kv_cache_bytes_per_token
 
@@ -102,33 +82,20 @@ def build_card(model_dir: str | Path, evaluation: dict | None = None, *, repo_id
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # our type is registered: no folder code
     if getattr(config, "model_type", None) != "switchhead":
         raise ValueError(f"{model_dir} holds a {config.model_type!r} model, not a switchhead one")
-    with torch.device("meta"):  # count parameters without allocating them
-        num_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else model_dir.resolve().name)
     evaluation = evaluation or {}
     entries = eval_results(evaluation, model_name)
-    card_data = ModelCardData(
-        language="en", license=license, library_name="transformers", pipeline_tag="text-generation",
-        tags=["switchhead", "mixture-of-experts", "moe-attention"] + (["switchall"] if config.mlp_type == "sigma_moe" else []),
-        datasets=datasets or None, model_name=model_name, eval_results=entries or None,
-    )
-    kind, note = _describe(config)
     limit = evaluation.get("limit")
     eval_note = (f"Scored with the {evaluation.get('protocol', 'lm-eval')} protocol"
                  + (f" on the first {limit} examples of each task (--limit), so these are not full-test-set numbers."
                     if limit else " on the full test sets.")) if entries else ""
-    return ModelCard.from_template(
-        card_data, template_path=str(template_path),
-        model_name=model_name, repo_id=repo_id or str(model_dir), architecture=kind, architecture_note=note,
-        num_parameters=f"{num_parameters / 1e6:.2f}M",
-        config_rows=[(name, getattr(config, name)) for name in CONFIG_FIELDS
-                     if config.attention_type == "switchhead" or "attention_experts" not in name
-                     if config.mlp_type == "sigma_moe" or "mlp_expert" not in name],
-        context=config.max_position_embeddings, attention_macs=format_count(attention_macs(config)),
-        attention_memory=format_count(attention_memory(config)), kv_cache_bytes=f"{kv_cache_bytes_per_token(config):,}",
-        training_data=training_data or "Not stated.",
-        eval_rows=[(e.dataset_name, e.metric_name, e.metric_value) for e in entries], eval_note=eval_note,
-    )
+    cost = dict(context=config.max_position_embeddings, attention_macs=format_count(attention_macs(config)),
+                attention_memory=format_count(attention_memory(config)),
+                kv_cache_bytes=f"{kv_cache_bytes_per_token(config):,}")
+    return render_card(config, model_name=model_name, repo_id=repo_id or str(model_dir), license=license,
+                       training_data=training_data, datasets=datasets, eval_results=entries,
+                       eval_rows=[(e.dataset_name, e.metric_name, e.metric_value) for e in entries],
+                       eval_note=eval_note, cost=cost, template_path=template_path)
 
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -254,7 +254,7 @@ class SwitchHeadConfig(PreTrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "SwitchHeadConfig":
-        """A configuration of the paper (PAPER.md section 4) or a tiny CPU one, by name; see `preset_names()`."""
+        """A preset by name: a configuration of the paper or a tiny CPU one; `preset_names()` lists them."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}")
         fields = copy.deepcopy(PRESETS[name])
@@ -493,7 +493,7 @@ def _paper(d, layers, heads, experts, k, dh, d_ff, context, dropout, *, position
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # SwitchHead, Transformer-XL attention (PAPER.md section 4)
+    # SwitchHead, Transformer-XL attention (the paper's configurations)
     "c4-47m-switchhead-xl": _paper(412, 16, 2, 5, 3, 76, 2080, 256, 0.1),
     "c4-262m-switchhead-xl": _paper(1024, 18, 4, 4, 2, 112, 4188, 512, 0.2),
     "wt103-47m-switchhead-xl": _paper(412, 16, 2, 5, 2, 76, 2080, 256, 0.1),

@@ -1,4 +1,4 @@
-"""The paper's training settings for each of its presets (PAPER.md section 4): what `switchhead train --preset`
+"""The paper's training settings for each of its presets (docs/configuration.md, "Presets", lists them): what `switchhead train --preset`
 trains with, and what the docs and benchmarks quote."""
 
 from __future__ import annotations

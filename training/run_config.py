@@ -44,7 +44,8 @@ class TrainingDiverged(RuntimeError):
 
 @dataclass
 class TrainingConfig:
-    """Everything a pretraining run needs; the defaults are the paper's (PAPER.md section 4).
+    """Everything a pretraining run needs; the defaults are the paper's (per preset:
+    `PAPER_TRAINING`, tabulated in docs/configuration.md, "Presets").
 
     `from_preset(name)` fills in the paper's training settings of a model preset (or the tiny ones); `model`
     overrides single fields of the model preset (e.g. `{"hidden_size": 128}`).

@@ -299,7 +299,9 @@ def test_eval_cli_paper_protocol_perplexity_plots_then_card_with_model_index(mod
     assert metrics[("text", "perplexity")] == pytest.approx(report["perplexity"][0]["perplexity"], rel=1e-4)
     assert "first 4 examples" in text and "Randomly initialised (test)." in text
     # the task table: the lm-eval built-in each task repeats, the data version read, the paper protocol apart
-    assert "`lambada_openai`" in text and "`wikitext-2-raw-v1`" in text and "PAPER.md section 7" in text
+    assert "`lambada_openai`" in text and "`wikitext-2-raw-v1`" in text and "The authors' protocol" in text
+    assert "PAPER.md" not in text and metadata["license"] == "apache-2.0"  # the package's licence, by default
+    assert "Attention cost per layer" in text
     from huggingface_hub import ModelCard
 
     parsed = ModelCard(text).data.eval_results
@@ -308,7 +310,9 @@ def test_eval_cli_paper_protocol_perplexity_plots_then_card_with_model_index(mod
 
 def test_root_model_card_is_the_packaged_template():
     root = Path(__file__).resolve().parents[2] / "model_card.md"
-    assert root.resolve() == (TASKS_DIR.parent / "model_card.md").resolve()
+    from switchhead.model_card import TEMPLATE_PATH
+
+    assert root.resolve() == TEMPLATE_PATH.resolve()
     assert "{{ card_data }}" in root.read_text()
 
 
@@ -327,7 +331,7 @@ def test_publish_creates_repo_uploads_folder_then_card_without_network(model_dir
 
     hub = FakeHub()
     args = Namespace(model=str(model_dir), repo="me/tiny-switchhead", private=True, token=None, results=None,
-                     training_data=None, dataset=[], license="apache-2.0")
+                     training_data=None, dataset=[], license=None)
     assert run_publish(args, api=hub) == 0
     assert [name for name, _ in hub.calls] == ["create_repo", "create_commit"]
     assert hub.calls[0][1]["repo_id"] == "me/tiny-switchhead" and hub.calls[0][1]["private"] is True

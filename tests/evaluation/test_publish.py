@@ -82,8 +82,9 @@ def test_publish_uploads_only_the_model_tokenizer_code_and_card(trained_run, mon
     assert sent == ALLOWED
     for name, data in hub.files.items():
         assert "/" not in name and not name.endswith(FORBIDDEN_SUFFIXES), name
-        assert name in CODE_FILES or not any(word in name for word in ("checkpoint", "optimizer", "rng", "xl_memory", "trainer_state",
-                                                 "events", "log.csv", "SHA256SUMS", "training_config")), name
+        assert name in CODE_FILES or not any(word in name for word in (
+            "checkpoint", "optimizer", "rng", "xl_memory", "trainer_state", "events", "log.csv", "SHA256SUMS",
+            "training_config")), name
         assert not _is_pickle(data), name
         if name != "README.md":
             assert data == (trained_run / name).read_bytes(), name  # the file as saved, unchanged
@@ -159,3 +160,34 @@ def test_publish_refuses_a_linked_file_and_a_missing_code_file(saved_model, tmp_
     assert len(errors) == 2 and "positions.py" in errors[0] and "symbolic link" in errors[1]
     assert main(["publish", str(saved_model), "me/x", "--upload-results"]) == 2
     assert "--results" in capsys.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_licence_file_setup_metadata_and_card_default_agree():
+    import ast
+
+    from switchhead.model_card import PACKAGE_LICENSE, card_license
+
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "Copyright 2026 The switchhead authors" in text
+    [setup] = [node for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup"]
+    keywords = {keyword.arg: keyword.value for keyword in setup.keywords}
+    assert ast.literal_eval(keywords["license_expression"]) == PACKAGE_LICENSE == "Apache-2.0"
+    assert ast.literal_eval(keywords["license_files"]) == ["LICENSE"]
+    assert card_license() == "apache-2.0" and card_license("MIT") == "mit"
+    build = (ROOT / "pyproject.toml").read_text()
+    assert "[build-system]" in build and "setuptools.build_meta" in build and "[project]" not in build
+
+
+def test_shipped_files_cite_no_notes_outside_the_package():
+    """PAPER.md is not shipped: the package, its Hub code, card template and docs point to docs pages instead."""
+    folders = ["modeling_switchhead", "kernels", "integrity", "training", "evaluation", "conversion", "serving",
+               "vllm_plugin", "cli", "docs"]
+    cited = [str(path.relative_to(ROOT)) for folder in folders for path in (ROOT / folder).rglob("*")
+             if path.suffix in (".py", ".md", ".yaml", ".jinja", ".txt") and path.is_file()
+             and "PAPER.md" in path.read_text(encoding="utf-8", errors="replace")]
+    assert cited == []

@@ -1,0 +1,95 @@
+"""Model cards (README.md with Hub metadata) from `model_card.md`, a Jinja template for `huggingface_hub.ModelCard`.
+
+The renderer lives beside the model because every part that saves a model writes a card: `switchhead train` and
+`switchhead finetune` (training), `switchhead card` and `switchhead publish` (evaluation, which adds the evaluation
+results and the attention cost). The template ships in this package (package data), so cards render after a
+non-editable install too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TEMPLATE_PATH = Path(__file__).resolve().parent / "model_card.md"
+
+# The licence of this package (setup.py's `license_expression`, the LICENSE file; tests/evaluation/test_publish.py
+# holds the three equal). A card takes it unless the user names another.
+PACKAGE_LICENSE = "Apache-2.0"
+
+CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                 "attention_type", "num_attention_experts", "num_attention_experts_per_tok", "position_encoding",
+                 "mlp_type", "intermediate_size", "num_mlp_experts", "mlp_expert_size", "num_mlp_experts_per_tok",
+                 "max_position_embeddings")
+
+
+def card_license(license: str | None = None) -> str:
+    """The Hub licence id of a card: the one given, else this package's (Hub ids are lower-case SPDX ids)."""
+    chosen = (license or PACKAGE_LICENSE).strip()
+    if not chosen:
+        raise ValueError("the licence must not be empty; give a Hub licence id such as apache-2.0")
+    return chosen.lower()
+
+
+def describe(config) -> tuple[str, str]:
+    """(the kind of model, one sentence on its experts) for the card's first paragraph."""
+    if config.attention_type == "switchhead":
+        kind = "SwitchAll" if config.mlp_type == "sigma_moe" else "SwitchHead"
+        note = (f"Each of its {config.num_attention_heads} attention heads has {config.num_attention_experts} value "
+                f"and output experts, {config.num_attention_experts_per_tok} of them active per token "
+                "(sigmoid gates, top-k per head).")
+    else:
+        kind, note = "dense-attention Transformer", "It is the dense multi-head attention baseline of the paper."
+    if config.mlp_type == "sigma_moe":
+        note += (f" Its feed-forward blocks are sigma-MoE layers with {config.num_mlp_experts} experts of size "
+                 f"{config.mlp_expert_size}, {config.num_mlp_experts_per_tok} active per token.")
+    return kind, note
+
+
+def render_card(config, *, model_name: str, repo_id: str, license: str | None = None,
+                training_data: str | None = None, datasets: list[str] | None = None, eval_results=None,
+                eval_rows=(), eval_note: str = "", cost: dict[str, Any] | None = None,
+                training: dict[str, Any] | None = None, base_model: str | None = None,
+                template_path: str | Path = TEMPLATE_PATH):
+    """The `huggingface_hub.ModelCard` of a switchhead model with configuration `config`.
+
+    Args:
+        model_name, repo_id: the card's title and the id its usage snippet loads.
+        license: a Hub licence id; default this package's (`PACKAGE_LICENSE`).
+        eval_results, eval_rows, eval_note: model-index entries (`huggingface_hub.EvalResult`), the table rows
+            (task, metric, value) and a sentence on how they were measured.
+        cost: `attention_macs`, `attention_memory`, `kv_cache_bytes` (formatted) and `context`, or None to leave the
+            attention cost out.
+        training: `note` (one paragraph), `rows` ((setting, value) pairs), `results` ((step, training loss,
+            validation loss, validation perplexity) rows) and `versions` ((library, version) pairs), or None.
+        base_model: the Hub id or folder this model was fine-tuned from, for the metadata.
+    """
+    import torch
+    from huggingface_hub import ModelCard, ModelCardData
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "model_type", None) != "switchhead":
+        raise ValueError(f"a {getattr(config, 'model_type', None)!r} configuration is not a switchhead one")
+    with torch.device("meta"):  # count parameters without allocating them
+        num_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    tags = ["switchhead", "mixture-of-experts", "moe-attention"] + (["switchall"] if config.mlp_type == "sigma_moe"
+                                                                     else [])
+    card_data = ModelCardData(
+        language="en", license=card_license(license), library_name="transformers", pipeline_tag="text-generation",
+        tags=tags, datasets=datasets or None, model_name=model_name, eval_results=eval_results or None,
+        base_model=base_model,
+    )
+    kind, note = describe(config)
+    return ModelCard.from_template(
+        card_data, template_path=str(template_path),
+        model_name=model_name, repo_id=repo_id, architecture=kind, architecture_note=note,
+        num_parameters=f"{num_parameters / 1e6:.2f}M",
+        config_rows=[(name, getattr(config, name)) for name in CONFIG_FIELDS
+                     if config.attention_type == "switchhead" or "attention_experts" not in name
+                     if config.mlp_type == "sigma_moe" or "mlp_expert" not in name],
+        cost=cost, training=training, training_data=training_data or "Not stated.",
+        eval_rows=list(eval_rows), eval_note=eval_note,
+    )
+
+
+__all__ = ["CONFIG_FIELDS", "PACKAGE_LICENSE", "TEMPLATE_PATH", "card_license", "describe", "render_card"]
