@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import math
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -204,11 +205,24 @@ class _PerRequestWarnings(logging.Filter):
         return "Custom kwargs can be passed" not in message
 
 
+def _quiet_git_commit() -> str | None:
+    """The working directory's commit as lm-eval records it (`git describe --always`), or None outside a checkout,
+    without git writing to the terminal."""
+    try:
+        described = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if described.returncode != 0:
+        return None
+    return described.stdout.strip() or None
+
+
 @contextlib.contextmanager
 def _quiet_lm_eval():
     """While lm-eval runs: no progress bar per task, no per-task or per-request warnings (one summary line for the
     requests truncated to the model's length). Everything is restored afterwards."""
     import lm_eval.api.task as task_module
+    import lm_eval.evaluator as evaluator_module
     import lm_eval.models.huggingface as hf_module
     from tqdm import tqdm
 
@@ -216,12 +230,17 @@ def _quiet_lm_eval():
     quiet = _PerRequestWarnings()
     original = task_module.tqdm
     task_module.tqdm = functools.partial(tqdm, disable=True)
+    # lm-eval records the commit of the working directory by running git with our stderr: outside a checkout
+    # that prints "fatal: not a git repository" into a normal run
+    original_git_hash = evaluator_module.get_git_commit_hash
+    evaluator_module.get_git_commit_hash = _quiet_git_commit
     for logger in loggers:
         logger.addFilter(quiet)
     try:
         yield
     finally:
         task_module.tqdm = original
+        evaluator_module.get_git_commit_hash = original_git_hash
         for logger in loggers:
             logger.removeFilter(quiet)
         if quiet.truncated:

@@ -463,3 +463,21 @@ def test_lm_eval_per_request_warnings_become_one_summary_line(caplog):
     assert messages == ["something else",
                         "500 lm-eval requests were longer than the model's context; lm-eval kept their last tokens",
                         "Combined length of context (1) after the run"]
+
+
+def test_lm_eval_records_the_commit_without_git_writing_to_the_terminal(tmp_path, monkeypatch, capfd):
+    """lm-eval runs `git describe` with the caller's stderr; outside a checkout that printed "fatal: not a git
+    repository" into every `switchhead eval`. While our evaluation runs, its probe is a quiet one."""
+    import lm_eval.evaluator
+
+    from switchhead.evaluation import zero_shot
+
+    monkeypatch.chdir(tmp_path)  # not a checkout
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    with zero_shot._quiet_lm_eval():
+        assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert capfd.readouterr().err == ""
+    assert lm_eval.evaluator.get_git_commit_hash is not zero_shot._quiet_git_commit  # restored afterwards
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    with zero_shot._quiet_lm_eval():
+        assert len(lm_eval.evaluator.get_git_commit_hash() or "") >= 7  # a checkout: its commit, as before
