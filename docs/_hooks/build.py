@@ -236,8 +236,17 @@ def _ratio_table(body: str) -> str:
     return "\n".join(rows)
 
 
+def _site_results_links(markdown: str, page_uri: str) -> str:
+    """The pages link results where the repository keeps them (`../benchmarks/results/NAME`, which GitHub renders);
+    on the site those files are the generated `results/` folder (on_files)."""
+    results = posixpath.relpath("results", posixpath.dirname(page_uri) or ".")
+    return re.sub(r"\]\(\.\./benchmarks/results/([\w.-]+\.(?:png|md|json)(?:#[\w-]*)?)\)",
+                  lambda m: f"]({results}/{m.group(1)})", markdown)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     uri = page.file.src_uri
+    markdown = _site_results_links(markdown, uri)
     markdown = _MARKER.sub(lambda m: _generate(m.group(1)), markdown)
     markdown = _INCLUDE.sub(lambda m: _include(m.group(1), uri), markdown)
     return _RATIOS.sub(lambda m: _ratio_table(m.group(1)), markdown)

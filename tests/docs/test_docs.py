@@ -146,6 +146,15 @@ def test_every_picture_names_the_command_that_regenerates_it():
     assert not unexplained, "pictures without the command that regenerates them:\n" + "\n".join(unexplained)
 
 
+def test_every_picture_renders_where_the_repository_is_read():
+    """A page read on GitHub resolves its pictures against the repository, not the built site (whose `results/`
+    folder is generated): every picture is a file relative to its page."""
+    broken = [f"{path.name}: {image}" for path in sorted(DOCS.glob("*.md"))
+              for image in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", path.read_text(encoding="utf-8"))
+              if not urlsplit(image).scheme and not (path.parent / unquote(urlsplit(image).path)).is_file()]
+    assert not broken, "pictures that do not exist beside their page:\n" + "\n".join(broken)
+
+
 # ------------------------------------------------------------------------------------------ runnable examples
 @pytest.fixture(scope="module")
 def example_results(tmp_path_factory) -> dict:
