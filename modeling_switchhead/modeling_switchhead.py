@@ -36,11 +36,10 @@ from torch import nn
 
 from .transformers_compat import (  # first: it checks the installed Transformers release
     accepts_past_key_values,
-    cache_kwarg,
-    experts_implementation,
     incompatible_release,
     model_cache,
     output_cache,
+    transformers_cache,
     update_cache,
 )
 
@@ -64,7 +63,8 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .expert_ops import default_experts_implementation, expert_projection, relu
+from .expert_ops import EXPERTS_IMPLEMENTATIONS, default_experts_implementation, lookup, relu
+from .experts_integration import local_routes, register as register_experts_functions
 from .tensor_parallel import check_parallel_plans, refuse_pipeline_training, register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
@@ -119,13 +119,6 @@ class ExpertSelection(nn.Module):
             scores = ranked
         _, index = ranked.topk(self.top_k, dim=-1, sorted=False)
         return logits, scores.gather(-1, index), index
-
-
-def _plain_call(module: nn.Module) -> bool:
-    """Whether calling `module` runs its class's forward and nothing else (no hooks, no forward set on it)."""
-    hooks = nn.modules.module
-    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-                or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
 
 
 # ======================================================================================== attention
@@ -195,21 +188,14 @@ class SwitchHeadAttentionBase(nn.Module):
             # space.
             self.position_key_proj = nn.Linear(config.hidden_size, inner, bias=False)
 
-    def route(self, sources: torch.Tensor, destinations: torch.Tensor) -> tuple | None:
-        """The routing of both expert sides computed together, handed to both projections, or None: each side
-        routes itself (dense attention has no router)."""
-        return None
-
-    def project_values(self, hidden_states: torch.Tensor, routing: tuple | None = None) -> torch.Tensor:
+    def project_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states `[B, T, d]` -> values `[B, T, H, dh]`."""
         raise NotImplementedError
 
-    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor,
-                       routing: tuple | None = None) -> torch.Tensor:
+    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
-    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -228,8 +214,7 @@ class SwitchHeadAttentionBase(nn.Module):
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
         key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
-        routing = self.route(sources, hidden_states)
-        value = self.project_values(sources, routing=routing).transpose(1, 2)  # [B, H, M+T, dh], expert-mixed
+        value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], expert-mixed
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
@@ -269,7 +254,7 @@ class SwitchHeadAttentionBase(nn.Module):
         # nothing) by one whose output is not
         if torch.compiler.is_exporting():
             attended = attended.clone(memory_format=torch.contiguous_format)
-        return self.project_output(attended.reshape(heads_shape), hidden_states, routing=routing), probs
+        return self.project_output(attended.reshape(heads_shape), hidden_states), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
@@ -305,49 +290,24 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         else:
             self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
 
-    def _project(self, tokens, index, weight, gates, out_groups):
-        """The expert projection the configured experts implementation picks, told that routing is per head."""
-        return expert_projection(tokens, index, weight, gates, out_groups, experts_implementation(self.config),
-                                 grouped_routing=True)
-
-    def route(self, sources, destinations):
-        """Both routers' scores from one matmul and one top-k: ((gates, index) of the values, of the output).
-
-        Taken for one token that is its own source (decoding without XL memory), where a router call is a
-        noticeable part of the step. Not for more tokens (there the stacked matmul is not bitwise the two
-        separate ones, and a training step must not depend on how its batch is split over processes), nor where
-        a router's call is more than its forward: hooks (recorded router logits), a forward replaced by a
-        parallel style, projections replaced per process (tensor_parallel.py), or expert dropout in training
-        (each router draws its own masks)."""
-        if sources is not destinations or destinations.shape[0] * destinations.shape[1] != 1:
-            return None
-        if not (self.expert_values and self.expert_output) or "project_values" in self.__dict__:
-            return None
-        values, output = self.value_selection, self.output_selection
-        if (self.training and values.expert_dropout > 0) or not (_plain_call(values) and _plain_call(output)):
-            return None
-        logits = F.linear(destinations.reshape(1, -1), torch.cat((values.weight, output.weight)))
-        _, gates, index = values.select(logits)  # [1, 2H, k]: the value side's H groups, then the output side's
-        # both sides have H groups of E experts: the value router's group offsets serve both halves
-        index = index.view(2, self.num_heads, self.top_k) + values.group_offsets.view(-1, 1)
-        return tuple(zip(gates.view(2, 1, -1).unbind(0), index.view(2, 1, -1).unbind(0)))  # per side [1, H * k]
-
-    def project_values(self, hidden_states, routing=None):
+    # Each projection reads the configured implementation and calls the table's function, as Transformers' experts
+    # decorator does for the MLP, told that routing is per head (grouped_routing=True).
+    def project_values(self, hidden_states):
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         rows = hidden_states.reshape(-1, 1, d)  # one input row per token
-        gates, index = routing[0] if routing is not None else self.value_selection(rows.view(-1, d))[1:]
-        values = self._project(rows, index, self.value_experts, gates, self.num_heads)
+        _, gates, index = self.value_selection(rows.view(-1, d))
+        values = lookup(self.config._experts_implementation)(rows, index, self.value_experts, gates, self.num_heads, True)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
-    def project_output(self, attended, hidden_states, routing=None):
+    def project_output(self, attended, hidden_states):
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
         rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
-        gates, index = routing[1] if routing is not None else self.output_selection(hidden_states.reshape(-1, d))[1:]
-        return self._project(rows, index, self.output_experts, gates, 1).view(batch, length, -1)
+        _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
+        return lookup(self.config._experts_implementation)(rows, index, self.output_experts, gates, 1, True).view(batch, length, -1)
 
 
 class MultiHeadAttention(SwitchHeadAttentionBase):
@@ -367,10 +327,10 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
         self.output_gate = nn.Parameter(torch.empty(self.num_heads, config.hidden_size)) \
             if config.attention_output_gate else None
 
-    def project_values(self, hidden_states, routing=None):
+    def project_values(self, hidden_states):
         return self.v_proj(hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim)
 
-    def project_output(self, attended, hidden_states, routing=None):
+    def project_output(self, attended, hidden_states):
         if self.output_gate is not None:
             attended = attended * torch.sigmoid(F.linear(hidden_states, self.output_gate)).unsqueeze(-1)  # [B,T,H,dh]
         return self.o_proj(attended.flatten(2))
@@ -399,9 +359,10 @@ class SigmaMoeExperts(nn.Module):
 
     `config._experts_implementation` picks how they run (`from_pretrained(...,
     experts_implementation=...)`, `model.set_experts_implementation(...)`): "eager" is this forward
-    (the "eager" entry of `expert_ops.EXPERTS_IMPLEMENTATIONS`), "batched_mm" / "grouped_mm"
-    Transformers' functions, "cvmm" our kernels (registered when the switchhead package is
-    imported). The flags say what those functions need to know: no gated (GLU) projection, no
+    (the "eager" entry of `expert_ops.EXPERTS_IMPLEMENTATIONS`), any other name the function Transformers
+    registered under it: "cvmm", "switchhead_batched", "switchhead_grouped" the same entries of that table as
+    SwitchHead attention runs (`experts_integration.py`), "batched_mm" / "grouped_mm" Transformers' own (for
+    SwitchAll with dense attention only: SwitchHead attention has no such function). The flags say what those functions need to know: no gated (GLU) projection, no
     biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
     their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them
     `mlp.keys` / `mlp.values`, as every release has (`checkpoint_format.py`).
@@ -432,14 +393,10 @@ class SigmaMoeExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
         """hidden_states `[N, d]`, top_k_index `[N, k]` (experts), top_k_weights `[N, k]` (gates) -> `[N, d]`."""
-        if getattr(self, "_is_expert_parallel", False):  # another process's expert: any local row, gate 0
-            off_process = top_k_index >= self.num_experts
-            top_k_index = top_k_index.masked_fill(off_process, 0)
-            top_k_weights = top_k_weights.masked_fill(off_process, 0.0)
-        tokens = hidden_states.unsqueeze(1)
-        inner = self.act_fn(expert_projection(tokens, top_k_index, self.expert_keys, implementation="eager"))
-        out = expert_projection(inner, top_k_index, self.expert_values, top_k_weights, 1, implementation="eager")
-        return out.view(hidden_states.shape)
+        index, weights = local_routes(self, top_k_index.long(), top_k_weights)  # expert parallelism's sentinels
+        eager = EXPERTS_IMPLEMENTATIONS["eager"]
+        inner = self.act_fn(eager(hidden_states.unsqueeze(1), index, self.expert_keys, None, 1))
+        return eager(inner, index, self.expert_values, weights, 1).view(hidden_states.shape)
 
 
 class SigmaMoeMLP(nn.Module):
@@ -491,7 +448,6 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -544,10 +500,13 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
         return tp_plan, ep_plan, fsdp_plan
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        """Transformers' check, with our default: "cvmm" (our kernels) once the switchhead package registered it,
-        else "eager" (this file's sync-free PyTorch path), rather than Transformers' "grouped_mm"."""
+        """Transformers' check, with our default ("cvmm", rather than Transformers' "grouped_mm"), refusing a name
+        SwitchHead attention has no expert projection for (Transformers' MLP-only "batched_mm" / "grouped_mm"): a
+        name runs one function, for the attention and the MLP alike."""
         if requested_experts is None:
             requested_experts = default_experts_implementation(ALL_EXPERTS_FUNCTIONS)
+        if self.config.attention_type == "switchhead" and requested_experts not in EXPERTS_IMPLEMENTATIONS:
+            lookup(requested_experts)  # the ValueError that lists the table
         return super().get_correct_experts_implementation(requested_experts)
 
     @torch.no_grad()
@@ -706,7 +665,9 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             check_xl_memory(self.config, xl_memory, batch, use_cache, cache)
-        cache, packed = model_cache(cache, kwargs, use_cache, self.config)
+        if self.gradient_checkpointing and self.training:  # recomputed layers would update a cache twice
+            cache, use_cache = None, False
+        cache, packed = model_cache(cache, use_cache, self.config)
         # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding
         # keeps its own state
         keep_memory = (self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
@@ -714,7 +675,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self._embed(input_ids)
         if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None and not packed else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
 
         memory_length = xl_memory[0].shape[1] if xl_memory is not None else 0
@@ -726,7 +687,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                **cache_kwarg(cache),
+                **transformers_cache(cache),
             )
         new_memory = [] if keep_memory else None
         hidden_states = self.embed_dropout(inputs_embeds)
@@ -740,15 +701,15 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=causal_mask,
+                cache=cache,
                 memory=memory,
-                **cache_kwarg(cache),  # by the release's name: GradientCheckpointingLayer drops it when training
                 use_cache=use_cache,
                 position_ids=position_ids,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
         return SwitchHeadModelOutputWithPast(
-            last_hidden_state=hidden_states, xl_memory=new_memory, **cache_kwarg(cache)
+            last_hidden_state=hidden_states, xl_memory=new_memory, **transformers_cache(cache)
         )
 
 
@@ -875,7 +836,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            **cache_kwarg(output_cache(outputs)),
+            **transformers_cache(output_cache(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits if output_router_logits else None,
@@ -911,11 +872,13 @@ class SwitchHeadForQuestionAnswering(TaskHead, GenericForQuestionAnswering, Swit
 def register() -> None:
     """What this file registers with Transformers, in one place, when it is imported (by the package, or as a saved
     folder's copy, which is imported without the package): the tensor-parallel styles that
-    `base_model_tp_plan` names and the checkpoint names of renamed tensors (`checkpoint_format.py`).
+    `base_model_tp_plan` names, the checkpoint names of renamed tensors (`checkpoint_format.py`) and our expert
+    projections as Transformers experts functions (`experts_integration.py`).
     The Auto classes are the package's
     (`switchhead/__init__.py`); the task heads' body is `TaskHead`'s."""
     register_styles()
     register_renamed_keys(SwitchHeadConfig.model_type)
+    register_experts_functions()
 
 
 register()
@@ -923,5 +886,5 @@ register()
 __all__ = ["SwitchHeadPreTrainedModel", "SwitchHeadModel", "SwitchHeadForCausalLM",
            "SwitchHeadForSequenceClassification", "SwitchHeadForTokenClassification",
            "SwitchHeadForQuestionAnswering", "SwitchHeadAttention", "MultiHeadAttention", "SigmaMoeMLP",
-           "ExpertSelection", "expert_projection", "sigma_moe_entropy_loss",
+           "ExpertSelection", "sigma_moe_entropy_loss",
            "SwitchHeadModelOutputWithPast", "SwitchHeadCausalLMOutputWithPast"]
