@@ -209,6 +209,9 @@ class SwitchHeadAttentionBase(nn.Module):
 
         Memory tokens are extra sources: they give keys and (expert-mixed) values, never queries.
         """
+        if "past_key_values" in kwargs:  # inside the model the cache has one name; ignoring it would be silent
+            raise TypeError("SwitchHead's layers take the key-value cache as `cache=` (the top-level forwards also "
+                            "accept `past_key_values=`)")
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, -1, self.head_dim)  # -1: this process's heads under tensor parallelism
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
