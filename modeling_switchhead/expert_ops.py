@@ -15,9 +15,9 @@ and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`.
 `config.experts_implementation`:
 - "eager": the PyTorch formulation that `choose_formulation` (the "auto" rule) picks for the call's sizes;
 - "switchhead_batched": gather the selected matrices, one bmm with the gated sum inside (`_batched`);
-- "switchhead_grouped": slots sorted by expert, one grouped matmul (`torch._grouped_mm`: CPU tensors in float32 / bfloat16 /
-  float16 with 16-byte aligned rows, not under torch.compile; elsewhere `_all_experts` runs) with a backward that
-  keeps no per-slot tensor (`_GroupedExperts`);
+- "switchhead_grouped": slots sorted by expert, one grouped matmul (`torch._grouped_mm`: CPU tensors in float32 /
+  bfloat16 / float16 with 16-byte aligned rows, not under torch.compile; elsewhere `_all_experts` runs) with a
+  backward that keeps no per-slot tensor (`_GroupedExperts`);
 - "cvmm": the Triton kernels of `switchhead.kernels` (the custom op `switchhead::cvmm_forward`) where they run (CUDA
   tensors, or CPU tensors under `TRITON_INTERPRET=1`), elsewhere the PyTorch formulation the "auto" rule picks (the
   kernels' twin on devices they do not run on).

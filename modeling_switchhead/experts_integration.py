@@ -11,7 +11,8 @@ registered under that name, `(experts_module, hidden_states [N, d], top_k_index 
     model.set_experts_implementation("switchhead_batched")
 
 runs a stock model's experts on our projections, and a SwitchAll model's MLP runs the function its attention runs
-(which looks the name up in the same table, `expert_ops.lookup`). "eager" stays each module's own forward (ours runs the same table's "eager").
+(which looks the name up in the same table, `expert_ops.lookup`). "eager" stays each module's own forward (ours
+runs the same table's "eager").
 This module imports the model's ops (which import the package's Triton kernels where installed) and Transformers;
 nothing else hands it anything.
 
@@ -42,7 +43,7 @@ def local_routes(module: torch.nn.Module, index: torch.Tensor, weights: torch.Te
 
 
 def _as_in_out(weight: torch.Tensor, is_transposed: bool) -> torch.Tensor:
-    """Expert weights as `[E, in, out]` (the projection's layout): a transposed view for Transformers' `[E, out, in]`."""
+    """Expert weights as `[E, in, out]` (the projections' layout): a view for Transformers' `[E, out, in]`."""
     return weight if is_transposed else weight.transpose(1, 2)
 
 

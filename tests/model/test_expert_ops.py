@@ -422,7 +422,7 @@ def test_recorded_router_logits_keep_each_router_call():
 
 
 def test_many_token_formulations_compile_in_fp32():
-    """"eager"/"switchhead_grouped" with many tokens in fp32 under torch.compile: `_grouped_mm`'s fake kernel takes bf16 only,
+    """"eager"/"switchhead_grouped", many tokens, fp32, under torch.compile: `_grouped_mm`'s fake kernel takes bf16,
     so the compiled graph must fall back to a formulation it can trace, with the eager values and gradients."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 1, 64, generator=gen, requires_grad=True)
