@@ -43,7 +43,8 @@ def register(subparsers) -> None:
     parser.add_argument("--text", default="The cat sat on the mat because it was tired of standing.",
                         help="text for --plots")
     parser.add_argument("--output", metavar="FILE", help="write the results as JSON (input of `switchhead card`)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output file and existing --plots PNGs of the same names")
     parser.add_argument("--no-verify", action="store_true",
                         help="evaluate a training run's folder even when its SHA-256 manifest does not verify")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -127,7 +128,7 @@ def run_eval(args) -> int:
     if not args.model or not (Path(args.model) / "config.json").is_file():
         raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     if args.output:
-        refuse_existing_output(args.output, args.overwrite)
+        refuse_existing_output(args.output, args.overwrite, model=args.model)
     if args.batch_size < 1:
         raise UsageError("--batch-size must be >= 1")
     if not args.perplexity:  # refused, not ignored: they shape perplexity windows only
@@ -161,6 +162,19 @@ def run_eval(args) -> int:
     from switchhead.integrity import check_saved_model
 
     trust = check_saved_model(args.model, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
+    if args.plots:  # refused before any evaluation runs: an existing PNG (without --overwrite), a link, a device
+        from transformers import AutoConfig
+
+        import switchhead  # noqa: F401 - registers the config class
+        from switchhead.evaluation.analysis import plot_names
+        from switchhead.integrity import check_target
+
+        try:  # never the folder's own code; a config that does not load is reported where the model loads
+            names = plot_names(AutoConfig.from_pretrained(args.model, trust_remote_code=False))
+        except (ValueError, OSError, AttributeError, TypeError):
+            names = []
+        for name in names:
+            check_target(os.path.join(args.plots, name), args.overwrite)
     if args.perplexity and args.context is not None:
         from transformers import AutoConfig
 
@@ -212,7 +226,7 @@ def run_eval(args) -> int:
         from switchhead.integrity import FolderLock
 
         with FolderLock(args.plots, "eval --plots"):  # one writer of the plots folder at a time
-            written = analyse(model, tokenizer, args.text, args.plots)
+            written = analyse(model, tokenizer, args.text, args.plots, overwrite=args.overwrite)
         report["plots"] = [str(path) for path in written]
 
     for task, metrics in sorted(report["results"].items()):
@@ -226,7 +240,7 @@ def run_eval(args) -> int:
         from switchhead.integrity import atomic_file
 
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(args.output) as temporary:  # an existing file is replaced only once this one is complete
+        with atomic_file(args.output, args.overwrite) as temporary:  # replaced only once this one is complete
             Path(temporary).write_text(json.dumps(report, indent=2), encoding="utf-8")
         print(f"wrote {args.output}")
     return 0
@@ -290,10 +304,10 @@ def run_card(args) -> int:
         sys.stdout.write(str(card))
         return 0
     output = Path(args.output or os.path.join(args.model, "README.md"))
-    refuse_existing_output(str(output), args.overwrite)
+    refuse_existing_output(str(output), args.overwrite, model=args.model)
     from switchhead.integrity import atomic_file
 
-    with atomic_file(str(output)) as temporary:
+    with atomic_file(str(output), args.overwrite) as temporary:  # no link, device or FIFO is written through
         Path(temporary).write_text(str(card), encoding="utf-8")
     print(f"wrote {output}")
     return 0

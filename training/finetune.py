@@ -329,9 +329,36 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     with FolderLock(output_dir, "finetune"):
         if [name for name in os.listdir(output_dir) if name != LOCK_NAME]:
             raise FinetuneError(f"output folder {output_dir} already exists and is not empty; choose another")
-        return _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters, max_steps,
-                         batch_size, block_size, learning_rate, warmup_steps, valid_blocks, seed, merge,
-                         logging_steps, quantize)
+        try:
+            return _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters,
+                             max_steps, batch_size, block_size, learning_rate, warmup_steps, valid_blocks, seed,
+                             merge, logging_steps, quantize)
+        except BaseException as error:  # a full disk, Ctrl-C: no half-written adapter stays (the folder was empty)
+            _remove_written(output_dir, LOCK_NAME)
+            from ..integrity.files import write_error
+
+            failure = write_error(error, output_dir)
+            if failure is not error:
+                raise failure from None
+            raise
+
+
+def _remove_written(output_dir: str, keep: str) -> None:
+    """Delete what a failed run wrote into `output_dir` (empty but for `keep` when it began); links are removed, never
+    followed."""
+    import shutil
+
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name == keep:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters, max_steps, batch_size,

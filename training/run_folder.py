@@ -9,13 +9,16 @@ import csv
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import PRESETS, SwitchHeadConfig
-from ..integrity import LOCK_NAME, MANIFEST, FolderLock, atomic_file, read_manifest, write_manifest
+from ..integrity import LOCK_NAME, MANIFEST, FolderLock, atomic_file, make_folder, open_append, read_manifest, \
+    write_manifest
+from ..integrity.files import PARTIAL, check_target
 from .checkpoint_files import checkpoint_dirs
 from .checkpoints import (EVENTS, Resume, _write_failure, choose_checkpoint, merge_resumed_config,
                           read_checkpoint_state)
@@ -33,7 +36,9 @@ RUN_MARKER = "training_config.json"  # marks a folder as a `switchhead train` ru
 
 class RunLog:
     """log.csv (and TensorBoard) of the main process. On resume the CSV is cut back to the checkpoint's step, so
-    the log of an interrupted and resumed run reads like that of an uninterrupted one."""
+    the log of an interrupted and resumed run reads like that of an uninterrupted one. Rows are appended by
+    `open_append` (opened again for each row, without following a link): a link planted at log.csv while the run
+    goes on stops it instead of receiving the rows; tensorboard/ must be a folder, never a link to one."""
 
     def __init__(self, output_dir: str, start_step: int, tensorboard: bool, enabled: bool):
         self.enabled = enabled
@@ -42,6 +47,7 @@ class RunLog:
         if not enabled:
             return
         rows = []
+        check_target(self.path)  # a link or a device at log.csv is neither read nor replaced
         if start_step > 0 and os.path.exists(self.path):
             with open(self.path, newline="") as handle:
                 rows = [row for row in csv.DictReader(handle) if int(row["step"]) <= start_step]
@@ -56,12 +62,13 @@ class RunLog:
             except ImportError:  # tensorboard is an optional extra (pip install switchhead[train])
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
+                folder = make_folder(os.path.join(output_dir, "tensorboard"))
+                self.writer = SummaryWriter(folder, purge_step=start_step + 1)
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", newline="") as handle:
+        with open_append(self.path, newline="") as handle:
             csv.DictWriter(handle, LOG_FIELDS).writerow(row)
         if self.writer is not None:
             for key, value in row.items():
@@ -208,7 +215,8 @@ def check_output_dir(config: TrainingConfig) -> None:
     if config.resume and config.overwrite:
         raise TrainingError("--resume continues a run and --overwrite starts it over: give only one")
     # (a marker whose atomic write was interrupted does not make the folder anyone else's)
-    if not os.path.isdir(folder) or not [e for e in os.listdir(folder) if e not in (RUN_MARKER + ".tmp", LOCK_NAME)]:
+    if not os.path.isdir(folder) or not [e for e in os.listdir(folder) if e not in (RUN_MARKER + ".tmp", LOCK_NAME)
+                                         and not (e.startswith(PARTIAL) and e.endswith("-" + RUN_MARKER))]:
         return
     if not os.path.isfile(os.path.join(folder, RUN_MARKER)):
         raise TrainingError(f"--output-dir {folder!r} is not empty and is not a switchhead training run; choose a "
@@ -235,9 +243,9 @@ def clear_run(folder: str) -> None:
 
 
 def _write_json(path: str, content: dict) -> None:
-    with open(path + ".tmp", "w") as handle:
-        json.dump(content, handle, indent=1)
-    os.replace(path + ".tmp", path)
+    with atomic_file(path) as temporary:  # a fresh name: a stale link at a fixed ".tmp" name is never written through
+        with open(temporary, "w") as handle:
+            json.dump(content, handle, indent=1)
 
 
 def save_final_model(accelerator, model, tokenizer, output_dir: str, placement=None) -> None:
@@ -279,13 +287,14 @@ def _save_model(model, state_dict, tokenizer, output_dir: str) -> None:
 def _save_into(output_dir: str, write) -> None:
     """Let `write` fill a temporary folder, then move each file into `output_dir` with an atomic rename: a file
     there is always either the old complete one or the new complete one."""
-    temporary = os.path.join(output_dir, ".tmp-save")
-    shutil.rmtree(temporary, ignore_errors=True)
-    os.makedirs(temporary)
+    temporary = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)  # a fresh name: no planted link is entered
     try:
         write(temporary)
         for name in os.listdir(temporary):
-            os.replace(os.path.join(temporary, name), os.path.join(output_dir, name))
+            target = os.path.join(output_dir, name)
+            if not os.path.isdir(os.path.join(temporary, name)):
+                check_target(target)  # a link or a device planted at a file's name is refused, not replaced
+            os.replace(os.path.join(temporary, name), target)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)  # nothing half-written stays behind (a full disk)
 

@@ -47,7 +47,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 import resource
+import signal
+import threading
 import time
 
 import torch
@@ -90,7 +93,7 @@ def train(config: TrainingConfig) -> TrainResult:
     on_cpu = bool(config.distributed) and not torch.accelerator.is_available()
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=on_cpu)
     check_processes_joined(accelerator)
-    with run_folder_lock(accelerator, config.output_dir):
+    with run_folder_lock(accelerator, config.output_dir), StopOnSignal.restoring():
         return _train(config, accelerator)
 
 
@@ -135,7 +138,8 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
     loss_value, valid_loss = float("nan"), float("nan")
     tokens_per_step = config.batch_size * config.block_size
     tick, steps_since_tick = time.time(), 0
-    while step < config.max_steps:
+    stop = StopOnSignal(accelerator)
+    while stop.watching(step < config.max_steps):
         learning_rate = learning_rate_at(step, config)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
@@ -172,9 +176,14 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
             tick, steps_since_tick = time.time(), 0  # validation and logging time is not training throughput
             progress.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{math.exp(valid_loss):.1f}"
                                  if valid_loss == valid_loss else "-")
-        if step % config.save_every == 0 or step == config.max_steps:
+        stopping = stop.requested()  # Ctrl-C or SIGTERM: the step is whole, so save it before stopping
+        if step % config.save_every == 0 or step == config.max_steps or stopping:
             guard.check_weights(model, step, loss_value, grad_norm)
             save_checkpoint(accelerator, config.output_dir, step, config, memory, guard.skipped_updates, placement)
+        if stopping:
+            progress.close()
+            log.close()
+            raise stop.interrupt(step, config.output_dir)
     progress.close()
     log.close()
 
@@ -186,6 +195,80 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
     accelerator.end_training()
     return TrainResult(config.output_dir, step, loss_value, valid_loss, math.exp(valid_loss), data.unigram,
                        num_parameters, time.time() - started)
+
+
+class StopOnSignal:
+    """Ctrl-C (SIGINT) or SIGTERM during the training loop ends the run at the end of the step under way, with a
+    verified checkpoint of that step to `--resume` from: a signal only sets a flag, which the loop reads between
+    steps (every process agrees on it), so no save ever sees a half-applied update. A second signal stops at once.
+
+    `watching(condition)` wraps the loop's condition: the handlers are installed while it is True (in the main
+    thread only) and restored when it turns False; `interrupt` is the exception that ends the command (exit code
+    130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def watching(self, condition: bool) -> bool:
+        if condition and not self._previous and threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self._previous[number] = signal.signal(number, self._handle)
+        elif not condition:
+            self.restore()
+        return condition
+
+    def _handle(self, number, frame) -> None:
+        if self.signal is not None:  # the second signal: do not wait for the step
+            self.restore()
+            raise self._exception(number)()
+        self.signal = number
+
+    def restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    @staticmethod
+    @contextlib.contextmanager
+    def restoring():
+        """The SIGINT and SIGTERM handlers as they were, whichever way the run ends (an error inside the loop)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def requested(self) -> bool:
+        flag = self.signal is not None
+        if self.accelerator.num_processes > 1:  # one process signalled: every process stops at the same step
+            flag = float(self.accelerator.reduce(torch.tensor([float(flag)], device=self.accelerator.device),
+                                                 reduction="sum")) > 0
+        return flag
+
+    @staticmethod
+    def _exception(number: int | None) -> type[KeyboardInterrupt]:
+        from ..integrity import Terminated
+
+        return Terminated if number == signal.SIGTERM else KeyboardInterrupt
+
+    def interrupt(self, step: int, output_dir: str) -> KeyboardInterrupt:
+        """The exception that ends the run, naming the checkpoint (verified against its manifest) to resume from."""
+        from ..integrity import verify_manifest
+
+        self.restore()
+        checkpoint = os.path.join(output_dir, "checkpoints", f"step-{step:07d}")
+        problems = verify_manifest(checkpoint)
+        if problems:
+            return self._exception(self.signal)(f"stopped at step {step}; its checkpoint does not verify "
+                                                f"({problems[0]})")
+        return self._exception(self.signal)(f"stopped at step {step}; checkpoint {checkpoint} saved and verified: "
+                                            "continue with --resume")
 
 
 def accumulate_gradients(model, batches: TokenBatches, step: int, memory: list, accumulation: int, accelerator,
