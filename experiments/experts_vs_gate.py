@@ -35,6 +35,7 @@ interrupted run resumes from its newest checkpoint. The results pages are rewrit
     python experiments/experts_vs_gate.py --out OUT --list          # the grid as decided now
     python experiments/experts_vs_gate.py --out OUT --report-only   # rewrite the results pages
     python experiments/experts_vs_gate.py --out OUT --report-only --docs   # ... and docs/results.md's section
+                                                     # (--docs PAGE: that page's section)
 
 Results: benchmarks/results/experts_vs_gate.{json,md} and experts_vs_gate.png.
 """
@@ -627,8 +628,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="write this process group's id here (the launcher uses OUT/grid.pgid)")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite the results pages after a run")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the results pages")
-    parser.add_argument("--docs", action="store_true", help="with --report-only: also rewrite docs/results.md's "
-                        "generated section")
+    parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, default=None, metavar="PAGE",
+                        help="with --report-only: also rewrite the generated section of PAGE (default "
+                        "docs/results.md)")
     parser.add_argument("--list", action="store_true", help="print the grid as decided now and exit")
     parser.add_argument("--tiny", action="store_true", help="tiny models and runs (for the tests)")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in a child process
@@ -653,8 +655,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report_only:
         report = write_results(args.out, args.results_dir, args.data)
-        if args.docs:
-            update_docs(report)
+        if args.docs is not None:
+            update_docs(report, args.docs)
         return 0
     replicate.ensure_tokenizer(args.out, args.data, SCALE.vocab_size)
     return run_grid(args)
