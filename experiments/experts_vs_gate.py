@@ -381,6 +381,13 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
              f"**Progress: {len(done)} of the {len(planned)} runs decided so far have finished**"
              + (f"; next: {', '.join(not_finished[:3])}" if not_finished else "") + "."
              + (" Not yet decided: " + "; ".join(undecided) + "." if undecided else ""), ""]
+    timed = [r for r in records.values() if r.get("timing_complete") and not math.isnan(r.get("wall_seconds", math.nan))]
+    if timed:
+        wall, cpu = (statistics.mean(r[k] for r in timed) / 60 for k in ("wall_seconds", "cpu_seconds"))
+        lines += [f"Measured: the {len(timed)} run(s) timed from start to end took {wall:.0f} wall-minutes and {cpu:.0f} "
+                  "CPU-minutes on average (training and evaluation, 1 torch thread at nice 19 on a shared machine). "
+                  f"Estimate, not a measurement: the {len(not_finished)} runs decided but not finished need about "
+                  f"{len(not_finished) * wall / 60:.1f} h more at that pace (more if a sweep extends).", ""]
     if failed:
         lines += [f"Failed (left out after {MAX_ATTEMPTS} tries): {', '.join(failed)}.", ""]
     lines += ["## Arms", "", "Parameter-matched to A through the MLP width (d_ff). Attention MACs and memory per layer "
@@ -540,6 +547,12 @@ def docs_section(report: dict) -> str:
     finished = sum(1 for name in report["planned"] if name in report["runs"])
     lines = [DOCS_BEGIN, "", f"Generated from `benchmarks/results/{STEM}.json` (written {report['written']}).", ""]
     by_pair = {c["pair"]: c for c in summary["comparisons"]}
+    for arm, seeds in summary["seeds"].items():
+        ppl = [v["test_perplexity"] for v in seeds.values()]
+        lines.append(f"* {arm} ({arm_fields(arm)[0]}), lr {summary['best_lr'][arm]:g}: test perplexity "
+                     f"{replicate_cpu._mean_sd(ppl)} over {len(ppl)} of {SEEDS[arm]} seeds.")
+    if summary["seeds"]:
+        lines.append("")
     if finished < len(report["planned"]) or report["undecided"]:
         lines += [f"**The runs are in progress: {finished} of the {len(report['planned'])} runs decided so far have "
                   "finished.** Until every seed of both arms has finished, the verdicts below are interim.", ""]

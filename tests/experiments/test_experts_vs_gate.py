@@ -227,6 +227,9 @@ def test_results_pages_from_fake_run_folders(tmp_path):
     text = docs.read_text()
     assert text.startswith("# Results\n\nintro\n\n") and text.endswith("\n\nafter\n") and "old" not in text
     assert f"{len(records)} of the {len(runs)} runs decided so far have finished" in text
+    assert "* A (SwitchHead H=2 dh=32, E=5 k=2, sigmoid expert gates on value and output), lr 0.004: test " \
+        "perplexity 100.00 ± 1.00 over 3 of 5 seeds." in text
+    assert "Measured: the 19 run(s)" not in page and "took 50 wall-minutes and 47 CPU-minutes on average" in page
     assert "* A - B (test NLL, 3 seeds)" in text and "(interim)" in text and "* A - C: no verdict yet" in text
     docs.write_text("# Results\n")
     with pytest.raises(SystemExit):
