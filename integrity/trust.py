@@ -99,8 +99,9 @@ def check_remote_code(folder: str, trust_remote_code: bool = False) -> bool:
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise RemoteCodeRefused(
-            f"model folder {folder!r} asks to run its own code ({found[0]}{more}); it is not run without "
-            "--trust-remote-code: read those files, and pass --trust-remote-code only if you trust them")
+            f"model folder {folder!r} asks to run its own code ({found[0]}{more}), which runs only with "
+            "--trust-remote-code (generate, eval, export, serve): pass it only once you have read and trust those "
+            "files")
     return False
 
 
