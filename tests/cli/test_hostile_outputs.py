@@ -833,13 +833,18 @@ def test_train_writes_through_no_stale_marker_link_fresh_or_overwritten(corpus, 
 
 
 @pytest.mark.integration
-def test_train_with_a_linked_tensorboard_folder_exits_2_and_the_users_folder_stays_empty(corpus, tmp_path, capsys):
+def test_a_resume_with_a_linked_tensorboard_folder_exits_2_and_the_users_folder_stays_empty(corpus, tmp_path,
+                                                                                           capsys):
+    import shutil
+
     users = tmp_path / "users"
     users.mkdir()
     run = tmp_path / "run"
-    run.mkdir()
+    assert main(run_args(corpus, run, 2)) == 0
+    shutil.rmtree(run / "tensorboard")
     (run / "tensorboard").symlink_to(users)
-    assert main(run_args(corpus, run, 2)) == 2
+    capsys.readouterr()
+    assert main(run_args(corpus, run, 4, "--resume")) == 2
     assert "symbolic link" in one_error_line(capsys, "train")
     assert os.listdir(users) == []
 
