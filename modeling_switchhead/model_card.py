@@ -49,8 +49,8 @@ def describe(config) -> tuple[str, str]:
 def render_card(config, *, model_name: str, repo_id: str, license: str | None = None,
                 training_data: str | None = None, datasets: list[str] | None = None, eval_results=None,
                 eval_rows=(), eval_note: str = "", cost: dict[str, Any] | None = None,
-                training: dict[str, Any] | None = None, base_model: str | None = None,
-                template_path: str | Path = TEMPLATE_PATH):
+                training: dict[str, Any] | None = None, base_model: str | None = None, adapter: bool = False,
+                base_name: str | None = None, template_path: str | Path = TEMPLATE_PATH):
     """The `huggingface_hub.ModelCard` of a switchhead model with configuration `config`.
 
     Args:
@@ -62,7 +62,9 @@ def render_card(config, *, model_name: str, repo_id: str, license: str | None = 
             attention cost out.
         training: `note` (one paragraph), `rows` ((setting, value) pairs), `results` ((step, training loss,
             validation loss, validation perplexity) rows) and `versions` ((library, version) pairs), or None.
-        base_model: the Hub id or folder this model was fine-tuned from, for the metadata.
+        base_model: the Hub id this model was fine-tuned from, for the metadata.
+        adapter, base_name: the folder holds a PEFT adapter (of a model of configuration `config`), not a whole
+            model; `base_name` is what its usage snippet loads the base model from (default `base_model`).
     """
     import torch
     from huggingface_hub import ModelCard, ModelCardData
@@ -75,7 +77,8 @@ def render_card(config, *, model_name: str, repo_id: str, license: str | None = 
     tags = ["switchhead", "mixture-of-experts", "moe-attention"] + (["switchall"] if config.mlp_type == "sigma_moe"
                                                                      else [])
     card_data = ModelCardData(
-        language="en", license=card_license(license), library_name="transformers", pipeline_tag="text-generation",
+        language="en", license=card_license(license), library_name="peft" if adapter else "transformers",
+        pipeline_tag="text-generation",
         tags=tags, datasets=datasets or None, model_name=model_name, eval_results=eval_results or None,
         base_model=base_model,
     )
@@ -87,8 +90,8 @@ def render_card(config, *, model_name: str, repo_id: str, license: str | None = 
         config_rows=[(name, getattr(config, name)) for name in CONFIG_FIELDS
                      if config.attention_type == "switchhead" or "attention_experts" not in name
                      if config.mlp_type == "sigma_moe" or "mlp_expert" not in name],
-        cost=cost, training=training, training_data=training_data or "Not stated.",
-        eval_rows=list(eval_rows), eval_note=eval_note,
+        cost=cost, training=training, adapter=adapter, base_name=base_name or base_model or "BASE_MODEL",
+        training_data=training_data or "Not stated.", eval_rows=list(eval_rows), eval_note=eval_note,
     )
 
 

@@ -416,6 +416,9 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     after = _mean_loss(peft_model, valid, batch_size)
 
+    from .run_card import with_context
+
+    with_context(tokenizer, model.config)  # the saved tokenizers truncate to what the model reads
     peft_model.save_pretrained(output_dir, save_embedding_layers=False)  # the adapter only, even with lm_head
     tokenizer.save_pretrained(output_dir)
     if merge:
@@ -423,6 +426,11 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
         merged.save_pretrained(os.path.join(output_dir, "merged"))
         tokenizer.save_pretrained(os.path.join(output_dir, "merged"))
     result = FinetuneResult(max_steps, losses, before, after, trainable, total, output_dir)
+    _write_cards(output_dir, model_dir, model.config, merge, losses, before, after,
+                 dict(data=data, rank=r, lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
+                      target_modules=target_modules or "default",
+                      max_steps=max_steps, batch_size=batch_size, block_size=block_size,
+                      learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed, quantize=quantize))
     with open(os.path.join(output_dir, "finetune.json"), "w", encoding="utf-8") as handle:
         json.dump({"base_model": os.path.abspath(model_dir), "data": data, "rank": r, "steps": max_steps,
                    "quantize": quantize,
@@ -432,6 +440,18 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
 
     shutil.rmtree(os.path.join(output_dir, "trainer"), ignore_errors=True)
     return result
+
+
+def _write_cards(output_dir, model_dir, config, merge, losses, before, after, settings) -> None:
+    """README.md of the adapter folder (in place of PEFT's placeholder card) and of the merged model."""
+    from .run_card import finetune_card, write_card
+
+    name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
+    folders = [(output_dir, name, True)] + ([(os.path.join(output_dir, "merged"), f"{name}-merged", False)]
+                                            if merge else [])
+    for folder, title, adapter in folders:
+        write_card(folder, finetune_card(config, name=title, base_model=model_dir, settings=settings, losses=losses,
+                                         valid_before=before, valid_after=after, adapter=adapter), replace=True)
 
 
 def _take_characters(documents: list[str], characters: int) -> list[str]:

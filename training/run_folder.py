@@ -25,6 +25,7 @@ from .checkpoints import (EVENTS, Resume, _write_failure, choose_checkpoint, mer
 from .data import DataError, TokenBatches, load_documents, load_tokenizer, tokenize_documents, train_tokenizer, \
     unigram_perplexity
 from .run_config import TrainingConfig, TrainingError, build_model_config, check_config
+from .run_card import with_context, write_train_card
 
 
 LOG_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_memory_mb", "valid_loss",
@@ -248,8 +249,10 @@ def _write_json(path: str, content: dict) -> None:
             json.dump(content, handle, indent=1)
 
 
-def save_final_model(accelerator, model, tokenizer, output_dir: str, placement=None) -> None:
-    """Write the run folder's save_pretrained model, tokenizer and manifest (main process; every process gathers
+def save_final_model(accelerator, model, tokenizer, output_dir: str, placement=None,
+                     settings: dict | None = None) -> None:
+    """Write the run folder's save_pretrained model, tokenizer (truncating to the model's context), manifest and
+    model card (`settings`: the run's TrainingConfig as a dict, for the card; main process; every process gathers
     the weights). A failed write raises TrainingError; the checkpoints stay intact for a resume."""
     from .placement import AcceleratePlacement
 
@@ -258,7 +261,9 @@ def save_final_model(accelerator, model, tokenizer, output_dir: str, placement=N
     state_dict = placement.full_state_dict(model)  # the full weights (gathered when sharded); every process calls it
     if accelerator.is_main_process:
         try:
-            _save_model(placement.saveable(model), state_dict, tokenizer, output_dir)
+            saveable = placement.saveable(model)
+            _save_model(saveable, state_dict, with_context(tokenizer, saveable.config), output_dir)
+            write_train_card(output_dir, saveable.config, settings)  # after the manifest: the user may edit it
         except Exception as error:  # noqa: BLE001 - only write failures are turned into a message
             reason = _write_failure(error)
             if reason is None:

@@ -188,7 +188,7 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
     log.close()
 
     # ---------------------------------------------------------------- the result folder
-    save_final_model(accelerator, model, data.tokenizer, config.output_dir, placement)
+    save_final_model(accelerator, model, data.tokenizer, config.output_dir, placement, settings=config.to_dict())
     if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
         valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches,
                               placement)
