@@ -364,6 +364,8 @@ def _check_values(folder: str, config, tensors: dict[str, tuple[str, tuple[int, 
         with safe_open(os.path.join(folder, file), framework="pt") as handle:
             for key in sorted(keys):
                 tensor = handle.get_tensor(key)
+                if tensor.is_floating_point() and tensor.element_size() == 1:  # float8: isfinite has no kernel
+                    tensor = tensor.float()
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     bad = int((~torch.isfinite(tensor)).sum())
                     raise UnloadableModel(f"model folder {folder!r}: {file}: {key} holds {bad} NaN or infinite "
@@ -392,7 +394,7 @@ def read_config(folder: str, trust_remote_code: bool = False):
 
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=bool(trust_remote_code))
-    except (ValueError, TypeError, KeyError, OSError) as error:
+    except (ValueError, TypeError, KeyError, OSError, RecursionError) as error:  # RecursionError: JSON nested deep
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UnloadableModel(f"model folder {folder!r}: config.json does not load ({text})") from None
 

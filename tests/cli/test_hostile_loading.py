@@ -316,11 +316,50 @@ def test_other_float_dtypes_pass_and_their_nan_or_inf_is_refused(folder, dtype):
     refused(folder, Q_PROJ, "NaN or infinite")
 
 
+def test_float8_weights_are_checked_for_nan_too(folder):
+    tensors = {key: value.to(torch.float8_e4m3fn) for key, value in tensors_of(folder).items()}
+    save(tensors, folder / "model.safetensors")
+    check_saved_model(str(folder), verify=False)
+    tensors[Q_PROJ] = tensors[Q_PROJ].float()
+    tensors[Q_PROJ][0, 0] = float("nan")
+    tensors[Q_PROJ] = tensors[Q_PROJ].to(torch.float8_e4m3fn)
+    save(tensors, folder / "model.safetensors")
+    refused(folder, Q_PROJ, "NaN or infinite")
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64])
+def test_complex_tensors_for_float_parameters_are_refused(folder, dtype):
+    tensors = tensors_of(folder)
+    tensors[Q_PROJ] = tensors[Q_PROJ].to(dtype)
+    save(tensors, folder / "model.safetensors")
+    refused(folder, Q_PROJ, "is stored as")
+
+
 def test_fp16_overflow_to_inf_is_refused(folder):
     tensors = tensors_of(folder)
     tensors[Q_PROJ][2, 3] = 1e6  # finite in float32, inf in float16
     save({key: value.half() for key, value in tensors.items()}, folder / "model.safetensors")
     refused(folder, "NaN or infinite")
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "[" * 100000, '"a string"', "", "{\"model_type\": 7}"],
+                         ids=["list", "deep", "string", "empty", "type-not-a-string"])
+def test_a_config_json_that_is_not_a_config_object_is_refused_in_one_line(folder, text):
+    (folder / "config.json").write_text(text)
+    refused(folder, "config.json")
+
+
+def test_transformers_weights_naming_an_index_checks_its_shards(folder):
+    parts = halves(tensors_of(folder))
+    shard(folder, parts)
+    (folder / "model.safetensors.index.json").rename(folder / "custom.safetensors.index.json")
+    edit_config(folder, transformers_weights="custom.safetensors.index.json")
+    assert weight_files(str(folder)) == sorted(parts)
+    check_saved_model(str(folder), verify=False)
+    broken = load_file(folder / sorted(parts)[1])
+    broken[next(iter(broken))].view(-1)[0] = float("nan")
+    save(broken, folder / sorted(parts)[1])
+    refused(folder, sorted(parts)[1], "NaN or infinite")
 
 
 # --------------------------------------------------------------------------- the commands use this check
