@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from . import UsageError, parse_field_assignments
 
 
@@ -149,6 +152,11 @@ def run(args) -> int:
     if distributed:
         explicit["distributed"] = distributed
     model_overrides = parse_field_assignments(args.set)
+    for flag in ("--output-dir", "--preset"):  # an empty value would silently mean the default (or the cwd)
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag} is empty; give a {'folder' if flag == '--output-dir' else 'preset name'} "
+                             "or leave the option out")
 
     if args.demo:
         from switchhead.cli.demo import run_demo
@@ -161,8 +169,6 @@ def run(args) -> int:
             raise UsageError(str(error), exit_code=3) from None
 
     if args.resume:
-        import os
-
         output_dir = args.output_dir
         if output_dir is None and args.resume != "latest":  # CHECKPOINT lies in OUTPUT/checkpoints/
             output_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
@@ -186,15 +192,26 @@ def run(args) -> int:
         explicit.update(inexact_resume=args.inexact_resume, allow_pickle=args.allow_pickle)
         config = TrainingConfig(**{**stored, **explicit, "output_dir": probe.output_dir, "resume": args.resume})
     else:
-        config = TrainingConfig.from_preset(args.preset or "tiny-switchhead", output_dir=args.output_dir
-                                            or "runs/switchhead", model=model_overrides, **explicit)
-    from switchhead.training.placement import check_sizes
+        config = TrainingConfig.from_preset("tiny-switchhead" if args.preset is None else args.preset,
+                                            output_dir="runs/switchhead" if args.output_dir is None
+                                            else args.output_dir, model=model_overrides, **explicit)
+    from switchhead.training.placement import ProcessesMissing, check_sizes
+    from switchhead.training.run_config import build_model_config, check_config, check_settings
 
     check_sizes(config.distributed)  # in every process, before any process group: sizes that fit no launch
+    check_settings(config)  # every setting, before the output folder is touched
+    check_config(config, build_model_config(config, None), 1)
     try:
         result = train(config)
     except TrainingDiverged as error:
         raise UsageError(str(error), exit_code=3) from None
+    except ProcessesMissing as error:
+        if os.environ.get("RANK", "0") not in ("0", ""):  # rank 0 (which reports errors) may be the missing one
+            from . import error_line
+
+            print(error_line("train", error), file=sys.stderr)
+            return 2
+        raise
     if PartialState().is_main_process:
         print(f"step {result.step}: validation loss {result.valid_loss:.4f}, perplexity {result.valid_perplexity:.2f} "
               f"(unigram {result.unigram_perplexity:.1f}); saved to {result.output_dir}")

@@ -136,6 +136,7 @@ def learning_rate_at(step: int, config: TrainingConfig) -> float:
 
 def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_processes: int) -> None:
     """Raise TrainingError naming the option and the rule for settings the loop cannot run."""
+    check_settings(config)
     for name in ("block_size", "batch_size", "gradient_accumulation_steps", "max_steps", "log_every", "eval_every",
                  "save_every", "keep_checkpoints"):
         value = getattr(config, name)
@@ -171,6 +172,50 @@ def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_pro
         raise TrainingError(str(error)) from None
 
 
+SEED_LIMIT = 2**32  # NumPy's seeds, which `set_seed` sets with torch's and Python's, are below it
+VOCAB_LIMIT = 1 << 22  # BPE vocabularies beyond this are typos (the embedding alone would be huge)
+
+
+def check_settings(config: TrainingConfig) -> None:
+    """The settings that need neither the data nor the model: TrainingError naming the first bad one. Run before
+    the output folder is touched, so a typo leaves nothing behind."""
+    for name in ("output_dir", "preset", "text_field"):
+        value = getattr(config, name)
+        if not isinstance(value, str) or not value.strip() or "\0" in value:
+            raise TrainingError(f"{name} must be a non-empty string, got {value!r}")
+    for name in ("data", "valid_data", "tokenizer"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value.strip() or "\0" in value):
+            raise TrainingError(f"{name} must be a path or a name (leave it out for the default), got {value!r}")
+    if config.preset not in PRESETS:
+        raise TrainingError(f"unknown preset {config.preset!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < SEED_LIMIT:
+        raise TrainingError(f"seed must be an integer in [0, {SEED_LIMIT - 1}], got {config.seed!r}")
+    if isinstance(config.vocab_size, bool) or not isinstance(config.vocab_size, int) \
+            or not 2 <= config.vocab_size <= VOCAB_LIMIT:
+        raise TrainingError(f"vocab_size must be an integer in [2, {VOCAB_LIMIT}], got {config.vocab_size!r}")
+    fraction = config.valid_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise TrainingError(f"valid_fraction must be a number in (0, 1), got {fraction!r}")
+    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "max_steps", "log_every", "eval_every",
+                 "save_every", "keep_checkpoints"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TrainingError(f"{name} must be an integer >= 1, got {value!r}")
+    for name in ("warmup_steps", "eval_batches"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TrainingError(f"{name} must be an integer >= 0, got {value!r}")
+    for name in ("learning_rate", "min_learning_rate", "grad_clip", "weight_decay"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TrainingError(f"{name} must be a finite number, got {value!r}")
+    if config.grad_clip < 0 or config.weight_decay < 0:
+        raise TrainingError("grad_clip and weight_decay must be >= 0")
+    if config.mixed_precision not in ("no", "bf16", "fp16"):
+        raise TrainingError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {config.mixed_precision!r}")
+
+
 def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
     """The preset's model configuration with the user's overrides and the tokenizer's vocabulary (None: the
     configured BPE vocabulary size, to check the settings before a tokenizer exists)."""
@@ -184,9 +229,17 @@ def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
                                 + (f"; did you mean {' or '.join(close)}?" if close else ""))
     if tokenizer is None:
         vocabulary = dict(vocab_size=config.vocab_size)
+        if config.tokenizer:  # the given tokenizer decides; it is checked once loaded
+            vocabulary = dict(vocab_size=config.model.get("vocab_size", config.vocab_size))
     else:
         vocabulary = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                           bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    for name, value in vocabulary.items():  # the tokenizer's numbers win: a different --set value is a conflict
+        if name in config.model and config.model[name] != value:
+            source = ("the tokenizer" if tokenizer is not None or config.tokenizer
+                      else "--vocab-size (the BPE tokenizer trained for the run)")
+            raise TrainingError(f"model configuration: {name}={config.model[name]!r} conflicts with {value!r} from "
+                                f"{source}; drop the --set {name} (use --vocab-size for the vocabulary)")
     try:
         return SwitchHeadConfig.from_preset(config.preset, **{**config.model, **vocabulary})
     except (TypeError, ValueError) as error:

@@ -58,8 +58,8 @@ import torch
 from .. import SwitchHeadForCausalLM
 from .checkpoints import choose_checkpoint, restore_checkpoint, save_checkpoint
 from .data import TokenBatches
-from .guard import DivergenceGuard, apply_update
-from .placement import check_sizes, placement_for
+from .guard import DivergenceGuard, apply_update, plain_tensor
+from .placement import check_sizes, placement_for, start_accelerator
 from .run_config import TINY_TRAINING, TrainingConfig, TrainingDiverged, TrainingError, TrainResult, learning_rate_at
 from .run_folder import RunLog, check_processes_joined, load_data, open_run, run_folder_lock, save_final_model
 
@@ -87,11 +87,9 @@ def train(config: TrainingConfig) -> TrainResult:
     the run ends, however it ends; a second writer gets TrainingError naming the holder. With `config.distributed`
     sizes the model is sharded by Transformers' distributed engine (`placement`); without a GPU its processes join
     over gloo."""
-    from accelerate import Accelerator
-
     check_sizes(config.distributed)  # launched processes that do not fit the sizes: before any process group
     on_cpu = bool(config.distributed) and not torch.accelerator.is_available()
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=on_cpu)
+    accelerator = start_accelerator(mixed_precision=config.mixed_precision, cpu=on_cpu)  # peers join in bounded time
     check_processes_joined(accelerator)
     with run_folder_lock(accelerator, config.output_dir), StopOnSignal.restoring():
         return _train(config, accelerator)
@@ -297,7 +295,7 @@ def clip_gradients(model, accelerator, grad_clip: float) -> torch.Tensor:
     Clipping computes the norm anyway (max_norm=inf: the norm alone); with the loss it decides whether the update
     may be applied."""
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    return torch.as_tensor(grad_norm, device=accelerator.device)
+    return plain_tensor(torch.as_tensor(grad_norm, device=accelerator.device))  # a DTensor under the engine
 
 
 def _data_share(accelerator, placement) -> tuple[int, int]:
