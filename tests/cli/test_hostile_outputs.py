@@ -27,6 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.runs import corpus  # noqa: F401 - the module-scoped fixture: data, tokenizer
+
 from switchhead.cli import main
 from switchhead.integrity import LOCK_NAME, MANIFEST, OutputError, Terminated, WriteError
 from switchhead.integrity.files import PARTIAL, atomic_file, check_target, make_folder, open_append, write_error
@@ -520,7 +522,8 @@ def plotted(model_dir):
     folder = model_dir.parent / "with-tokenizer"
     if not folder.exists():
         shutil.copytree(model_dir, folder)
-        vocab = {word: index for index, word in enumerate(["[UNK]", *"the cat sat on a mat because it was tired".split()])}
+        words = ["[UNK]", *"the cat sat on a mat because it was tired".split()]
+        vocab = {word: index for index, word in enumerate(words)}
         tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
         tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
         PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
@@ -772,9 +775,6 @@ def run_args(corpus, output: Path, steps: int, *extra: str) -> list[str]:
     return ["train", "--preset", "tiny-switchhead", "--data", data, "--tokenizer", tokenizer, "--output-dir",
             str(output), "--max-steps", str(steps), "--block-size", "32", "--batch-size", "4", "--log-every", "1",
             "--eval-every", "1000", "--eval-batches", "1", "--save-every", "1000", "--no-progress", *extra]
-
-
-from helpers.runs import corpus  # noqa: E402,F401 - the module-scoped fixture: data, tokenizer
 
 
 @pytest.mark.integration
