@@ -169,10 +169,10 @@ def test_a_weight_file_linked_to_a_fifo_is_refused_without_hanging(folder, tmp_p
     os.mkfifo(fifo)
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").symlink_to(fifo)
-    refused(folder, "model.safetensors is not a regular file")
+    refused(folder, "holds model.safetensors, which is not a regular file")
     (folder / "model.safetensors").unlink()
     os.mkfifo(folder / "model.safetensors")
-    refused(folder, "model.safetensors is not a regular file")
+    refused(folder, "holds model.safetensors, which is not a regular file")
 
 
 def test_a_dangling_link_or_a_folder_as_weight_file_is_refused(folder, tmp_path):
@@ -189,7 +189,20 @@ def test_a_shard_that_is_a_fifo_is_refused(folder):
     second = folder / "model-00002-of-00002.safetensors"
     second.unlink()
     os.mkfifo(second)
-    refused(folder, "model-00002-of-00002.safetensors is not a regular file")
+    refused(folder, "holds model-00002-of-00002.safetensors, which is not a regular file")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "generation_config.json", "tokenizer.json",
+                                  "anything"])
+def test_a_fifo_or_device_anywhere_in_the_folder_is_refused_without_hanging(folder, tmp_path, name):
+    """Transformers opens the config files it finds without asking; a FIFO would block it forever."""
+    path = folder / name
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    refused(folder, f"holds {name}, which is not a regular file")
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    refused(folder, f"holds {name}, which is not a regular file")
 
 
 # --------------------------------------------------------------------------- indexes that lie
