@@ -2,9 +2,12 @@
 
 - `manifest`: SHA-256 manifests (`SHA256SUMS`) written last into checkpoints and run folders, verified by
   `--resume` and before every load of a saved model.
-- `loading`: `check_saved_model`, what every command checks before it loads a saved model folder (manifest,
-  safetensors weights only, sizes within memory, weights that fit config.json, finite values); `check_model_size`
-  for configs built from scratch.
+- `loading`: `check_saved_model`, what every command checks before it loads a saved model folder (its own code only
+  with `--trust-remote-code`, manifest, safetensors weights only and exactly those Transformers loads, sizes within
+  memory, weights that fit config.json in names, shapes and kinds, finite values); `check_model_size` for configs
+  built from scratch.
+- `trust`: `check_remote_code`, the one place that decides `trust_remote_code` for every command: the user's
+  `--trust-remote-code` as a bool (Transformers never prompts); a folder asking for its own code is refused without it.
 - `files`: how a command writes its outputs: `atomic_file` (write beside, fsync, rename), `open_append`,
   `make_folder`; links, devices and FIFOs are refused (`OutputError`), a full or read-only disk is a `WriteError`.
 - `lock`: `FolderLock`, one writer per folder, taken by train, finetune, convert, upcycle and eval --plots.
