@@ -32,11 +32,14 @@ def register(subparsers) -> None:
     parser.add_argument("--data-dir", help="folder with lambada/, blimp/, wikitext-2/, wikitext-103/, cbt/ "
                                            "(default: $SWITCHHEAD_DATA_DIR, else the checkout's ../shared/data)")
     parser.add_argument("--cbt-dir", help="folder with cbtest_CN_test_2500ex.txt and cbtest_NE_test_2500ex.txt")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences scored per forward pass, for the tasks and perplexity (8)")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N, mps (cpu)")
     parser.add_argument("--perplexity", action="append", default=[], metavar="FILE",
                         help="text file (.txt, .tokens, .jsonl 'text' field) to score; repeatable")
-    parser.add_argument("--ppl-protocol", choices=("sliding", "chunked"), default="sliding")
+    parser.add_argument("--ppl-protocol", choices=("sliding", "chunked"), default="sliding",
+                        help="perplexity windows: 'sliding' (overlapping, each token scored once with as much "
+                             "context as --stride leaves) or 'chunked' (disjoint blocks of --context tokens)")
     parser.add_argument("--context", type=int, help="perplexity window (default: max_position_embeddings)")
     parser.add_argument("--stride", type=int, help="sliding-window stride (default: context / 2)")
     parser.add_argument("--plots", metavar="DIR", help="write attention and expert-selection PNGs for --text here")
@@ -59,7 +62,8 @@ def register(subparsers) -> None:
         description="MAC and memory accounting of a configuration, per attention layer and sequence, with the "
                     "formula the paper's tables used and the printed Eq. 13 labelled, plus whole-model forward "
                     "MACs and KV-cache bytes per token.")
-    parser.add_argument("config", help="a preset name (see `--list`), a config.json, or a model folder")
+    parser.add_argument("config", help="a preset name (`switchhead train --list-presets` lists them), a "
+                                       "config.json, or a model folder")
     parser.add_argument("--context", type=int, help="sequence length T (default: max_position_embeddings)")
     parser.add_argument("--memory-chunks", type=int,
                         help="previous chunks attended to, C - 1 (default: the XL memory of the config, 0 for RoPE)")

@@ -40,7 +40,8 @@ def register(subparsers) -> None:
                                                                       "max_position_embeddings))")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate, cosine decay (1e-3)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps (0)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed of the LoRA initialisation and the data order (0)")
     parser.add_argument("--merge", action="store_true", help="also write the merged model to OUTPUT/merged")
     parser.add_argument("--no-verify", action="store_true",
                         help="fine-tune a training run's folder even when its SHA-256 manifest does not verify")

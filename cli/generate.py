@@ -12,9 +12,9 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text from a saved model folder")
     parser.add_argument("model", help="a save_pretrained folder (with its tokenizer)")
     parser.add_argument("--prompt", default="The", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate after the prompt (40)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy decoding")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling (--temperature > 0)")
     parser.add_argument("--no-verify", action="store_true",
                         help="load a training run's folder even when its SHA-256 manifest does not verify")
     parser.add_argument("--trust-remote-code", action="store_true",
