@@ -186,9 +186,9 @@ def weight_files(folder: str) -> list[str]:
 def weight_source(folder: str) -> tuple[list[str], str | None]:
     """(the safetensors files Transformers' `from_pretrained` loads from a saved folder (sharded or not), in the order
     it picks them: config.json's `transformers_weights`, else model.safetensors, else the index's shards; the index
-    read, or None). UnloadableModel where the folder has none (naming what it holds instead: pickled weights are never loaded,
-    unpickling can run code stored in the file), or where what Transformers loads could differ from these files
-    (see the module docstring)."""
+    read, or None). UnloadableModel where the folder has none (naming what it holds instead: pickled weights are
+    never loaded, unpickling can run code stored in the file), or where what Transformers loads could differ from
+    these files (see the module docstring)."""
     adapter = [name for name in ADAPTER_FILES if os.path.lexists(os.path.join(folder, name))]
     if adapter:
         raise UnloadableModel(f"model folder {folder!r} holds a LoRA adapter ({adapter[0]}) beside the model, which "

@@ -116,8 +116,10 @@ def test_nan_model_safetensors_beside_an_index_of_clean_shards_is_refused(folder
 
 def test_a_clean_model_safetensors_beside_an_index_is_refused_too(folder):
     shard(folder, halves(tensors_of(folder)))
-    save(load_file(folder / "model-00001-of-00002.safetensors") | load_file(folder / "model-00002-of-00002.safetensors"),
-         folder / "model.safetensors")
+    whole = {}
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        whole.update(load_file(folder / name))
+    save(whole, folder / "model.safetensors")
     refused(folder, "holds both")
 
 
@@ -416,7 +418,8 @@ def test_generate_eval_export_and_serve_refuse_in_one_line(hub_saved, tmp_path, 
     text.write_text("the sea is wide and the fish are many.\n" * 40)
     capsys.readouterr()
     for argv in (["generate", str(folder), "--max-new-tokens", "2"], ["eval", str(folder), "--perplexity", str(text)],
-                 ["export", str(folder), str(tmp_path / "out.onnx")], ["serve", str(folder), "--port", str(free_port())]):
+                 ["export", str(folder), str(tmp_path / "out.onnx")],
+                 ["serve", str(folder), "--port", str(free_port())]):
         assert main(argv) == 2, (damage, argv[0])
         assert words in one_line(capsys, argv[0]), (damage, argv[0])
     assert not (tmp_path / "out.onnx").exists()
