@@ -11,22 +11,15 @@ took the line out of, is left as it is.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 from typing import Any
 
-from ..model_card import render_card
+from ..model_card import data_description, render_card, run_training
 
 CARD_NAME = "README.md"
 CARD_MARKER = ("<!-- written by switchhead when the run finished, and rewritten when it finishes again; delete this "
                "line to keep your edits -->")
-# TrainingConfig fields shown as the card's training hyperparameters, in this order
-TRAINING_FIELDS = ("preset", "max_steps", "batch_size", "gradient_accumulation_steps", "block_size", "learning_rate",
-                   "min_learning_rate", "warmup_steps", "weight_decay", "adam_betas", "grad_clip", "mixed_precision",
-                   "seed", "vocab_size", "tokenizer")
-
 
 def with_context(tokenizer, model_config):
     """`tokenizer` with `model_max_length` at most the model's context (`max_position_embeddings`), in place of the
@@ -52,39 +45,13 @@ def framework_versions() -> list[tuple[str, str]]:
     return found
 
 
-def _data_name(data: str | None) -> str:
-    if data is None or data == "python-stdlib":
-        return ("the Python standard library's reference documentation and module sources (the embedded default "
-                "corpus of `switchhead train`)")
-    return f"`{os.path.basename(os.path.normpath(data))}`" if os.path.exists(data) else f"`{data}` (Hub dataset)"
-
-
-def _validation_rows(log_path: str) -> list[tuple[Any, ...]]:
-    """(step, training loss, validation loss, validation perplexity) of every evaluated step of log.csv."""
-    if not os.path.isfile(log_path) or os.path.islink(log_path):
-        return []
-    with open(log_path, newline="", encoding="utf-8") as handle:
-        rows = [row for row in csv.DictReader(handle) if row.get("valid_loss")]
-    return [(int(row["step"]), f"{float(row['loss']):.4f}", f"{float(row['valid_loss']):.4f}",
-             f"{float(row['valid_perplexity']):.2f}") for row in rows]
-
-
-def train_card(output_dir: str, model_config, settings: dict[str, Any]) -> str:
-    """The card text of a `switchhead train` folder: `settings` is its TrainingConfig as a dict (training_config.json),
-    the results come from its log.csv."""
-    results = _validation_rows(os.path.join(output_dir, "log.csv"))
-    steps = results[-1][0] if results else settings.get("max_steps")
-    note = (f"Pretrained from random initialisation with `switchhead train` (preset `{settings.get('preset')}`) for "
-            f"{steps} steps of {settings.get('batch_size')} sequences of {settings.get('block_size')} tokens: AdamW, "
-            "linear warmup then cosine decay of the learning rate.")
+def train_card(output_dir: str, model_config, settings: dict[str, Any] | None = None) -> str:
+    """The card text of a `switchhead train` folder: `settings` is its TrainingConfig as a dict (default: its
+    training_config.json), the results come from its log.csv (`switchhead.model_card.run_training`)."""
+    training = run_training(output_dir, settings, framework_versions())
     name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
-    card = render_card(
-        model_config, model_name=name, repo_id=name,
-        training_data=f"Trained on {_data_name(settings.get('data'))}.",
-        training=dict(note=note, rows=[(field, settings[field] if settings[field] is not None or field != "tokenizer"
-                                        else "a BPE trained on the training split") for field in TRAINING_FIELDS
-                                       if field in settings],
-                      results=results, versions=framework_versions()))
+    card = render_card(model_config, model_name=name, repo_id=name,
+                       training_data=training.pop("data") if training else None, training=training)
     return f"{card}\n\n{CARD_MARKER}\n"
 
 
@@ -104,7 +71,7 @@ def finetune_card(model_config, *, name: str, base_model: str, settings: dict[st
     card = render_card(
         model_config, model_name=name, repo_id=name, adapter=adapter, base_name=base_name,
         base_model=None if os.path.exists(base_model) else base_model,
-        training_data=f"Fine-tuned on {_data_name(settings.get('data'))}.",
+        training_data=f"Fine-tuned on {data_description(settings.get('data'))}.",
         training=dict(note=note, rows=[(key, value) for key, value in settings.items() if key != "data"],
                       results=results, versions=framework_versions()))
     return f"{card}\n\n{CARD_MARKER}\n"
@@ -130,13 +97,9 @@ def write_card(folder: str, text: str, replace: bool = False) -> str | None:
 
 
 def write_train_card(output_dir: str, model_config, settings: dict[str, Any] | None = None) -> str | None:
-    """The finished run's card, from its settings (default: its training_config.json, the settings it started
-    with) and log.csv (see `train_card`, `write_card`)."""
-    marker = os.path.join(output_dir, "training_config.json")
-    if settings is None and os.path.isfile(marker) and not os.path.islink(marker):
-        with open(marker, encoding="utf-8") as handle:
-            settings = json.load(handle)
-    return write_card(output_dir, train_card(output_dir, model_config, settings or {}))
+    """The finished run's card, from its settings (the TrainingConfig it ran with, as a dict: a resume may have
+    changed max_steps) and log.csv (see `train_card`, `write_card`)."""
+    return write_card(output_dir, train_card(output_dir, model_config, settings))
 
 
 __all__ = ["CARD_MARKER", "finetune_card", "framework_versions", "train_card", "with_context", "write_card",
