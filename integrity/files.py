@@ -4,7 +4,7 @@ Every file a command writes over (`export --overwrite`, `eval --output --overwri
 log and manifests) is written beside its destination under a fresh name, flushed to disk, then renamed over it:
 killed at any moment, the user has the old file or the new one, never none and never half of one. The fresh name
 is created with O_EXCL | O_NOFOLLOW (`tempfile.mkstemp`), so a link planted at a predictable name is never
-written through, and the file is checked to be the one created before it is renamed into place.
+written through, and it is checked to be a regular file of one name (no link) before it is renamed into place.
 
 What is never written: a destination that is a symbolic link (the rename would replace the link, but the user
 meant the file it points to, and a link the command did not create is not the command's to replace), or anything
@@ -201,13 +201,13 @@ def atomic_file(destination: str, overwrite: bool = True, option: str = "--overw
                                          dir=folder)
     except OSError as error:
         raise write_error(error, destination) from None
-    created = None
     try:
-        created = os.fstat(fd).st_ino
         os.fchmod(fd, _mode(destination))  # mkstemp makes it 0600: give it what a plain open() would
         os.close(fd)
         fd = None
         yield temporary
+        # still a regular file of one name (a writer may have replaced it by its own rename; a link or a hard link
+        # to another file is refused): what is renamed into place is what was written here
         try:
             fd = os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             info = os.fstat(fd)
@@ -215,7 +215,7 @@ def atomic_file(destination: str, overwrite: bool = True, option: str = "--overw
             if error.errno != errno.ELOOP:
                 raise
             info = None
-        if info is None or not stat.S_ISREG(info.st_mode) or info.st_ino != created:
+        if info is None or not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
             raise OutputError(f"the temporary file {temporary!r} was replaced while it was written; nothing was "
                               f"written to {destination!r}")
         os.fsync(fd)
@@ -227,9 +227,8 @@ def atomic_file(destination: str, overwrite: bool = True, option: str = "--overw
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        with contextlib.suppress(OSError):
-            if os.path.lexists(temporary) and os.lstat(temporary).st_ino == created:
-                os.unlink(temporary)
+        with contextlib.suppress(OSError):  # the name only (a link there is removed, never followed)
+            os.unlink(temporary)
         failure = write_error(error, destination)
         if failure is not error:
             raise failure from None

@@ -181,6 +181,23 @@ def test_a_temporary_file_swapped_for_a_link_while_written_is_never_renamed_into
     assert mine.read_text() == MINE and not (tmp_path / "out.txt").exists()
 
 
+def test_a_temporary_file_swapped_for_a_hard_link_to_a_users_file_is_never_renamed_into_place(tmp_path):
+    mine = users_file(tmp_path)
+    with pytest.raises(OutputError, match="was replaced while it was written"):
+        with atomic_file(str(tmp_path / "out.txt")) as temporary:
+            os.unlink(temporary)
+            os.link(mine, temporary)
+    assert mine.read_text() == MINE and not (tmp_path / "out.txt").exists() and not leftovers(tmp_path)
+
+
+def test_a_writer_that_replaces_the_temporary_file_by_its_own_rename_is_published(tmp_path):
+    """safetensors and others write a file of their own and rename it over the path they were given."""
+    with atomic_file(str(tmp_path / "out.txt")) as temporary:
+        Path(temporary + ".own").write_text("written by rename")
+        os.replace(temporary + ".own", temporary)
+    assert (tmp_path / "out.txt").read_text() == "written by rename" and not leftovers(tmp_path)
+
+
 def test_a_node_planted_at_the_destination_while_written_is_not_replaced(tmp_path):
     with pytest.raises(OutputError, match="a FIFO"):
         with atomic_file(str(tmp_path / "out.txt")) as temporary:
