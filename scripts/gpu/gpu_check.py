@@ -1,4 +1,4 @@
-"""Correctness on a GPU: the Triton CVMM kernels and the whole model, checked before anything is timed (issue #11).
+"""Correctness on a GPU: the Triton CVMM kernels and the whole model, checked before anything is timed.
 
     python scripts/gpu/gpu_check.py                  # CUDA: every section, paper shapes, >= 300 random problems
     python scripts/gpu/gpu_check.py --cpu-smoke      # anywhere: the same checks on small shapes, Triton interpreted
@@ -13,8 +13,9 @@ Sections (`--sections`, comma separated; all by default):
   modes (atomic, deterministic), against the float64 PyTorch reference on the same rounded values; the error is
   max |got - want| / max |want| per tensor. Deterministic mode must also give bitwise equal results twice.
 - `model`: whole models (RoPE, XL, SwitchAll; 2 layers of the 47M presets on CUDA, the tiny presets on CPU):
-  logits and every parameter gradient with the Triton path against the PyTorch path (fp32, and bf16 autocast),
-  and cached decoding (one token at a time through the KV cache) against the full forward over the same tokens.
+  logits and every parameter gradient with the Triton path against the PyTorch path (fp32, with the PyTorch run's
+  ReLU decisions replayed in the Triton run: `ReluDecisions`; and bf16 autocast, each path against fp32), and cached
+  decoding (one token at a time through the KV cache) against the full forward over the same tokens.
 - `compile`: `torch.compile(fullgraph=True)` with inductor of a training step (loss and gradients against eager)
   and of static-cache `generate` (tokens against eager `generate`), for RoPE and XL; and compiled flex_attention
   for XL (logits and gradients against sdpa).
@@ -370,65 +371,17 @@ def bf16_row(variant, preset, triton_run, torch_run, fp32_run, **extra) -> dict:
     return row
 
 
-def diagnose_fp32_mismatch(variant: str, model, ids, triton_run, torch_run, worst: str | None,
-                           decisions: ReluDecisions | None = None) -> dict:
-    """Where an fp32 whole-model check failed: which side is wrong, and does it depend on the autotuner?
-
-    Runs the Triton path again with the first autotune config pinned (no benchmarking), and the PyTorch path in
-    float64 on a copy of the model, then reports, for the worst parameter of the failed check and for the logits,
-    how far the Triton run, the pinned Triton run and the PyTorch fp32 run each are from float64 (`worst`: that
-    parameter's name, as the check found it). The side far from float64 is the wrong one; both near it would mean
-    the check's tolerance is too tight. With `decisions`, the reruns replay the PyTorch run's ReLU decisions too."""
-    import copy
-
-    import torch
-
-    logits, grads = triton_run
-    want_logits, want_grads = torch_run
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-
-    def held(on):  # the PyTorch run's ReLU decisions, replayed in `on` (the model or its float64 copy)
-        if decisions is None:
-            return contextlib.nullcontext()
-        replayer = decisions if on is model else ReluDecisions(on)
-        replayer.masks = decisions.masks
-        return replayer.replay()
-
-    try:
-        model.set_experts_implementation("cvmm")
-        with pinned_kernel_configs(0) as configs, held(model):
-            pinned_logits, pinned_grads = loss_and_grads(model, ids, None)
-        wide = copy.deepcopy(model).double()
-        wide.set_experts_implementation("eager")
-        with held(wide):
-            wide_logits, wide_grads = loss_and_grads(wide, ids, None)
-        del wide
-    finally:
-        torch.set_float32_matmul_precision(previous)
-    errors = {}
-    for label, (run_logits, run_grads) in (("triton", (logits, grads)), ("triton pinned", (pinned_logits, pinned_grads)),
-                                           ("torch", (want_logits, want_grads))):
-        errors[f"logits vs fp64 ({label})"] = relative_error(run_logits, wide_logits)
-        if worst is not None:
-            errors[f"{worst} vs fp64 ({label})"] = relative_error(run_grads[worst], wide_grads[worst])
-    far = {label: errors[f"{worst} vs fp64 ({label})"] for label in ("triton", "torch")} if worst else {}
-    wrong = [label for label, error in far.items() if error > MODEL_TOLERANCE["fp32"]]
-    return dict(section="diagnosis", name=f"{variant} fp32 mismatch against float64, and with a config pinned",
-                status="mismatch" if wrong else "ok", errors=errors, worst_parameter=worst, kernel_configs=configs,
-                wrong_side=wrong or None)
-
-
 class ReluDecisions:
     """Holds the ReLU decisions of one run of a model and replays them in the runs compared with it.
 
-    A pre-activation within rounding of zero is positive in one run and negative in another (measured: SwitchAll-XL's
-    3.6% "gradient error" of issue #40 is one sigma-MoE key unit at +2.1e-7 in fp32 and -4.2e-7 in float64, with
-    the logits within 1.2e-6). The ReLU's derivative jumps there, so the gradients of two correct runs can differ by
-    percents while the forward agrees: the whole-model check would test where the kinks fall, not the expert op. So
-    the reference run records each ReLU's mask (`record`), and every run compared with it multiplies by those masks
-    instead (`replay`), counting the pre-activations whose own sign disagrees (`kinks`): the values differ only
-    there, by a rounding error, and the gradients then differ only by the arithmetic under test."""
+    A pre-activation within rounding of zero is positive in one run and negative in another (on an H100, a fresh
+    2-layer SwitchAll-XL had one sigma-MoE key unit at +2.1e-7 in fp32 and -4.2e-7 in float64: a 3.6% gradient
+    difference with the logits within 1.2e-6). The ReLU's derivative jumps there, so the gradients of two correct
+    runs can differ by percents while the forward agrees: the whole-model check would test where the kinks fall, not
+    the expert op. So the reference run records each ReLU's mask (`record`), and every run compared with it
+    multiplies by those masks instead (`replay`), counting the pre-activations whose own sign disagrees (`kinks`):
+    the values differ only there, by a rounding error, and the gradients then differ only by the arithmetic under
+    test."""
 
     def __init__(self, model):
         from switchhead.expert_ops import relu
@@ -505,9 +458,6 @@ def model_section(smoke: bool, device, log) -> list[dict]:
             if missing:
                 row.update(status="mismatch", missing_gradients=missing)
             rows.append(row)
-            if row["status"] != "ok":
-                rows.append(diagnose_fp32_mismatch(variant, model, ids, (logits, grads), (want_logits, want_grads),
-                                                   row["worst_parameter"], decisions))
             if ("bf16", "triton") in runs:
                 rows.append(bf16_row(variant, preset, runs["bf16", "triton"], runs["bf16", "torch"],
                                      runs["fp32", "torch"], batch=batch, length=length))
