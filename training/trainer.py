@@ -22,6 +22,7 @@ Output folder layout:
                                     RNG states and XL memory as safetensors + JSON (rng_state_P.safetensors,
                                     xl_memory_P.safetensors), so resuming unpickles nothing of ours
     OUTPUT/SHA256SUMS, OUTPUT/checkpoints/step-NNNNNNN/SHA256SUMS   SHA-256 manifests, written last
+    OUTPUT/README.md                the model card (Hub metadata, settings, validation losses), after the manifest
     OUTPUT/events.log               fallbacks to older checkpoints, inexact resumes, divergence stops
 
 Checkpoints are written to a hidden temporary folder, closed with a SHA-256 manifest and renamed into place when
