@@ -437,7 +437,8 @@ def test_card_output_refuses_links_fifos_and_devices_even_with_overwrite(model_d
 def test_eval_and_export_outputs_refuse_links_fifos_and_devices_even_with_overwrite(model_dir, tmp_path, capsys,
                                                                                       node):
     found = nodes(tmp_path)
-    assert main(["eval", str(model_dir), "--output", str(found[node]), "--overwrite", "--tasks", "none"]) == 2
+    text = users_file(tmp_path, "text.txt")
+    assert main(["eval", str(model_dir), "--output", str(found[node]), "--overwrite", "--perplexity", str(text)]) == 2
     line = one_error_line(capsys, "eval")
     assert "symbolic link" in line or "not a regular file" in line, line
     assert main(["export", str(model_dir), str(found[node]), "--overwrite"]) == 2
@@ -457,7 +458,8 @@ def test_outputs_over_the_model_folders_own_files_are_refused(model_dir, tmp_pat
         assert "file of the model folder being read" in one_error_line(capsys, "card")
         assert main(["export", str(model), str(model / name), "--overwrite"]) == 2
         assert "file of the model folder being read" in one_error_line(capsys, "export")
-        assert main(["eval", str(model), "--output", str(model / name), "--overwrite", "--tasks", "none"]) == 2
+        assert main(["eval", str(model), "--output", str(model / name), "--overwrite", "--perplexity",
+                     str(model / "config.json")]) == 2
         assert "file of the model folder being read" in one_error_line(capsys, "eval")
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
 
