@@ -181,10 +181,52 @@ def quiet_library_noise() -> None:
     for name in _LibraryNoise.MESSAGES:
         logging.getLogger(name).addFilter(_NOISE)
     warnings.filterwarnings("ignore", message=r"Detected pickle protocol \d+ in the checkpoint", category=UserWarning)
+    # Transformers' deprecation notices are about its API, not the user's command, and came before the error line
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|huggingface_hub)(\.|$)")
+    # Transformers' "Loading weights" / "Writing model shards" bars (and the Hub's download bars) came before the
+    # one error line of a failure after loading; our own progress bars (train, eval) are unaffected
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+def undecodable_argument(argv: list[str]) -> str | None:
+    """The error message for the first argument that is not valid UTF-8 (Python keeps such bytes as lone
+    surrogates, which fail later wherever the text is written or encoded), else None."""
+    for index, item in enumerate(argv):
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(item)[:60]
+            return f"argument {index + 1} ({shown!r}) is not valid UTF-8; rename the file or pass a UTF-8 path"
+    return None
+
+
+def flush_stdout() -> None:
+    """Write out what the command printed; a full or closed stdout (`> /dev/full`) is a UsageError, and stdout is
+    pointed at the null device so that the interpreter's own flush at exit does not report it a second time."""
+    try:
+        sys.stdout.flush()
+    except OSError as error:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        raise UsageError(f"cannot write the output to stdout: {error.strerror or error}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_library_noise()
+    undecodable = undecodable_argument(list(sys.argv[1:] if argv is None else argv))
+    if undecodable is not None:
+        first = (sys.argv[1:] if argv is None else argv)[:1]
+        command = first[0] if first and undecodable_argument(first) is None and not first[0].startswith("-") else None
+        print(error_line(command, undecodable), file=sys.stderr)
+        return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a subcommand that relaunches itself
@@ -196,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     previous = _raise_on_sigterm()
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        flush_stdout()
+        return code
     except UsageError as error:
         report(error_line(args.command, error))
         return error.exit_code

@@ -53,7 +53,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from switchhead.training.data import DataError
-    from switchhead.training.finetune import FinetuneError, finetune
+    from switchhead.training.finetune import FinetuneDiverged, FinetuneError, finetune
 
     try:
         result = finetune(args.model, args.data, args.output_dir, r=args.rank, lora_alpha=args.alpha,
@@ -63,6 +63,8 @@ def run(args) -> int:
                           merge=args.merge, quantize=args.quantize, verify=not args.no_verify)
     except (FinetuneError, DataError) as error:
         raise UsageError(str(error)) from None
+    except FinetuneDiverged as error:  # as `switchhead train` on divergence
+        raise UsageError(str(error), exit_code=3) from None
     print(f"{result.steps} steps, {result.trainable_parameters:,} of {result.total_parameters:,} parameters trained: "
           f"validation perplexity {result.valid_perplexity_before:.2f} -> {result.valid_perplexity_after:.2f}; "
           f"adapter in {result.output_dir}")

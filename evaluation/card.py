@@ -35,8 +35,10 @@ def load_results(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"evaluation result file {path} does not exist")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or not isinstance(data.get("results", {}), dict):
+    from switchhead.integrity.user_json import read_json_object
+
+    data = read_json_object(path, f"evaluation result file {path}")
+    if not isinstance(data.get("results", {}), dict):
         raise ValueError(f"{path} is not a `switchhead eval --output` file (expected a 'results' mapping)")
     return data
 

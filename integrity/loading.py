@@ -403,7 +403,10 @@ def check_saved_model(folder: str, verify: bool = True, trust_remote_code: bool 
     """Refuse (UnloadableModel naming the problem) a saved model folder that should not be loaded; see the module
     docstring. Reads every tensor once; allocates no model. Returns the `trust_remote_code` bool to pass to every
     Transformers call on the folder (`switchhead.integrity.trust.check_remote_code`)."""
+    from .user_json import check_folder_json
+
     try:
+        check_folder_json(folder)  # JSON files Transformers would fail on with a traceback (a list, 10^5 levels)
         trust = check_remote_code(folder, trust_remote_code)
     except ValueError as error:
         raise UnloadableModel(str(error)) from None

@@ -56,6 +56,35 @@ class FinetuneError(ValueError):
     """Bad fine-tuning input: the message says what to change."""
 
 
+class FinetuneDiverged(RuntimeError):
+    """The training loss or the LoRA weights became non-finite: nothing was saved (`switchhead finetune` exits with
+    code 3, as `switchhead train` does on divergence)."""
+
+
+def check_finetune_settings(output_dir, data, r, lora_alpha, max_steps: int, batch_size: int, block_size,
+                            learning_rate: float, warmup_steps: int, seed: int) -> None:
+    """FinetuneError naming the first setting no run can use, before anything is loaded or written (an infinite
+    learning rate trained to NaN weights and exited 0; an empty output folder name meant the current folder)."""
+    for name, value in (("output folder", output_dir), ("data", data)):
+        if not isinstance(value, str) or not value.strip() or "\0" in value:
+            raise FinetuneError(f"{name} must be a non-empty path, got {value!r}")
+    for name, value, low in (("--max-steps", max_steps, 1), ("--batch-size", batch_size, 1), ("--rank", r, 1),
+                             ("--warmup-steps", warmup_steps, 0), ("--seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise FinetuneError(f"{name} must be an integer >= {low}, got {value!r}")
+    if seed >= 2**32:  # NumPy's seeds, which set_seed sets too, are below 2**32
+        raise FinetuneError(f"--seed must be below 2**32, got {seed}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2):
+        raise FinetuneError(f"--block-size must be an integer >= 2 (a next-token loss needs two tokens), got "
+                            f"{block_size!r}")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) \
+            or not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise FinetuneError(f"--learning-rate must be a finite number > 0, got {learning_rate!r}")
+    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))
+                                   or not math.isfinite(lora_alpha) or lora_alpha <= 0):
+        raise FinetuneError(f"--alpha must be a finite number > 0, got {lora_alpha!r}")
+
+
 def _require_peft():
     try:
         import peft
@@ -320,6 +349,8 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     """
     from ..integrity import LOCK_NAME, FolderLock, check_saved_model
 
+    check_finetune_settings(output_dir, data, r, lora_alpha, max_steps, batch_size, block_size, learning_rate,
+                            warmup_steps, seed)
     _require_peft()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FinetuneError(f"{model_dir} is not a saved model folder (no config.json)")
@@ -415,6 +446,7 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     after = _mean_loss(peft_model, valid, batch_size)
+    _check_finite(peft_model, losses, after, learning_rate)  # before anything is saved
 
     from .run_card import with_context
 
@@ -454,6 +486,17 @@ def _write_cards(output_dir, model_dir, config, merge, losses, before, after, se
                                          valid_before=before, valid_after=after, adapter=adapter), replace=True)
 
 
+def _check_finite(model, losses: list[float], valid_loss: float, learning_rate: float) -> None:
+    """FinetuneDiverged when a logged training loss, the validation loss or a trained (LoRA) weight is not finite:
+    such an adapter is never saved."""
+    bad = [name for name, parameter in model.named_parameters()
+           if parameter.requires_grad and not bool(torch.isfinite(parameter).all())]
+    if bad or not all(math.isfinite(loss) for loss in losses) or not math.isfinite(valid_loss):
+        what = f"{len(bad)} trained weight tensor(s) (e.g. {bad[0]})" if bad else "the loss"
+        raise FinetuneDiverged(f"fine-tuning diverged: {what} became non-finite (learning rate {learning_rate!r}); "
+                               f"nothing was saved; lower --learning-rate")
+
+
 def _take_characters(documents: list[str], characters: int) -> list[str]:
     """The leading documents up to about `characters` characters (the last one cut)."""
     taken, count = [], 0
@@ -465,7 +508,7 @@ def _take_characters(documents: list[str], characters: int) -> list[str]:
     return taken
 
 
-__all__ = ["DENSE_MODULES", "EXPERT_PARAMETERS", "FinetuneError", "FinetuneResult", "QUANTIZATIONS", "apply_lora",
+__all__ = ["DENSE_MODULES", "EXPERT_PARAMETERS", "FinetuneDiverged", "FinetuneError", "FinetuneResult", "QUANTIZATIONS", "apply_lora",
            "load_quantized", "quantization_config",
            "attention_param_wrapper", "default_lora_targets", "finetune", "load_lora", "lora_config", "lora_targets",
            "register_switchhead_modules"]
