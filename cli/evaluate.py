@@ -312,13 +312,24 @@ def run_card(args) -> int:
         sys.stdout.write(str(card))
         return 0
     output = Path(args.output or os.path.join(args.model, "README.md"))
-    refuse_existing_output(str(output), args.overwrite, model=args.model)
+    # the card a training run wrote into its folder is replaced like a missing one; the new card is the user's
+    replace = args.overwrite or (args.output is None and _written_by_training(output))
+    refuse_existing_output(str(output), replace, model=args.model)
     from switchhead.integrity import atomic_file
 
-    with atomic_file(str(output), args.overwrite) as temporary:  # no link, device or FIFO is written through
+    with atomic_file(str(output), replace) as temporary:  # no link, device or FIFO is written through
         Path(temporary).write_text(str(card), encoding="utf-8")
     print(f"wrote {output}")
     return 0
+
+
+def _written_by_training(path: Path) -> bool:
+    """Whether `path` is the card `switchhead train` / `finetune` wrote (a plain file ending with its marker)."""
+    from switchhead.training.run_card import CARD_MARKER
+
+    if path.is_symlink() or not path.is_file():
+        return False
+    return path.read_text(encoding="utf-8", errors="replace").rstrip().endswith(CARD_MARKER)
 
 
 def run_publish(args, api=None) -> int:

@@ -50,8 +50,12 @@ def _plain_file(path: str) -> bool:
 def run_training(folder: str | Path, settings: dict[str, Any] | None = None,
                  versions: list[tuple[str, str]] | None = None) -> dict[str, Any] | None:
     """The `training` section of a card for a `switchhead train` folder: the settings (`settings`, default its
-    training_config.json), the validation rows of its log.csv and `versions`. None for a folder that is no run."""
-    if settings is None:
+    training_config.json), the validation rows of its log.csv and `versions`. None for a folder that is no run.
+
+    training_config.json holds the settings the run started with; a resume may have changed `max_steps`, so with
+    the file the steps are the last step of the log (a run always validates at its last step)."""
+    from_file = settings is None
+    if from_file:
         path = os.path.join(folder, RUN_SETTINGS)
         if not _plain_file(path):
             return None
@@ -64,6 +68,8 @@ def run_training(folder: str | Path, settings: dict[str, Any] | None = None,
             results = [(int(row["step"]), f"{float(row['loss']):.4f}", f"{float(row['valid_loss']):.4f}",
                         f"{float(row['valid_perplexity']):.2f}") for row in csv.DictReader(handle)
                        if row.get("valid_loss")]
+    if from_file and results:
+        settings = {**settings, "max_steps": results[-1][0]}
     steps = results[-1][0] if results else settings.get("max_steps")
     note = (f"Pretrained from random initialisation with `switchhead train` (preset `{settings.get('preset')}`) for "
             f"{steps} steps of {settings.get('batch_size')} sequences of {settings.get('block_size')} tokens: AdamW, "

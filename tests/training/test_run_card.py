@@ -80,9 +80,16 @@ def test_resume_rewrites_its_own_card_and_keeps_the_users(tmp_path, corpus):
     assert main(["train", "--output-dir", str(run), "--resume", "--max-steps", "4", "--no-progress"]) == 0
     text = (run / "README.md").read_text()
     assert "| max_steps | 4 |" in text and "| 4 |" in text  # ours: rewritten with the longer run
-    (run / "README.md").write_text("# my own notes\n")
+    # `switchhead card` replaces the run's card without --overwrite; its card is the user's from then on
+    assert main(["card", str(run)]) == 0
+    card = (run / "README.md").read_text()
+    assert CARD_MARKER not in card and "Attention cost per layer" in card and "| max_steps | 4 |" in card
     assert main(["train", "--output-dir", str(run), "--resume", "--max-steps", "6", "--no-progress"]) == 0
+    assert (run / "README.md").read_text() == card
+    (run / "README.md").write_text("# my own notes\n")
+    assert main(["train", "--output-dir", str(run), "--resume", "--max-steps", "8", "--no-progress"]) == 0
     assert (run / "README.md").read_text() == "# my own notes\n"  # the user's card is never replaced
+    assert main(["card", str(run)]) == 2  # nor by `switchhead card` without --overwrite
 
 
 @pytest.mark.integration
