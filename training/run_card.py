@@ -21,6 +21,7 @@ CARD_NAME = "README.md"
 CARD_MARKER = ("<!-- written by switchhead when the run finished, and rewritten when it finishes again; delete this "
                "line to keep your edits -->")
 
+
 def with_context(tokenizer, model_config):
     """`tokenizer` with `model_max_length` at most the model's context (`max_position_embeddings`), in place of the
     1e30 placeholder a tokenizer gets when nobody sets it: pipelines and `truncation=True` then cut inputs to what
