@@ -82,7 +82,7 @@ def check_finetune_settings(output_dir, data, r, lora_alpha, max_steps: int, bat
         raise FinetuneError(f"--learning-rate must be a finite number > 0, got {learning_rate!r}")
     if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))
                                    or not math.isfinite(lora_alpha) or lora_alpha <= 0):
-        raise FinetuneError(f"--alpha must be a finite number > 0, got {lora_alpha!r}")
+        raise FinetuneError(f"LoRA alpha must be a finite number > 0 (--alpha), got {lora_alpha!r}")
 
 
 def _require_peft():
