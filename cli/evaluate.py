@@ -151,10 +151,6 @@ def run_eval(args) -> int:
         names = [t.strip() for t in args.tasks.split(",") if t.strip()]
         if not names:  # '' or ',,,' would silently evaluate nothing
             raise UsageError(f"--tasks {args.tasks!r} names no task; give comma-separated names, 'none' or 'list'")
-        if not names:  # '' or ',,,' would silently evaluate nothing
-            raise UsageError(f"--tasks {args.tasks!r} names no task; give comma-separated names, 'none' or 'list'")
-    if not names and not args.perplexity and not args.plots:
-        raise UsageError("nothing to evaluate: --tasks none with no --perplexity FILE or --plots DIR")
     paradigms = [p.strip() for p in args.blimp_paradigms.split(",")] if args.blimp_paradigms else None
     tasks = expand_tasks(names, paradigms)
     metadata = {}
