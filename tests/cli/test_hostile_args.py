@@ -341,3 +341,36 @@ def test_a_full_stdout_is_one_line_exit_2(model_folder):
                               env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("switchhead flops: error: ") and "No space left on device" in done.stderr
+
+
+def test_an_unreachable_hub_dataset_logs_no_retries(monkeypatch, caplog):
+    """Without a network the Hub client logged each of its five retries (two lines each) before the one error
+    line; they are held back during the download."""
+    import logging
+
+    import datasets
+
+    from switchhead.training.data import DataError, load_documents
+
+    def unreachable(name, *args, **kwargs):
+        for attempt in range(1, 6):
+            logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry %d/5].", attempt)
+            logging.getLogger("datasets.load").warning("could not reach the Hub")
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    before = logging.getLogger("huggingface_hub").level
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(DataError, match="neither a local path nor a loadable Hub dataset"):
+            load_documents("someone/some-dataset")
+    assert not [record for record in caplog.records if "Retry" in record.getMessage() or "reach" in
+                record.getMessage()], caplog.records
+    assert logging.getLogger("huggingface_hub").level == before  # only held back during the download
+
+
+def test_transformers_loading_bars_are_off_for_commands(corpus, tmp_path, capsys):
+    from transformers.utils import logging as transformers_logging
+
+    run(["train", "--data", str(corpus), "--output-dir", "", "--no-progress"])
+    capsys.readouterr()
+    assert not transformers_logging.is_progress_bar_enabled()
