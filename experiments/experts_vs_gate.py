@@ -502,13 +502,15 @@ def scrub(value, replacements: dict[str, str]):
     return value
 
 
-def write_results(out: Path, results_dir: Path, data: str | None = None) -> dict:
+def write_results(out: Path, results_dir: Path, data: str | None = None, code: dict | None = None) -> dict:
+    """Rewrite the results pages from the finished runs; `code`: the state stamped on them (default: the
+    checkout's, from git)."""
     records = finished_records(out, results_dir)
     replicate_cpu.add_timing(out, records)
     runs, undecided = plan(records)
     summary = summarise(records)
     failed = replicate_cpu.failures(out)
-    code = code_state()
+    code = code_state() if code is None else code
     written = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report = dict(scale=dataclasses.asdict(SCALE), learning_rates=[lr_of(r) for r in SWEEP_RUNGS], seeds=SEEDS,
                   effect=EFFECT, code=code, machine={k: v for k, v in replicate.machine().items() if k != "host"},
