@@ -374,3 +374,24 @@ def test_transformers_loading_bars_are_off_for_commands(corpus, tmp_path, capsys
     run(["train", "--data", str(corpus), "--output-dir", "", "--no-progress"])
     capsys.readouterr()
     assert not transformers_logging.is_progress_bar_enabled()
+
+
+GENERATE_CASES = [
+    (["--temperature", "1e-300"], "--temperature must be 0 (greedy) or at least"),
+    (["--temperature", "5e-324"], "--temperature must be 0 (greedy) or at least"),
+    (["--temperature", "1e-5"], "--temperature must be 0 (greedy) or at least"),
+    (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--temperature", "inf"], "--temperature must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**63)"),
+    (["--seed", HUGE], "--seed must be an integer in [0, 2**63)"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--max-new-tokens", "-4"], "--max-new-tokens must be >= 1"),
+    (["--prompt", ""], "--prompt is empty"),
+]
+
+
+@pytest.mark.parametrize("extra, words", GENERATE_CASES, ids=[" ".join(case[0]) for case in GENERATE_CASES])
+def test_generate_refuses_bad_numbers_in_one_line(model_folder, capsys, extra, words):
+    assert run(["generate", str(model_folder), *extra]) == 2
+    assert words in one_line(capsys, "generate")
