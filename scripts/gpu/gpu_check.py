@@ -371,6 +371,55 @@ def bf16_row(variant, preset, triton_run, torch_run, fp32_run, **extra) -> dict:
     return row
 
 
+def diagnose_fp32_mismatch(variant: str, model, ids, triton_run, torch_run, worst: str | None,
+                           decisions: ReluDecisions | None = None) -> dict:
+    """Where an fp32 whole-model check failed: which side is wrong, and does it depend on the autotuner?
+
+    Runs the Triton path again with the first autotune config pinned (no benchmarking), and the PyTorch path in
+    float64 on a copy of the model, then reports, for the worst parameter of the failed check and for the logits,
+    how far the Triton run, the pinned Triton run and the PyTorch fp32 run each are from float64 (`worst`: that
+    parameter's name, as the check found it). The side far from float64 is the wrong one; both near it would mean
+    the check's tolerance is too tight. With `decisions`, the reruns replay the PyTorch run's ReLU decisions too."""
+    import copy
+
+    import torch
+
+    logits, grads = triton_run
+    want_logits, want_grads = torch_run
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+
+    def held(on):  # the PyTorch run's ReLU decisions, replayed in `on` (the model or its float64 copy)
+        if decisions is None:
+            return contextlib.nullcontext()
+        replayer = decisions if on is model else ReluDecisions(on)
+        replayer.masks = decisions.masks
+        return replayer.replay()
+
+    try:
+        model.set_experts_implementation("cvmm")
+        with pinned_kernel_configs(0) as configs, held(model):
+            pinned_logits, pinned_grads = loss_and_grads(model, ids, None)
+        wide = copy.deepcopy(model).double()
+        wide.set_experts_implementation("eager")
+        with held(wide):
+            wide_logits, wide_grads = loss_and_grads(wide, ids, None)
+        del wide
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    errors = {}
+    for label, (run_logits, run_grads) in (("triton", (logits, grads)), ("triton pinned", (pinned_logits, pinned_grads)),
+                                           ("torch", (want_logits, want_grads))):
+        errors[f"logits vs fp64 ({label})"] = relative_error(run_logits, wide_logits)
+        if worst is not None:
+            errors[f"{worst} vs fp64 ({label})"] = relative_error(run_grads[worst], wide_grads[worst])
+    far = {label: errors[f"{worst} vs fp64 ({label})"] for label in ("triton", "torch")} if worst else {}
+    wrong = [label for label, error in far.items() if error > MODEL_TOLERANCE["fp32"]]
+    return dict(section="diagnosis", name=f"{variant} fp32 mismatch against float64, and with a config pinned",
+                status="mismatch" if wrong else "ok", errors=errors, worst_parameter=worst, kernel_configs=configs,
+                wrong_side=wrong or None)
+
+
 class ReluDecisions:
     """Holds the ReLU decisions of one run of a model and replays them in the runs compared with it.
 
@@ -458,6 +507,9 @@ def model_section(smoke: bool, device, log) -> list[dict]:
             if missing:
                 row.update(status="mismatch", missing_gradients=missing)
             rows.append(row)
+            if row["status"] != "ok":
+                rows.append(diagnose_fp32_mismatch(variant, model, ids, (logits, grads), (want_logits, want_grads),
+                                                   row["worst_parameter"], decisions))
             if ("bf16", "triton") in runs:
                 rows.append(bf16_row(variant, preset, runs["bf16", "triton"], runs["bf16", "torch"],
                                      runs["fp32", "torch"], batch=batch, length=length))
