@@ -48,6 +48,10 @@ def register(subparsers) -> None:
     parser.add_argument("--quantize", choices=["bnb-int8", "bnb-nf4", "torchao-int8"], default=None,
                         help="load the base quantised (dense projections only; expert tensors stay in full "
                              "precision) and train LoRA on top: bnb-nf4 is QLoRA (needs the [quant] extra)")
+    parser.add_argument("--report-to", default="none", metavar="TRACKERS",
+                        help="Trainer's report_to: tensorboard (into OUTPUT/tensorboard), wandb, mlflow, a comma list "
+                             "of them, all (those installed) or none (the default, as Transformers')")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run)
 
 
@@ -60,7 +64,8 @@ def run(args) -> int:
                           target_modules=args.target_modules, target_parameters=args.target_parameters,
                           max_steps=args.max_steps, batch_size=args.batch_size, block_size=args.block_size,
                           learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
-                          merge=args.merge, quantize=args.quantize, verify=not args.no_verify)
+                          merge=args.merge, quantize=args.quantize, verify=not args.no_verify,
+                          report_to=args.report_to, progress=not args.no_progress)
     except (FinetuneError, DataError) as error:
         raise UsageError(str(error)) from None
     except FinetuneDiverged as error:  # as `switchhead train` on divergence

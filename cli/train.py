@@ -99,7 +99,13 @@ def register(subparsers) -> None:
         "runs inference only in Transformers, so there is no --pp-size")
     for flag, help_text in SIZE_OPTIONS.items():
         sizes.add_argument(flag, type=int, default=None, metavar="N", help=help_text)
-    parser.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard logs")
+    parser.add_argument("--report-to", default=None, metavar="TRACKERS",
+                        help="experiment trackers that get the log rows (Accelerate's): tensorboard (into "
+                             "OUTPUT/tensorboard), wandb, mlflow, a comma list of them, all (those installed) or "
+                             "none (the default, as Transformers' Trainer); a resume keeps the run's unless given. "
+                             "log.csv is always written")
+    parser.add_argument("--no-tensorboard", action="store_true",
+                        help="deprecated: leaves tensorboard out of --report-to")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list-presets", action="store_true", help="list the model presets and exit")
     parser.add_argument("--demo", action="store_true",
@@ -133,7 +139,11 @@ def run(args) -> int:
                          "--num_processes N -m switchhead.cli train ...`)")
     explicit = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in OPTIONS.items()}
     explicit = {field: value for field, value in explicit.items() if value is not None}
+    if args.report_to is not None:  # it replaces a resumed run's trackers, its old TensorBoard flag included
+        explicit.update(report_to=args.report_to, tensorboard=None)
     if args.no_tensorboard:
+        if "tensorboard" in [name.strip() for name in (args.report_to or "").split(",")]:
+            raise UsageError("--no-tensorboard contradicts --report-to tensorboard: give one")
         explicit["tensorboard"] = False
     if args.no_progress:
         explicit["progress"] = False

@@ -338,7 +338,8 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
              target_modules: list[str] | None = None, target_parameters: list[str] | None = None,
              max_steps: int = 100, batch_size: int = 8, block_size: int | None = None, learning_rate: float = 1e-3,
              warmup_steps: int = 0, valid_blocks: int = 32, seed: int = 0, merge: bool = False,
-             logging_steps: int = 10, quantize: str | None = None, verify: bool = True) -> FinetuneResult:
+             logging_steps: int = 10, quantize: str | None = None, verify: bool = True,
+             report_to: str | list[str] = "none", progress: bool = True) -> FinetuneResult:
     """LoRA-fine-tune the model in `model_dir` (with its tokenizer) on `data` with the Transformers `Trainer`.
 
     Writes the adapter only to `output_dir` (plus `finetune.json` with the losses); with `merge`, also the merged
@@ -346,11 +347,14 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     `quantize` (one of `QUANTIZATIONS`) loads the base quantised and trains LoRA on top (QLoRA with `bnb-nf4`).
     `output_dir` is locked for the run (`switchhead.integrity.FolderLock`): a second writer is refused. The base
     folder is checked first (`switchhead.integrity.check_saved_model`; `verify=False` skips its manifest).
+    `report_to` is Trainer's (`report_integrations`; TensorBoard writes into `output_dir/tensorboard` unless
+    TENSORBOARD_LOGGING_DIR says otherwise); `progress` shows Trainer's progress bar, as `switchhead train` does.
     """
     from ..integrity import LOCK_NAME, FolderLock, check_saved_model
 
     check_finetune_settings(output_dir, data, r, lora_alpha, max_steps, batch_size, block_size, learning_rate,
                             warmup_steps, seed)
+    integrations, missing = report_integrations(report_to)
     _require_peft()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FinetuneError(f"{model_dir} is not a saved model folder (no config.json)")
@@ -363,7 +367,7 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
         try:
             return _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters,
                              max_steps, batch_size, block_size, learning_rate, warmup_steps, valid_blocks, seed,
-                             merge, logging_steps, quantize)
+                             merge, logging_steps, quantize, integrations, progress, missing)
         except BaseException as error:  # a full disk, Ctrl-C: no half-written adapter stays (the folder was empty)
             _remove_written(output_dir, LOCK_NAME)
             from ..integrity.files import write_error
@@ -372,6 +376,51 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
             if failure is not error:
                 raise failure from None
             raise
+
+
+def report_integrations(report_to: str | list[str]) -> tuple[list[str], list[str]]:
+    """(the Trainer integrations `report_to` names that are installed, those whose package is not): a name, a comma
+    list or a list; "all" is every installed one, "none" none. FinetuneError for a name Trainer does not know."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    names = report_to.split(",") if isinstance(report_to, str) else report_to
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise FinetuneError(f"--report-to must be a name or a comma list of names, got {report_to!r}")
+    names = list(dict.fromkeys(name.strip() for name in names if name.strip()))
+    if not names:
+        raise FinetuneError("--report-to is empty; give none for no tracker")
+    for name in names:
+        if name not in ("all", "none") and name not in INTEGRATION_TO_CALLBACK:
+            raise FinetuneError(f"--report-to: unknown integration {name!r}; choose from tensorboard, wandb, mlflow, "
+                                "all or none (or another Trainer integration)")
+    if len(names) > 1 and ("all" in names or "none" in names):
+        raise FinetuneError(f"--report-to: 'all' and 'none' stand alone, got {','.join(names)!r}")
+    available = get_available_reporting_integrations()
+    if names == ["all"]:
+        return list(available), []
+    if names == ["none"]:
+        return [], []
+    return [name for name in names if name in available], [name for name in names if name not in available]
+
+
+class _tensorboard_folder:
+    """Trainer's TensorBoard callback writes into TENSORBOARD_LOGGING_DIR, else under Trainer's output folder (which
+    is deleted at the end): point it at `output_dir/tensorboard`, a folder created here (never a link), while the
+    callback is built, unless the user set the variable."""
+
+    def __init__(self, output_dir: str, wanted: bool):
+        self.folder = os.path.join(output_dir, "tensorboard") if wanted and \
+            "TENSORBOARD_LOGGING_DIR" not in os.environ else None
+
+    def __enter__(self):
+        if self.folder is not None:
+            from ..integrity import make_folder
+
+            os.environ["TENSORBOARD_LOGGING_DIR"] = make_folder(self.folder)
+
+    def __exit__(self, *exc):
+        if self.folder is not None:
+            os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
 
 
 def _remove_written(output_dir: str, keep: str) -> None:
@@ -394,7 +443,7 @@ def _remove_written(output_dir: str, keep: str) -> None:
 
 def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters, max_steps, batch_size,
               block_size, learning_rate, warmup_steps, valid_blocks, seed, merge, logging_steps,
-              quantize) -> FinetuneResult:
+              quantize, integrations=(), progress=True, missing=()) -> FinetuneResult:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
 
@@ -438,11 +487,17 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
     args = TrainingArguments(
         output_dir=os.path.join(output_dir, "trainer"), per_device_train_batch_size=batch_size, max_steps=max_steps,
         learning_rate=learning_rate, warmup_steps=warmup_steps, lr_scheduler_type="cosine",
-        logging_steps=logging_steps, save_strategy="no", report_to=[], seed=seed, dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        logging_steps=logging_steps, save_strategy="no", report_to=list(integrations), seed=seed,
+        dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=not progress,
     )
     dataset = Dataset.from_dict({"input_ids": train.tolist(), "labels": train.tolist()})
-    trainer = Trainer(model=peft_model, args=args, train_dataset=dataset)
+    if missing:  # a note, not an error: the run goes on without them
+        import sys
+
+        print(f"switchhead finetune: note: {' and '.join(missing)} not installed (pip install {' '.join(missing)}); "
+              f"fine-tuning without {'it' if len(missing) == 1 else 'them'}", file=sys.stderr)
+    with _tensorboard_folder(output_dir, "tensorboard" in integrations):  # read when Trainer builds its callbacks
+        trainer = Trainer(model=peft_model, args=args, train_dataset=dataset)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     after = _mean_loss(peft_model, valid, batch_size)

@@ -24,8 +24,8 @@ TINY_TRAINING: dict[str, Any] = dict(block_size=128, batch_size=16, learning_rat
 # options that may change when a run is resumed: they do not change what is computed, except max_steps, which
 # extends (or shortens) the run and so stretches the cosine schedule from the resumed step on
 CHANGEABLE_ON_RESUME = ("output_dir", "resume", "eval_every", "save_every", "log_every", "keep_checkpoints",
-                        "progress", "tensorboard", "eval_batches", "max_steps", "overwrite", "skip_nonfinite",
-                        "inexact_resume", "allow_pickle")
+                        "progress", "report_to", "tensorboard", "eval_batches", "max_steps", "overwrite",
+                        "skip_nonfinite", "inexact_resume", "allow_pickle")
 
 
 class TrainingError(ValueError):
@@ -80,7 +80,10 @@ class TrainingConfig:
     log_every: int = 10
     save_every: int = 1000
     keep_checkpoints: int = 2
-    tensorboard: bool = True
+    # experiment trackers (Accelerate's): "tensorboard", "wandb", "mlflow" (a comma list or a list), "all" (those
+    # installed) or "none"; Transformers' TrainingArguments.report_to defaults to "none" too
+    report_to: str | list[str] = "none"
+    tensorboard: bool | None = None  # deprecated (--no-tensorboard): False leaves TensorBoard out, True adds it
     progress: bool = True
     resume: str | None = None  # "latest" or a checkpoint folder
     overwrite: bool = False  # start the run in output_dir (one of our runs) over, deleting its files
@@ -214,6 +217,41 @@ def check_settings(config: TrainingConfig) -> None:
         raise TrainingError("grad_clip and weight_decay must be >= 0")
     if config.mixed_precision not in ("no", "bf16", "fp16"):
         raise TrainingError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {config.mixed_precision!r}")
+    report_trackers(config)
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # the documented choices; Accelerate's other trackers work as well
+
+
+def report_trackers(config: TrainingConfig) -> list[str]:
+    """The tracker names `config.report_to` asks for ("all": those Accelerate finds installed; "none": no tracker),
+    with `config.tensorboard` applied; TrainingError for a name Accelerate does not know. Whether each is
+    installed is decided when the run starts."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    value = config.report_to
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise TrainingError(f"report_to must be a tracker name, a comma list or a list of names, got {value!r}")
+    names = [name.strip() for name in names if name.strip()]
+    if not names:
+        raise TrainingError("report_to is empty; give none for no tracker")
+    for name in names:
+        if name not in ("all", "none") and name not in LOGGER_TYPE_TO_CLASS:
+            raise TrainingError(f"report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}, all or "
+                                "none (or another tracker Accelerate knows)")
+    if len(names) > 1 and ("all" in names or "none" in names):
+        raise TrainingError(f"report_to: 'all' and 'none' stand alone, got {','.join(names)!r}")
+    if names == ["none"]:
+        names = []
+    elif names == ["all"]:
+        names = [getattr(tracker, "value", str(tracker)) for tracker in get_available_trackers()]
+    names = list(dict.fromkeys(names))
+    if config.tensorboard is False:
+        names = [name for name in names if name != "tensorboard"]
+    elif config.tensorboard is True and "tensorboard" not in names:
+        names.append("tensorboard")
+    return names
 
 
 def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:

@@ -35,16 +35,21 @@ LOG_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second",
 RUN_MARKER = "training_config.json"  # marks a folder as a `switchhead train` run (written before anything else)
 
 
-class RunLog:
-    """log.csv (and TensorBoard) of the main process. On resume the CSV is cut back to the checkpoint's step, so
-    the log of an interrupted and resumed run reads like that of an uninterrupted one. Rows are appended by
-    `open_append` (opened again for each row, without following a link): a link planted at log.csv while the run
-    goes on stops it instead of receiving the rows; tensorboard/ must be a folder, never a link to one."""
+TRACKER_PROJECT = "switchhead"  # the trackers' project (W&B project, MLflow experiment); runs are named by folder
 
-    def __init__(self, output_dir: str, start_step: int, tensorboard: bool, enabled: bool):
+
+class RunLog:
+    """log.csv of the main process, and the same rows for the run's experiment trackers (`accelerator`'s, started
+    by `start_trackers`). On resume the CSV is cut back to the checkpoint's step, so the log of an interrupted and
+    resumed run reads like that of an uninterrupted one. Rows are appended by `open_append` (opened again for each
+    row, without following a link): a link planted at log.csv while the run goes on stops it instead of receiving
+    the rows. With `tensorboard`, TensorBoard's folder (tensorboard/TRACKER_PROJECT) is created here, each level a
+    folder, never a link to one, before a tracker writes into it."""
+
+    def __init__(self, output_dir: str, start_step: int, tensorboard: bool, enabled: bool, accelerator=None):
         self.enabled = enabled
         self.path = os.path.join(output_dir, "log.csv")
-        self.writer = None
+        self.accelerator = accelerator
         if not enabled:
             return
         rows = []
@@ -58,27 +63,71 @@ class RunLog:
                 writer.writeheader()
                 writer.writerows(rows)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is an optional extra (pip install switchhead[train])
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                folder = make_folder(os.path.join(output_dir, "tensorboard"))
-                self.writer = SummaryWriter(folder, purge_step=start_step + 1)
+            make_folder(os.path.join(make_folder(tensorboard_dir(output_dir)), TRACKER_PROJECT))
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open_append(self.path, newline="") as handle:
             csv.DictWriter(handle, LOG_FIELDS).writerow(row)
-        if self.writer is not None:
-            for key, value in row.items():
-                if key != "step" and value not in ("", None):
-                    self.writer.add_scalar(f"train/{key}" if "valid" not in key else f"valid/{key}", value, row["step"])
+        if self.accelerator is not None and self.accelerator.trackers:
+            metrics = {(f"valid/{key}" if "valid" in key else f"train/{key}"): float(value)
+                       for key, value in row.items() if key != "step" and value not in ("", None)}
+            self.accelerator.log(metrics, step=int(row["step"]))
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """The run ends here (a divergence stop): the trackers close their runs."""
+        if self.accelerator is not None:
+            finish_trackers(self.accelerator)
+
+
+def tensorboard_dir(output_dir: str) -> str:
+    """The folder the run's TensorBoard tracker writes under (Accelerate's `logging_dir`)."""
+    return os.path.join(output_dir, "tensorboard")
+
+
+def installed_trackers(names: list[str]) -> tuple[list[str], list[str]]:
+    """(the trackers of `names` that can run, the built-in ones whose package is not installed); trackers
+    registered with Accelerate (`accelerate.tracking.register_tracker_class`) count as installed."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    available = {getattr(tracker, "value", str(tracker)) for tracker in get_available_trackers()}
+    built_in = {tracker.value for tracker in LoggerType}
+    missing = [name for name in names if name in built_in and name not in available]
+    return [name for name in names if name not in missing], missing
+
+
+def start_trackers(accelerator, config: TrainingConfig, start_step: int) -> None:
+    """`init_trackers` on the main process, with the run's settings flattened to scalars (nested fields as
+    "model.hidden_size", lists joined by commas, unset ones left out). Resuming at `start_step`, TensorBoard drops
+    the events its writer wrote after that step (purge_step), so the curve has no step twice; the other trackers
+    start a new run of the same name."""
+    if not accelerator.is_main_process or not accelerator.log_with:
+        return
+    settings: dict[str, Any] = {}
+
+    def flatten(prefix: str, values: dict) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                flatten(f"{prefix}{key}.", value)
+            elif isinstance(value, (list, tuple)):
+                settings[prefix + key] = ",".join(str(item) for item in value)
+            elif value is not None:
+                settings[prefix + key] = value
+
+    flatten("", config.to_dict())
+    name = os.path.basename(os.path.abspath(config.output_dir))
+    accelerator.init_trackers(TRACKER_PROJECT, config=settings,
+                              init_kwargs={"tensorboard": {"purge_step": start_step + 1}, "wandb": {"name": name},
+                                           "mlflow": {"run_name": name}})
+
+
+def finish_trackers(accelerator) -> None:
+    """Close the trackers' runs (TensorBoard flushes its events), once; `Accelerator.end_training` finds none left."""
+    trackers, accelerator.trackers = list(accelerator.trackers), []
+    for tracker in trackers:
+        tracker.finish()
 
 
 @dataclass

@@ -17,7 +17,8 @@ Output folder layout:
     OUTPUT/                         save_pretrained folder (config, weights, model code, tokenizer) at the end
     OUTPUT/training_config.json     the TrainingConfig of the run
     OUTPUT/log.csv                  one row per logged step (loss, lr, grad norm, tokens/s, peak memory, validation)
-    OUTPUT/tensorboard/             the same numbers for TensorBoard (when it is installed)
+    OUTPUT/tensorboard/switchhead/  the same numbers for TensorBoard (with report_to="tensorboard"; Accelerate's
+                                    trackers, as W&B and MLflow, get them too)
     OUTPUT/checkpoints/step-NNNNNNN model, optimizer, RNG states, XL memory and the step (the data position);
                                     RNG states and XL memory as safetensors + JSON (rng_state_P.safetensors,
                                     xl_memory_P.safetensors), so resuming unpickles nothing of ours
@@ -51,6 +52,7 @@ import math
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 
@@ -61,8 +63,10 @@ from .checkpoints import choose_checkpoint, restore_checkpoint, save_checkpoint
 from .data import TokenBatches
 from .guard import DivergenceGuard, apply_update, plain_tensor
 from .placement import check_sizes, placement_for, start_accelerator
-from .run_config import TINY_TRAINING, TrainingConfig, TrainingDiverged, TrainingError, TrainResult, learning_rate_at
-from .run_folder import RunLog, check_processes_joined, load_data, open_run, run_folder_lock, save_final_model
+from .run_config import (TINY_TRAINING, TrainingConfig, TrainingDiverged, TrainingError, TrainResult, learning_rate_at,
+                         report_trackers)
+from .run_folder import (RunLog, check_processes_joined, finish_trackers, installed_trackers, load_data, open_run,
+                         run_folder_lock, save_final_model, start_trackers, tensorboard_dir)
 
 
 def _detach(memory):
@@ -88,12 +92,23 @@ def train(config: TrainingConfig) -> TrainResult:
     the run ends, however it ends; a second writer gets TrainingError naming the holder. With `config.distributed`
     sizes the model is sharded by Transformers' distributed engine (`placement`); without a GPU its processes join
     over gloo."""
+    from accelerate.utils import ProjectConfiguration
+
     check_sizes(config.distributed)  # launched processes that do not fit the sizes: before any process group
     on_cpu = bool(config.distributed) and not torch.accelerator.is_available()
-    accelerator = start_accelerator(mixed_precision=config.mixed_precision, cpu=on_cpu)  # peers join in bounded time
+    trackers, missing = installed_trackers(report_trackers(config))
+    project = ProjectConfiguration(project_dir=config.output_dir, logging_dir=tensorboard_dir(config.output_dir))
+    accelerator = start_accelerator(mixed_precision=config.mixed_precision, cpu=on_cpu,  # peers join in bounded time
+                                    log_with=trackers or None, project_config=project)
     check_processes_joined(accelerator)
+    if missing and accelerator.is_main_process:  # a note, not an error: the run goes on without them
+        print(f"switchhead train: note: {' and '.join(missing)} not installed (pip install {' '.join(missing)}); "
+              f"training without {'it' if len(missing) == 1 else 'them'}", file=sys.stderr)
     with run_folder_lock(accelerator, config.output_dir), StopOnSignal.restoring():
-        return _train(config, accelerator)
+        try:
+            return _train(config, accelerator)
+        finally:  # however the run ends (a failure, a signal), the trackers close their runs
+            finish_trackers(accelerator)
 
 
 def _train(config: TrainingConfig, accelerator) -> TrainResult:
@@ -122,7 +137,9 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
     if resume is not None:
         step, skipped_updates, memory = restore_checkpoint(accelerator, config, resume, placement)
 
-    log = RunLog(config.output_dir, step, config.tensorboard, is_main)
+    tracked = [getattr(tracker, "value", tracker) for tracker in accelerator.log_with]
+    log = RunLog(config.output_dir, step, "tensorboard" in tracked, is_main, accelerator)
+    start_trackers(accelerator, config, step)
     if is_main:
         accelerator.print(f"{config.preset} ({data.model_config.attention_type} attention): "
                           f"{num_parameters / 1e6:.2f}M parameters, {data.train_tokens:,} training tokens, "
@@ -181,16 +198,15 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
             save_checkpoint(accelerator, config.output_dir, step, config, memory, guard.skipped_updates, placement)
         if stopping:
             progress.close()
-            log.close()
             raise stop.interrupt(step, config.output_dir)
     progress.close()
-    log.close()
 
     # ---------------------------------------------------------------- the result folder
     save_final_model(accelerator, model, data.tokenizer, config.output_dir, placement, settings=config.to_dict())
     if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
         valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches,
                               placement)
+    finish_trackers(accelerator)
     accelerator.end_training()
     return TrainResult(config.output_dir, step, loss_value, valid_loss, math.exp(valid_loss), data.unigram,
                        num_parameters, time.time() - started)

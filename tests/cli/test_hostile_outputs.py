@@ -859,7 +859,7 @@ def test_a_resume_with_a_linked_tensorboard_folder_exits_2_and_the_users_folder_
     users = tmp_path / "users"
     users.mkdir()
     run = tmp_path / "run"
-    assert main(run_args(corpus, run, 2)) == 0
+    assert main(run_args(corpus, run, 2, "--report-to", "tensorboard")) == 0  # the resume keeps the run's trackers
     shutil.rmtree(run / "tensorboard")
     (run / "tensorboard").symlink_to(users)
     capsys.readouterr()

@@ -48,7 +48,7 @@ def trained_run(tmp_path_factory):
     run = folder / "run"
     assert main(["train", "--vocab-size", "512", "--block-size", "32", "--batch-size", "8", "--max-steps", "4",
                  "--log-every", "1", "--eval-every", "2", "--eval-batches", "2", "--save-every", "2",
-                 "--no-progress", "--data", str(text), "--output-dir", str(run)]) == 0
+                 "--no-progress", "--report-to", "tensorboard", "--data", str(text), "--output-dir", str(run)]) == 0
     return run
 
 
