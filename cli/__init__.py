@@ -46,14 +46,29 @@ def error_line(command: str | None, message: object) -> str:
     return f"switchhead {command or ''}: error: {text}".replace("switchhead : ", "switchhead: ")
 
 
-def refuse_existing_output(path: str, overwrite: bool, option: str = "--overwrite") -> None:
-    """Before writing the user-named file `path`: refuse a folder, and an existing file unless `overwrite`."""
-    import os
+# the files of a saved model folder that no output may replace (its weights, configuration, tokenizer, code)
+MODEL_FILES = ("config.json", "generation_config.json", "SHA256SUMS", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "adapter_config.json")
+MODEL_FILE_ENDINGS = (".safetensors", ".bin", ".index.json", ".py", ".model", ".pt", ".pth")
 
-    if os.path.isdir(path):
+
+def refuse_existing_output(path: str, overwrite: bool, option: str = "--overwrite", model: str | None = None) -> None:
+    """Before writing the user-named file `path`: refuse a folder, a link, a FIFO or a device whatever `overwrite`
+    says (`switchhead.integrity.check_target`), an existing file unless `overwrite`, and a file of the model
+    folder `model` that the command reads (its weights, config, tokenizer or code) even with `overwrite`."""
+    from switchhead.integrity import OutputError, check_target
+
+    if os.path.isdir(path) and not os.path.islink(path):
         fail(f"output {path!r} is a folder; give a file path")
-    if os.path.lexists(path) and not overwrite:
-        fail(f"output {path!r} already exists; pass {option} to replace it, or choose another path")
+    try:
+        check_target(path, overwrite, option)
+    except OutputError as error:
+        fail(str(error))
+    name = os.path.basename(path)
+    if model is not None and os.path.isfile(path) and os.path.isdir(model) and \
+            os.path.samefile(os.path.dirname(os.path.abspath(path)), model) and \
+            (name in MODEL_FILES or name.endswith(MODEL_FILE_ENDINGS)):
+        fail(f"output {path!r} is a file of the model folder being read ({model}); choose another path")
 
 
 def check_device(name: str) -> str:
@@ -166,10 +181,52 @@ def quiet_library_noise() -> None:
     for name in _LibraryNoise.MESSAGES:
         logging.getLogger(name).addFilter(_NOISE)
     warnings.filterwarnings("ignore", message=r"Detected pickle protocol \d+ in the checkpoint", category=UserWarning)
+    # Transformers' deprecation notices are about its API, not the user's command, and came before the error line
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|huggingface_hub)(\.|$)")
+    # Transformers' "Loading weights" / "Writing model shards" bars (and the Hub's download bars) came before the
+    # one error line of a failure after loading; our own progress bars (train, eval) are unaffected
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+def undecodable_argument(argv: list[str]) -> str | None:
+    """The error message for the first argument that is not valid UTF-8 (Python keeps such bytes as lone
+    surrogates, which fail later wherever the text is written or encoded), else None."""
+    for index, item in enumerate(argv):
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(item)[:60]
+            return f"argument {index + 1} ({shown!r}) is not valid UTF-8; rename the file or pass a UTF-8 path"
+    return None
+
+
+def flush_stdout() -> None:
+    """Write out what the command printed; a full or closed stdout (`> /dev/full`) is a UsageError, and stdout is
+    pointed at the null device so that the interpreter's own flush at exit does not report it a second time."""
+    try:
+        sys.stdout.flush()
+    except OSError as error:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        raise UsageError(f"cannot write the output to stdout: {error.strerror or error}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_library_noise()
+    undecodable = undecodable_argument(list(sys.argv[1:] if argv is None else argv))
+    if undecodable is not None:
+        first = (sys.argv[1:] if argv is None else argv)[:1]
+        command = first[0] if first and undecodable_argument(first) is None and not first[0].startswith("-") else None
+        print(error_line(command, undecodable), file=sys.stderr)
+        return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a subcommand that relaunches itself
@@ -179,17 +236,51 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
+    previous = _raise_on_sigterm()
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        flush_stdout()
+        return code
     except UsageError as error:
         report(error_line(args.command, error))
         return error.exit_code
-    except expected_errors() as error:
-        report(error_line(args.command, describe_expected(error)))
+    except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (`Terminated`): every writer has cleaned up
+        from switchhead.integrity import Terminated
+
+        detail = f" ({str(error).strip().splitlines()[0]})" if str(error).strip() else ""
+        print(f"switchhead {args.command}: {'terminated' if isinstance(error, Terminated) else 'interrupted'}"
+              f"{detail}", file=sys.stderr)
+        return 143 if isinstance(error, Terminated) else 130
+    except Exception as error:
+        message = describe_failure(error)
+        if message is None:
+            raise
+        report(error_line(args.command, message))
         return 2
-    except KeyboardInterrupt:
-        print(f"switchhead {args.command}: interrupted", file=sys.stderr)
-        return 130
+    finally:
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_on_sigterm():
+    """Make SIGTERM raise `Terminated` (a KeyboardInterrupt) in the main thread for the command's run, so that what
+    cleans up after Ctrl-C (temporary files, a training run's checkpoint) runs for a kill too; returns the handler
+    to restore, or None where none was installed (not the main thread, or a handler someone else installed)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def terminated(number, frame):
+        from switchhead.integrity import Terminated
+
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, terminated)
 
 
 def report(line: str) -> None:
@@ -218,6 +309,19 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return tuple(kinds)
+
+
+def describe_failure(error: BaseException) -> str | None:
+    """The one line for a failure that is not a bug (a write the disk refused, bad input), else None. Every failed
+    write of an output ends here: `cannot write PATH: <strerror>`, whichever command met it."""
+    from switchhead.integrity.files import DISK_ERRNOS, WriteError
+
+    if isinstance(error, WriteError) or (isinstance(error, OSError) and error.errno in DISK_ERRNOS):
+        where = f" {error.filename}" if error.filename else ""
+        return f"cannot write{where}: {error.strerror or os.strerror(error.errno)}"
+    if isinstance(error, expected_errors()):
+        return describe_expected(error)
+    return None
 
 
 def describe_expected(error: BaseException) -> str:

@@ -19,6 +19,7 @@ from ..training.data import load_documents, train_tokenizer
 from ..training.trainer import TrainingConfig, TrainingError, train
 
 DEMO_PRESET = "tiny-switchhead"
+DEMO_DENSE_PRESET = "tiny-dense"  # the same shape with dense attention; its MLP is widened to match parameters
 DEMO_DENSE_HEADS = 4  # the baseline has as many heads as SwitchHead has (heads x active experts)
 DEMO_TRAINING = dict(max_steps=1500, eval_every=500, save_every=500, log_every=50, eval_batches=20)
 DEMO_PROMPT = "def read_file(path):\n"
@@ -64,16 +65,20 @@ def run_demo(output_dir: str = "runs/demo", **training_overrides) -> int:
     train_tokenizer(train_documents, base.vocab_size).save_pretrained(tokenizer_dir)
 
     switchhead_config = SwitchHeadConfig.from_preset(DEMO_PRESET)
+    dense = parameter_matched_dense(switchhead_config, DEMO_DENSE_HEADS)
+    # each model trains as its own preset, so the trainer's summary line and progress bar name it for what it is
     runs = {
         f"SwitchHead (H={switchhead_config.num_attention_heads}, E={switchhead_config.num_attention_experts}, "
-        f"k={switchhead_config.num_attention_experts_per_tok})": {},
-        f"Dense (H={DEMO_DENSE_HEADS})": parameter_matched_dense(switchhead_config, DEMO_DENSE_HEADS),
+        f"k={switchhead_config.num_attention_experts_per_tok})": (DEMO_PRESET, {}),
+        f"Dense (H={DEMO_DENSE_HEADS})": (DEMO_DENSE_PRESET, dense),
     }
     rows = []
-    for (label, model_overrides), folder in zip(runs.items(), ("switchhead", "dense")):
-        print(f"demo: training {label}")
-        config = dataclasses.replace(base, output_dir=os.path.join(output_dir, folder), tokenizer=tokenizer_dir,
-                                     model={**base.model, **model_overrides})
+    for (label, (preset, model_overrides)), folder in zip(runs.items(), ("switchhead", "dense")):
+        what = ("the SwitchHead model" if preset == DEMO_PRESET else
+                f"the dense-attention baseline, its MLP widened to {dense['intermediate_size']} to match parameters")
+        print(f"demo: training {label}: {what} (preset {preset})")
+        config = dataclasses.replace(base, preset=preset, output_dir=os.path.join(output_dir, folder),
+                                     tokenizer=tokenizer_dir, model={**base.model, **model_overrides})
         result = train(config)
         model_config = SwitchHeadConfig.from_pretrained(result.output_dir)
         macs = attention_macs(model_config, config.block_size)

@@ -32,18 +32,22 @@ def register(subparsers) -> None:
     parser.add_argument("--data-dir", help="folder with lambada/, blimp/, wikitext-2/, wikitext-103/, cbt/ "
                                            "(default: $SWITCHHEAD_DATA_DIR, else the checkout's ../shared/data)")
     parser.add_argument("--cbt-dir", help="folder with cbtest_CN_test_2500ex.txt and cbtest_NE_test_2500ex.txt")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences scored per forward pass, for the tasks and perplexity (8)")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N, mps (cpu)")
     parser.add_argument("--perplexity", action="append", default=[], metavar="FILE",
                         help="text file (.txt, .tokens, .jsonl 'text' field) to score; repeatable")
-    parser.add_argument("--ppl-protocol", choices=("sliding", "chunked"), default="sliding")
+    parser.add_argument("--ppl-protocol", choices=("sliding", "chunked"), default="sliding",
+                        help="perplexity windows: 'sliding' (overlapping, each token scored once with as much "
+                             "context as --stride leaves) or 'chunked' (disjoint blocks of --context tokens)")
     parser.add_argument("--context", type=int, help="perplexity window (default: max_position_embeddings)")
     parser.add_argument("--stride", type=int, help="sliding-window stride (default: context / 2)")
     parser.add_argument("--plots", metavar="DIR", help="write attention and expert-selection PNGs for --text here")
     parser.add_argument("--text", default="The cat sat on the mat because it was tired of standing.",
                         help="text for --plots")
     parser.add_argument("--output", metavar="FILE", help="write the results as JSON (input of `switchhead card`)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output file and existing --plots PNGs of the same names")
     parser.add_argument("--no-verify", action="store_true",
                         help="evaluate a training run's folder even when its SHA-256 manifest does not verify")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -58,7 +62,8 @@ def register(subparsers) -> None:
         description="MAC and memory accounting of a configuration, per attention layer and sequence, with the "
                     "formula the paper's tables used and the printed Eq. 13 labelled, plus whole-model forward "
                     "MACs and KV-cache bytes per token.")
-    parser.add_argument("config", help="a preset name (see `--list`), a config.json, or a model folder")
+    parser.add_argument("config", help="a preset name (`switchhead train --list-presets` lists them), a "
+                                       "config.json, or a model folder")
     parser.add_argument("--context", type=int, help="sequence length T (default: max_position_embeddings)")
     parser.add_argument("--memory-chunks", type=int,
                         help="previous chunks attended to, C - 1 (default: the XL memory of the config, 0 for RoPE)")
@@ -127,7 +132,7 @@ def run_eval(args) -> int:
     if not args.model or not (Path(args.model) / "config.json").is_file():
         raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     if args.output:
-        refuse_existing_output(args.output, args.overwrite)
+        refuse_existing_output(args.output, args.overwrite, model=args.model)
     if args.batch_size < 1:
         raise UsageError("--batch-size must be >= 1")
     if not args.perplexity:  # refused, not ignored: they shape perplexity windows only
@@ -144,6 +149,8 @@ def run_eval(args) -> int:
         names = []
     else:
         names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        if not names:  # '' or ',,,' would silently evaluate nothing
+            raise UsageError(f"--tasks {args.tasks!r} names no task; give comma-separated names, 'none' or 'list'")
     paradigms = [p.strip() for p in args.blimp_paradigms.split(",")] if args.blimp_paradigms else None
     tasks = expand_tasks(names, paradigms)
     metadata = {}
@@ -161,6 +168,19 @@ def run_eval(args) -> int:
     from switchhead.integrity import check_saved_model
 
     trust = check_saved_model(args.model, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
+    if args.plots:  # refused before any evaluation runs: an existing PNG (without --overwrite), a link, a device
+        from transformers import AutoConfig
+
+        import switchhead  # noqa: F401 - registers the config class
+        from switchhead.evaluation.analysis import plot_names
+        from switchhead.integrity import check_target
+
+        try:  # never the folder's own code; a config that does not load is reported where the model loads
+            names = plot_names(AutoConfig.from_pretrained(args.model, trust_remote_code=False))
+        except (ValueError, OSError, AttributeError, TypeError):
+            names = []
+        for name in names:
+            check_target(os.path.join(args.plots, name), args.overwrite)
     if args.perplexity and args.context is not None:
         from transformers import AutoConfig
 
@@ -212,7 +232,7 @@ def run_eval(args) -> int:
         from switchhead.integrity import FolderLock
 
         with FolderLock(args.plots, "eval --plots"):  # one writer of the plots folder at a time
-            written = analyse(model, tokenizer, args.text, args.plots)
+            written = analyse(model, tokenizer, args.text, args.plots, overwrite=args.overwrite)
         report["plots"] = [str(path) for path in written]
 
     for task, metrics in sorted(report["results"].items()):
@@ -226,7 +246,7 @@ def run_eval(args) -> int:
         from switchhead.integrity import atomic_file
 
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(args.output) as temporary:  # an existing file is replaced only once this one is complete
+        with atomic_file(args.output, args.overwrite) as temporary:  # replaced only once this one is complete
             Path(temporary).write_text(json.dumps(report, indent=2), encoding="utf-8")
         print(f"wrote {args.output}")
     return 0
@@ -290,13 +310,24 @@ def run_card(args) -> int:
         sys.stdout.write(str(card))
         return 0
     output = Path(args.output or os.path.join(args.model, "README.md"))
-    refuse_existing_output(str(output), args.overwrite)
+    # the card a training run wrote into its folder is replaced like a missing one; the new card is the user's
+    replace = args.overwrite or (args.output is None and _written_by_training(output))
+    refuse_existing_output(str(output), replace, model=args.model)
     from switchhead.integrity import atomic_file
 
-    with atomic_file(str(output)) as temporary:
+    with atomic_file(str(output), replace) as temporary:  # no link, device or FIFO is written through
         Path(temporary).write_text(str(card), encoding="utf-8")
     print(f"wrote {output}")
     return 0
+
+
+def _written_by_training(path: Path) -> bool:
+    """Whether `path` is the card `switchhead train` / `finetune` wrote (a plain file ending with its marker)."""
+    from switchhead.training.run_card import CARD_MARKER
+
+    if path.is_symlink() or not path.is_file():
+        return False
+    return path.read_text(encoding="utf-8", errors="replace").rstrip().endswith(CARD_MARKER)
 
 
 def run_publish(args, api=None) -> int:

@@ -40,28 +40,36 @@ def register(subparsers) -> None:
                                                                       "max_position_embeddings))")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate, cosine decay (1e-3)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps (0)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed of the LoRA initialisation and the data order (0)")
     parser.add_argument("--merge", action="store_true", help="also write the merged model to OUTPUT/merged")
     parser.add_argument("--no-verify", action="store_true",
                         help="fine-tune a training run's folder even when its SHA-256 manifest does not verify")
     parser.add_argument("--quantize", choices=["bnb-int8", "bnb-nf4", "torchao-int8"], default=None,
                         help="load the base quantised (dense projections only; expert tensors stay in full "
                              "precision) and train LoRA on top: bnb-nf4 is QLoRA (needs the [quant] extra)")
+    parser.add_argument("--report-to", default="none", metavar="TRACKERS",
+                        help="Trainer's report_to: tensorboard (into OUTPUT/tensorboard), wandb, mlflow, a comma list "
+                             "of them, all (those installed) or none (the default, as Transformers')")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
     from switchhead.training.data import DataError
-    from switchhead.training.finetune import FinetuneError, finetune
+    from switchhead.training.finetune import FinetuneDiverged, FinetuneError, finetune
 
     try:
         result = finetune(args.model, args.data, args.output_dir, r=args.rank, lora_alpha=args.alpha,
                           target_modules=args.target_modules, target_parameters=args.target_parameters,
                           max_steps=args.max_steps, batch_size=args.batch_size, block_size=args.block_size,
                           learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, seed=args.seed,
-                          merge=args.merge, quantize=args.quantize, verify=not args.no_verify)
+                          merge=args.merge, quantize=args.quantize, verify=not args.no_verify,
+                          report_to=args.report_to, progress=not args.no_progress)
     except (FinetuneError, DataError) as error:
         raise UsageError(str(error)) from None
+    except FinetuneDiverged as error:  # as `switchhead train` on divergence
+        raise UsageError(str(error), exit_code=3) from None
     print(f"{result.steps} steps, {result.trainable_parameters:,} of {result.total_parameters:,} parameters trained: "
           f"validation perplexity {result.valid_perplexity_before:.2f} -> {result.valid_perplexity_after:.2f}; "
           f"adapter in {result.output_dir}")

@@ -12,9 +12,9 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text from a saved model folder")
     parser.add_argument("model", help="a save_pretrained folder (with its tokenizer)")
     parser.add_argument("--prompt", default="The", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate after the prompt (40)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy decoding")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling (--temperature > 0)")
     parser.add_argument("--no-verify", action="store_true",
                         help="load a training run's folder even when its SHA-256 manifest does not verify")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -39,6 +39,13 @@ def run(args) -> int:
         raise UsageError("--max-new-tokens must be >= 1")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0: greedy decoding), got {args.temperature}")
+    from switchhead.serving.requests import MIN_SAMPLING_TEMPERATURE  # below it the float32 logits divide by 0
+
+    if 0 < args.temperature < MIN_SAMPLING_TEMPERATURE:
+        raise UsageError(f"--temperature must be 0 (greedy) or at least {MIN_SAMPLING_TEMPERATURE:g} (sampling), got "
+                         f"{args.temperature}")
+    if not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed must be an integer in [0, 2**63), got {args.seed}")
     if not args.prompt:
         raise UsageError("--prompt is empty; give some text to continue")
     # --no-verify skips the manifest, not the rest: pickled or missing weights, sizes past this machine's memory,

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from . import UsageError, parse_field_assignments
 
 
@@ -96,7 +99,13 @@ def register(subparsers) -> None:
         "runs inference only in Transformers, so there is no --pp-size")
     for flag, help_text in SIZE_OPTIONS.items():
         sizes.add_argument(flag, type=int, default=None, metavar="N", help=help_text)
-    parser.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard logs")
+    parser.add_argument("--report-to", default=None, metavar="TRACKERS",
+                        help="experiment trackers that get the log rows (Accelerate's): tensorboard (into "
+                             "OUTPUT/tensorboard), wandb, mlflow, a comma list of them, all (those installed) or "
+                             "none (the default, as Transformers' Trainer); a resume keeps the run's unless given. "
+                             "log.csv is always written")
+    parser.add_argument("--no-tensorboard", action="store_true",
+                        help="deprecated: leaves tensorboard out of --report-to")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list-presets", action="store_true", help="list the model presets and exit")
     parser.add_argument("--demo", action="store_true",
@@ -130,7 +139,11 @@ def run(args) -> int:
                          "--num_processes N -m switchhead.cli train ...`)")
     explicit = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in OPTIONS.items()}
     explicit = {field: value for field, value in explicit.items() if value is not None}
+    if args.report_to is not None:  # it replaces a resumed run's trackers, its old TensorBoard flag included
+        explicit.update(report_to=args.report_to, tensorboard=None)
     if args.no_tensorboard:
+        if "tensorboard" in [name.strip() for name in (args.report_to or "").split(",")]:
+            raise UsageError("--no-tensorboard contradicts --report-to tensorboard: give one")
         explicit["tensorboard"] = False
     if args.no_progress:
         explicit["progress"] = False
@@ -149,6 +162,11 @@ def run(args) -> int:
     if distributed:
         explicit["distributed"] = distributed
     model_overrides = parse_field_assignments(args.set)
+    for flag in ("--output-dir", "--preset"):  # an empty value would silently mean the default (or the cwd)
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag} is empty; give a {'folder' if flag == '--output-dir' else 'preset name'} "
+                             "or leave the option out")
 
     if args.demo:
         from switchhead.cli.demo import run_demo
@@ -161,8 +179,6 @@ def run(args) -> int:
             raise UsageError(str(error), exit_code=3) from None
 
     if args.resume:
-        import os
-
         output_dir = args.output_dir
         if output_dir is None and args.resume != "latest":  # CHECKPOINT lies in OUTPUT/checkpoints/
             output_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
@@ -186,15 +202,26 @@ def run(args) -> int:
         explicit.update(inexact_resume=args.inexact_resume, allow_pickle=args.allow_pickle)
         config = TrainingConfig(**{**stored, **explicit, "output_dir": probe.output_dir, "resume": args.resume})
     else:
-        config = TrainingConfig.from_preset(args.preset or "tiny-switchhead", output_dir=args.output_dir
-                                            or "runs/switchhead", model=model_overrides, **explicit)
-    from switchhead.training.placement import check_sizes
+        config = TrainingConfig.from_preset("tiny-switchhead" if args.preset is None else args.preset,
+                                            output_dir="runs/switchhead" if args.output_dir is None
+                                            else args.output_dir, model=model_overrides, **explicit)
+    from switchhead.training.placement import ProcessesMissing, check_sizes
+    from switchhead.training.run_config import build_model_config, check_config, check_settings
 
     check_sizes(config.distributed)  # in every process, before any process group: sizes that fit no launch
+    check_settings(config)  # every setting, before the output folder is touched
+    check_config(config, build_model_config(config, None), 1)
     try:
         result = train(config)
     except TrainingDiverged as error:
         raise UsageError(str(error), exit_code=3) from None
+    except ProcessesMissing as error:
+        if os.environ.get("RANK", "0") not in ("0", ""):  # rank 0 (which reports errors) may be the missing one
+            from . import error_line
+
+            print(error_line("train", error), file=sys.stderr)
+            return 2
+        raise
     if PartialState().is_main_process:
         print(f"step {result.step}: validation loss {result.valid_loss:.4f}, perplexity {result.valid_perplexity:.2f} "
               f"(unigram {result.unigram_perplexity:.1f}); saved to {result.output_dir}")

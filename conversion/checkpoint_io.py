@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.checkpoint_format import rename_old_keys
 from switchhead.integrity import atomic_file, check_saved_model
-from switchhead.integrity.files import fsync_folder
+from switchhead.integrity.files import check_target, fsync_folder, write_error
 from switchhead.integrity.loading import weight_files
 
 
@@ -83,6 +83,8 @@ def atomic_output(destination: str, is_dir: bool, overwrite: bool = False) -> It
     with `overwrite` (files only) an existing file is replaced by that rename, so it stays whole until the new one is.
     """
     destination = os.path.abspath(destination)
+    if os.path.islink(destination) or (os.path.lexists(destination) and not os.path.isdir(destination)):
+        check_target(destination, overwrite and not is_dir)  # a link, a FIFO or a device is never replaced
     if os.path.isdir(destination) and (not is_dir or os.listdir(destination)):
         raise ConversionError(f"output {destination} already exists; choose a new path or delete it first")
     if os.path.lexists(destination) and not os.path.isdir(destination) and not (overwrite and not is_dir):
@@ -94,7 +96,10 @@ def atomic_output(destination: str, is_dir: bool, overwrite: bool = False) -> It
         with atomic_file(destination) as target:
             yield target
         return
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(destination)}.partial-", dir=parent)
+    try:
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(destination)}.partial-", dir=parent)
+    except OSError as error:
+        raise write_error(error, destination) from None
     try:
         yield staging
         _fsync_tree(staging)
@@ -102,6 +107,11 @@ def atomic_output(destination: str, is_dir: bool, overwrite: bool = False) -> It
             os.rmdir(destination)  # an empty folder made by the user: replace it
         os.replace(staging, destination)
         fsync_folder(parent)
+    except Exception as error:  # a full or read-only disk: one line naming the output (the CLI's `cannot write`)
+        failure = write_error(error, destination)
+        if failure is not error:
+            raise failure from None
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

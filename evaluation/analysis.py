@@ -7,7 +7,9 @@
   come from `output_router_logits`: `[tokens, groups * experts]`, recorded per block in the order value, output,
   then the sigma-MoE router.
 
-Every PNG is exactly `size` pixels (width, height).
+Every PNG is exactly `size` pixels (width, height), written by `switchhead.integrity.atomic_file`: never through a
+link, never over a device, and over an existing file only with `overwrite` (all names are checked before the
+first plot is drawn, so a refused folder gets no file at all).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from ..integrity import atomic_file
+from ..integrity.files import check_target
 
 DEFAULT_SIZE = (1000, 800)
 DPI = 100
@@ -49,14 +54,27 @@ def run_for_analysis(model, tokenizer, text: str, max_tokens: int = 64):
     return ids, outputs
 
 
-def _save(fig, path: Path, size: tuple[int, int]) -> Path:
-    fig.set_size_inches(size[0] / DPI, size[1] / DPI)
-    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": the file is exactly `size` pixels
-    _pyplot().close(fig)
+def _save(fig, path: Path, size: tuple[int, int], overwrite: bool = True) -> Path:
+    try:
+        fig.set_size_inches(size[0] / DPI, size[1] / DPI)
+        with atomic_file(str(path), overwrite) as temporary:
+            fig.savefig(temporary, dpi=DPI, format="png")  # no bbox_inches="tight": the file is exactly `size` pixels
+    finally:
+        _pyplot().close(fig)
     return path
 
 
-def plot_attention_maps(ids, attentions, tokenizer, out_dir: str | Path, size=DEFAULT_SIZE) -> list[Path]:
+def plot_names(config) -> list[str]:
+    """The files `analyse` writes for a model of `config`, in order."""
+    names = [f"attention_layer{layer}_{kind}.png" for layer in range(config.num_hidden_layers)
+             for kind in ("max", "heads")]
+    if router_layout(config):
+        names += [f"experts_layer{layer}.png" for layer in range(config.num_hidden_layers)]
+    return names
+
+
+def plot_attention_maps(ids, attentions, tokenizer, out_dir: str | Path, size=DEFAULT_SIZE,
+                        overwrite: bool = True) -> list[Path]:
     """attentions: per layer `[1, H, T, T]`. Writes attention_layer{L}_max.png and attention_layer{L}_heads.png."""
     plt = _pyplot()
     out_dir = Path(out_dir)
@@ -74,7 +92,7 @@ def plot_attention_maps(ids, attentions, tokenizer, out_dir: str | Path, size=DE
         ax.set_xlabel("key (attended to)")
         ax.set_ylabel("query")
         fig.colorbar(image, ax=ax)
-        written.append(_save(fig, out_dir / f"attention_layer{layer}_max.png", size))
+        written.append(_save(fig, out_dir / f"attention_layer{layer}_max.png", size, overwrite))
 
         heads = probs.shape[0]
         fig, axes = plt.subplots(1, heads, squeeze=False)
@@ -84,7 +102,7 @@ def plot_attention_maps(ids, attentions, tokenizer, out_dir: str | Path, size=DE
             ax.set_xticks(ticks, labels, rotation=90, fontsize=4)
             ax.set_yticks(ticks, labels if head == 0 else [""] * len(labels), fontsize=4)
         fig.suptitle(f"layer {layer}: attention per head")
-        written.append(_save(fig, out_dir / f"attention_layer{layer}_heads.png", size))
+        written.append(_save(fig, out_dir / f"attention_layer{layer}_heads.png", size, overwrite))
     return written
 
 
@@ -108,7 +126,7 @@ def router_layout(config) -> list[tuple[str, int, int]]:
 
 
 def plot_expert_selections(ids, router_logits, config, tokenizer, out_dir: str | Path,
-                           size=DEFAULT_SIZE) -> list[Path]:
+                           size=DEFAULT_SIZE, overwrite: bool = True) -> list[Path]:
     """Writes experts_layer{L}.png: one heat map per router of the block, tokens x experts (grouped by head)."""
     layout = router_layout(config)
     if not layout:
@@ -134,14 +152,20 @@ def plot_expert_selections(ids, router_logits, config, tokenizer, out_dir: str |
             ax.set_xlabel("head x expert" if groups > 1 else "expert", fontsize=7)
             ax.set_yticks(range(len(labels)), labels if ax is axes[0][0] else [""] * len(labels), fontsize=5)
         fig.suptitle(f"layer {layer}: gates of the selected experts per token")
-        written.append(_save(fig, out_dir / f"experts_layer{layer}.png", size))
+        written.append(_save(fig, out_dir / f"experts_layer{layer}.png", size, overwrite))
     return written
 
 
-def analyse(model, tokenizer, text: str, out_dir: str | Path, size=DEFAULT_SIZE, max_tokens: int = 64) -> list[Path]:
-    """All plots for `text`: attention maps for every layer, and expert selections when the model has routers."""
+def analyse(model, tokenizer, text: str, out_dir: str | Path, size=DEFAULT_SIZE, max_tokens: int = 64,
+            overwrite: bool = False) -> list[Path]:
+    """All plots for `text`: attention maps for every layer, and expert selections when the model has routers.
+    Every file name is checked first: an existing file (without `overwrite`), a link or a device at any of them
+    refuses the whole set (`switchhead.integrity.OutputError`) before anything is written."""
+    for name in plot_names(model.config):
+        check_target(str(Path(out_dir) / name), overwrite)
     ids, outputs = run_for_analysis(model, tokenizer, text, max_tokens)
-    written = plot_attention_maps(ids, outputs.attentions, tokenizer, out_dir, size)
+    written = plot_attention_maps(ids, outputs.attentions, tokenizer, out_dir, size, overwrite)
     if router_layout(model.config):
-        written += plot_expert_selections(ids, outputs.router_logits, model.config, tokenizer, out_dir, size)
+        written += plot_expert_selections(ids, outputs.router_logits, model.config, tokenizer, out_dir, size,
+                                          overwrite)
     return written

@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from ..model_card import TEMPLATE_PATH, render_card
+from ..model_card import TEMPLATE_PATH, render_card, run_training
 
 # our task -> (dataset type, dataset name, [(result metric, model-index metric type, display name)])
 TASK_METRICS = {
@@ -35,8 +35,10 @@ def load_results(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"evaluation result file {path} does not exist")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or not isinstance(data.get("results", {}), dict):
+    from switchhead.integrity.user_json import read_json_object
+
+    data = read_json_object(path, f"evaluation result file {path}")
+    if not isinstance(data.get("results", {}), dict):
         raise ValueError(f"{path} is not a `switchhead eval --output` file (expected a 'results' mapping)")
     return data
 
@@ -71,7 +73,9 @@ def build_card(model_dir: str | Path, evaluation: dict | None = None, *, repo_id
                model_name: str | None = None, training_data: str | None = None, datasets: list[str] | None = None,
                license: str | None = None, template_path: str | Path = TEMPLATE_PATH):
     """Render the model card of a saved model folder, with model-index metrics from `evaluation`. `license`: a Hub
-    licence id; default this package's licence (`switchhead.model_card.PACKAGE_LICENSE`)."""
+    licence id; default this package's licence (`switchhead.model_card.PACKAGE_LICENSE`). A `switchhead train`
+    folder's card also shows its training settings and validation losses, and names its data unless
+    `training_data` is given."""
     from transformers import AutoConfig
 
     from .accounting import attention_macs, attention_memory, format_count, kv_cache_bytes_per_token
@@ -92,8 +96,11 @@ def build_card(model_dir: str | Path, evaluation: dict | None = None, *, repo_id
     cost = dict(context=config.max_position_embeddings, attention_macs=format_count(attention_macs(config)),
                 attention_memory=format_count(attention_memory(config)),
                 kv_cache_bytes=f"{kv_cache_bytes_per_token(config):,}")
+    training = run_training(model_dir)  # None unless the folder is a training run
+    if training is not None:
+        training_data = training_data or training["data"]
     return render_card(config, model_name=model_name, repo_id=repo_id or str(model_dir), license=license,
-                       training_data=training_data, datasets=datasets, eval_results=entries,
+                       training_data=training_data, datasets=datasets, eval_results=entries, training=training,
                        eval_rows=[(e.dataset_name, e.metric_name, e.metric_value) for e in entries],
                        eval_note=eval_note, cost=cost, template_path=template_path)
 

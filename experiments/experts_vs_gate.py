@@ -35,6 +35,7 @@ interrupted run resumes from its newest checkpoint. The results pages are rewrit
     python experiments/experts_vs_gate.py --out OUT --list          # the grid as decided now
     python experiments/experts_vs_gate.py --out OUT --report-only   # rewrite the results pages
     python experiments/experts_vs_gate.py --out OUT --report-only --docs   # ... and docs/results.md's section
+                                                     # (--docs PAGE: that page's section)
 
 Results: benchmarks/results/experts_vs_gate.{json,md} and experts_vs_gate.png.
 """
@@ -380,6 +381,13 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
              f"**Progress: {len(done)} of the {len(planned)} runs decided so far have finished**"
              + (f"; next: {', '.join(not_finished[:3])}" if not_finished else "") + "."
              + (" Not yet decided: " + "; ".join(undecided) + "." if undecided else ""), ""]
+    timed = [r for r in records.values() if r.get("timing_complete") and not math.isnan(r.get("wall_seconds", math.nan))]
+    if timed:
+        wall, cpu = (statistics.mean(r[k] for r in timed) / 60 for k in ("wall_seconds", "cpu_seconds"))
+        lines += [f"Measured: the {len(timed)} run(s) timed from start to end took {wall:.0f} wall-minutes and {cpu:.0f} "
+                  "CPU-minutes on average (training and evaluation, 1 torch thread at nice 19 on a shared machine). "
+                  f"Estimate, not a measurement: the {len(not_finished)} runs decided but not finished need about "
+                  f"{len(not_finished) * wall / 60:.1f} h more at that pace (more if a sweep extends).", ""]
     if failed:
         lines += [f"Failed (left out after {MAX_ATTEMPTS} tries): {', '.join(failed)}.", ""]
     lines += ["## Arms", "", "Parameter-matched to A through the MLP width (d_ff). Attention MACs and memory per layer "
@@ -494,13 +502,15 @@ def scrub(value, replacements: dict[str, str]):
     return value
 
 
-def write_results(out: Path, results_dir: Path, data: str | None = None) -> dict:
+def write_results(out: Path, results_dir: Path, data: str | None = None, code: dict | None = None) -> dict:
+    """Rewrite the results pages from the finished runs; `code`: the state stamped on them (default: the
+    checkout's, from git)."""
     records = finished_records(out, results_dir)
     replicate_cpu.add_timing(out, records)
     runs, undecided = plan(records)
     summary = summarise(records)
     failed = replicate_cpu.failures(out)
-    code = code_state()
+    code = code_state() if code is None else code
     written = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     report = dict(scale=dataclasses.asdict(SCALE), learning_rates=[lr_of(r) for r in SWEEP_RUNGS], seeds=SEEDS,
                   effect=EFFECT, code=code, machine={k: v for k, v in replicate.machine().items() if k != "host"},
@@ -539,6 +549,12 @@ def docs_section(report: dict) -> str:
     finished = sum(1 for name in report["planned"] if name in report["runs"])
     lines = [DOCS_BEGIN, "", f"Generated from `benchmarks/results/{STEM}.json` (written {report['written']}).", ""]
     by_pair = {c["pair"]: c for c in summary["comparisons"]}
+    for arm, seeds in summary["seeds"].items():
+        ppl = [v["test_perplexity"] for v in seeds.values()]
+        lines.append(f"* {arm} ({arm_fields(arm)[0]}), lr {summary['best_lr'][arm]:g}: test perplexity "
+                     f"{replicate_cpu._mean_sd(ppl)} over {len(ppl)} of {SEEDS[arm]} seeds.")
+    if summary["seeds"]:
+        lines.append("")
     if finished < len(report["planned"]) or report["undecided"]:
         lines += [f"**The runs are in progress: {finished} of the {len(report['planned'])} runs decided so far have "
                   "finished.** Until every seed of both arms has finished, the verdicts below are interim.", ""]
@@ -627,8 +643,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="write this process group's id here (the launcher uses OUT/grid.pgid)")
     parser.add_argument("--no-report", action="store_true", help="do not rewrite the results pages after a run")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the results pages")
-    parser.add_argument("--docs", action="store_true", help="with --report-only: also rewrite docs/results.md's "
-                        "generated section")
+    parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, default=None, metavar="PAGE",
+                        help="with --report-only: also rewrite the generated section of PAGE (default "
+                        "docs/results.md)")
     parser.add_argument("--list", action="store_true", help="print the grid as decided now and exit")
     parser.add_argument("--tiny", action="store_true", help="tiny models and runs (for the tests)")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in a child process
@@ -653,8 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report_only:
         report = write_results(args.out, args.results_dir, args.data)
-        if args.docs:
-            update_docs(report)
+        if args.docs is not None:
+            update_docs(report, args.docs)
         return 0
     replicate.ensure_tokenizer(args.out, args.data, SCALE.vocab_size)
     return run_grid(args)

@@ -2,10 +2,14 @@
 
 - `manifest`: SHA-256 manifests (`SHA256SUMS`) written last into checkpoints and run folders, verified by
   `--resume` and before every load of a saved model.
-- `loading`: `check_saved_model`, what every command checks before it loads a saved model folder (manifest,
-  safetensors weights only, sizes within memory, weights that fit config.json, finite values); `check_model_size`
-  for configs built from scratch.
-- `files`: `atomic_file`, how a command replaces a file (write beside, fsync, rename).
+- `loading`: `check_saved_model`, what every command checks before it loads a saved model folder (its own code only
+  with `--trust-remote-code`, manifest, safetensors weights only and exactly those Transformers loads, sizes within
+  memory, weights that fit config.json in names, shapes and kinds, finite values); `check_model_size` for configs
+  built from scratch.
+- `trust`: `check_remote_code`, the one place that decides `trust_remote_code` for every command: the user's
+  `--trust-remote-code` as a bool (Transformers never prompts); a folder asking for its own code is refused without it.
+- `files`: how a command writes its outputs: `atomic_file` (write beside, fsync, rename), `open_append`,
+  `make_folder`; links, devices and FIFOs are refused (`OutputError`), a full or read-only disk is a `WriteError`.
 - `lock`: `FolderLock`, one writer per folder, taken by train, finetune, convert, upcycle and eval --plots.
 
 Why a package of its own: its users are spread over training, evaluation, conversion, serving and the command
@@ -15,13 +19,13 @@ nothing of ours but the model: it imports only the standard library (and, when c
 transformers and the model package).
 """
 
-from .files import atomic_file
+from .files import OutputError, Terminated, WriteError, atomic_file, check_target, make_folder, open_append
 from .lock import LOCK_NAME, FolderLock, FolderLocked, FolderLockPathInvalid
 from .loading import UnloadableModel, check_fits_memory, check_model_size, check_saved_model
 from .trust import RemoteCodeRefused, check_remote_code
 from .manifest import MANIFEST, check_model_folder, file_sha256, read_manifest, verify_manifest, write_manifest
 
-__all__ = ["FolderLock", "FolderLocked", "FolderLockPathInvalid", "LOCK_NAME", "MANIFEST", "RemoteCodeRefused",
-           "UnloadableModel", "atomic_file", "check_fits_memory", "check_model_folder", "check_model_size",
-           "check_remote_code", "check_saved_model",
-           "file_sha256", "read_manifest", "verify_manifest", "write_manifest"]
+__all__ = ["FolderLock", "FolderLocked", "FolderLockPathInvalid", "LOCK_NAME", "MANIFEST", "OutputError",
+           "RemoteCodeRefused", "Terminated", "UnloadableModel", "WriteError", "atomic_file", "check_fits_memory",
+           "check_model_folder", "check_model_size", "check_remote_code", "check_saved_model", "check_target",
+           "file_sha256", "make_folder", "open_append", "read_manifest", "verify_manifest", "write_manifest"]

@@ -186,9 +186,9 @@ def weight_files(folder: str) -> list[str]:
 def weight_source(folder: str) -> tuple[list[str], str | None]:
     """(the safetensors files Transformers' `from_pretrained` loads from a saved folder (sharded or not), in the order
     it picks them: config.json's `transformers_weights`, else model.safetensors, else the index's shards; the index
-    read, or None). UnloadableModel where the folder has none (naming what it holds instead: pickled weights are never loaded,
-    unpickling can run code stored in the file), or where what Transformers loads could differ from these files
-    (see the module docstring)."""
+    read, or None). UnloadableModel where the folder has none (naming what it holds instead: pickled weights are
+    never loaded, unpickling can run code stored in the file), or where what Transformers loads could differ from
+    these files (see the module docstring)."""
     adapter = [name for name in ADAPTER_FILES if os.path.lexists(os.path.join(folder, name))]
     if adapter:
         raise UnloadableModel(f"model folder {folder!r} holds a LoRA adapter ({adapter[0]}) beside the model, which "
@@ -364,6 +364,8 @@ def _check_values(folder: str, config, tensors: dict[str, tuple[str, tuple[int, 
         with safe_open(os.path.join(folder, file), framework="pt") as handle:
             for key in sorted(keys):
                 tensor = handle.get_tensor(key)
+                if tensor.is_floating_point() and tensor.element_size() == 1:  # float8: isfinite has no kernel
+                    tensor = tensor.float()
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     bad = int((~torch.isfinite(tensor)).sum())
                     raise UnloadableModel(f"model folder {folder!r}: {file}: {key} holds {bad} NaN or infinite "
@@ -392,7 +394,7 @@ def read_config(folder: str, trust_remote_code: bool = False):
 
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=bool(trust_remote_code))
-    except (ValueError, TypeError, KeyError, OSError) as error:
+    except (ValueError, TypeError, KeyError, OSError, RecursionError) as error:  # RecursionError: JSON nested deep
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UnloadableModel(f"model folder {folder!r}: config.json does not load ({text})") from None
 
@@ -401,7 +403,10 @@ def check_saved_model(folder: str, verify: bool = True, trust_remote_code: bool 
     """Refuse (UnloadableModel naming the problem) a saved model folder that should not be loaded; see the module
     docstring. Reads every tensor once; allocates no model. Returns the `trust_remote_code` bool to pass to every
     Transformers call on the folder (`switchhead.integrity.trust.check_remote_code`)."""
+    from .user_json import check_folder_json
+
     try:
+        check_folder_json(folder)  # JSON files Transformers would fail on with a traceback (a list, 10^5 levels)
         trust = check_remote_code(folder, trust_remote_code)
     except ValueError as error:
         raise UnloadableModel(str(error)) from None

@@ -28,6 +28,25 @@ class RemoteCodeRefused(ValueError):
     """A folder that asks for its own code, loaded without `--trust-remote-code` (one line, exit code 2)."""
 
 
+class SpecialFileRefused(ValueError):
+    """A model folder holding a FIFO, a device or a socket (one line, exit code 2)."""
+
+
+def check_entries(folder: str) -> None:
+    """SpecialFileRefused when an entry of `folder` is (or links to) neither a regular file nor a folder: reading a
+    FIFO blocks until someone writes to it, a device feeds bytes forever; Transformers and this module would read
+    the config files among them without asking."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return  # the commands' own checks name a missing or unreadable folder
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+            raise SpecialFileRefused(f"model folder {folder!r} holds {name}, which is not a regular file (a FIFO, "
+                                     "device or socket would hang or feed the load); remove it")
+
+
 def _read_object(path: str) -> dict | None:
     """A JSON file's object, None where the file is absent; a file that is not a JSON object is left to the loader
     that reads it (which refuses it in its own words), except that its `auto_map` cannot be told: then {}."""
@@ -89,19 +108,25 @@ def remote_code(folder: str) -> list[str]:
 
 def check_remote_code(folder: str, trust_remote_code: bool = False) -> bool:
     """The `trust_remote_code` value to pass to every Transformers call on `folder`: the user's opt-in as a bool
-    (never None, which would prompt). Without the opt-in, a folder that asks for its own code is refused
+    (never None, which would prompt). A folder holding a FIFO, device or socket is refused first
+    (`check_entries`). Without the opt-in, a folder that asks for its own code is refused
     (RemoteCodeRefused naming the first file and class) instead of being read by other classes or prompting."""
     if trust_remote_code is not True and trust_remote_code is not False:
         raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
-    if trust_remote_code or not os.path.isdir(folder):
+    if not os.path.isdir(folder):
         return trust_remote_code
+    check_entries(folder)
+    if trust_remote_code:
+        return True
     found = remote_code(folder)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise RemoteCodeRefused(
-            f"model folder {folder!r} asks to run its own code ({found[0]}{more}); it is not run without "
-            "--trust-remote-code: read those files, and pass --trust-remote-code only if you trust them")
+            f"model folder {folder!r} asks to run its own code ({found[0]}{more}), which runs only with "
+            "--trust-remote-code (generate, eval, export, serve): pass it only once you have read and trust those "
+            "files")
     return False
 
 
-__all__ = ["AUTO_MAP_FILES", "RemoteCodeRefused", "check_remote_code", "remote_code"]
+__all__ = ["AUTO_MAP_FILES", "RemoteCodeRefused", "SpecialFileRefused", "check_entries", "check_remote_code",
+           "remote_code"]

@@ -10,8 +10,8 @@ Transformers' generation managers. The serving dependencies are imported only wh
 
 from .middleware import RequestChecks
 from .requests import RequestChecker, RequestRefused
-from .server import DEFAULT_CB_BLOCK_SIZE, SERVE_DEFAULTS, SHUTDOWN_DEADLINE, serve, split_model_revision
+from .server import CPU_CACHE_BLOCKS, DEFAULT_CB_BLOCK_SIZE, SERVE_DEFAULTS, SHUTDOWN_DEADLINE, serve, split_model_revision
 from .supervision import ServerState
 
-__all__ = ["DEFAULT_CB_BLOCK_SIZE", "SERVE_DEFAULTS", "SHUTDOWN_DEADLINE", "RequestChecker", "RequestChecks",
+__all__ = ["CPU_CACHE_BLOCKS", "DEFAULT_CB_BLOCK_SIZE", "SERVE_DEFAULTS", "SHUTDOWN_DEADLINE", "RequestChecker", "RequestChecks",
            "RequestRefused", "ServerState", "serve", "split_model_revision"]

@@ -53,6 +53,10 @@ GENERATION_CONFIG_KEYS = {
     "max_new_tokens": (int, 1, 1 << 30), "no_repeat_ngram_size": (int, 0, 1 << 10),
 }
 
+# The lowest sampling temperature: generate() divides the float32 logits by it, and below float32's range (1e-300,
+# 5e-324) the divisor is 0 and the probabilities NaN (upstream answered HTTP 500). Temperature 0 is greedy decoding.
+MIN_SAMPLING_TEMPERATURE = 1e-4
+
 
 class RequestRefused(Exception):
     """A request the server will not run: HTTP `status` with `message` (one sentence naming the field)."""
@@ -155,7 +159,39 @@ def _generation_config(body: dict) -> dict | None:
                                  f"got {_show(value)}")
         if value < low or value > high or (key in ("top_p", "repetition_penalty") and value == 0):
             raise RequestRefused(f"generation_config.{key} must be in [{low}, {high}], got {_show(value)}")
+        if key == "temperature" and 0 < value < MIN_SAMPLING_TEMPERATURE:
+            raise RequestRefused(f"generation_config.temperature must be 0 (greedy) or at least "
+                                 f"{MIN_SAMPLING_TEMPERATURE:g} (sampling), got {_show(value)}")
+        if kind is float:  # Transformers' logits processors take floats only: repetition_penalty 100 was HTTP 500
+            config[key] = float(value)
+    if config.get("do_sample") is True and config.get("temperature") == 0 and body.get("temperature") is None:
+        raise RequestRefused("generation_config asks for sampling (do_sample true) at temperature 0; give a "
+                             "temperature > 0, or do_sample false for greedy decoding")
+    body["generation_config"] = json.dumps(config)
     return config
+
+
+# float fields of a GenerationConfig that Transformers' logits processors refuse as integers
+FLOAT_GENERATION_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "epsilon_cutoff",
+                           "eta_cutoff", "encoder_repetition_penalty", "length_penalty")
+
+
+def normalize_generation_config(generation_config) -> None:
+    """The model's own generation config (its generation_config.json), made servable in place: integer values of
+    float fields become floats (`"repetition_penalty": 100` failed every request with HTTP 500, 100.0 worked); a
+    config that samples at temperature 0 or at one below MIN_SAMPLING_TEMPERATURE is a ValueError naming the file,
+    at start-up rather than on every request."""
+    if generation_config is None:
+        return
+    for name in FLOAT_GENERATION_FIELDS:
+        value = getattr(generation_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(generation_config, name, float(value))
+    temperature = getattr(generation_config, "temperature", None)
+    if getattr(generation_config, "do_sample", False) and temperature is not None \
+            and not temperature >= MIN_SAMPLING_TEMPERATURE:
+        raise ValueError(f"generation_config.json samples (do_sample true) at temperature {temperature!r}; set a "
+                         f"temperature >= {MIN_SAMPLING_TEMPERATURE:g} or do_sample false")
 
 
 class RequestChecker:
@@ -192,6 +228,9 @@ class RequestChecker:
             completion_tokens = _integer(body, "max_completion_tokens", 1)
             max_new = completion_tokens if completion_tokens is not None else max_new
         temperature = _number(body, "temperature", 0.0, 2.0)
+        if temperature is not None and 0 < temperature < MIN_SAMPLING_TEMPERATURE:
+            raise RequestRefused(f"temperature must be 0 (greedy) or at least {MIN_SAMPLING_TEMPERATURE:g} "
+                                 f"(sampling), got {_show(body['temperature'])}")
         top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
         penalty = _number(body, "frequency_penalty", 0.0, 2.0)  # upstream: repetition_penalty = 1 + it
         _integer(body, "seed", 0, (1 << 63) - 1)

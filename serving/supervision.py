@@ -10,7 +10,7 @@ import os
 import threading
 import time
 
-from .requests import RequestInfo
+from .requests import RequestInfo, normalize_generation_config
 
 logger = logging.getLogger("switchhead.serving")
 
@@ -81,6 +81,7 @@ class ServerState:
         self.generation_state = generation_state
         self.model_key = model_manager.process_model_name(checkpoint)
         model, processor = model_manager.load_model_and_processor(self.model_key)
+        normalize_generation_config(getattr(model, "generation_config", None))  # before any request or worker uses it
         self.model = model
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.chat_template_kwargs = dict(getattr(chat_handler, "chat_template_kwargs", None) or {})

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..integrity import write_manifest
+from ..integrity import make_folder, open_append, write_manifest
 from .checkpoint_files import (CHECKPOINT_STATE, MAX_PROCESSES, RngStateError, checkpoint_dirs, inspect_checkpoint,
                                read_memory, read_rng_state, restore_rng_state, unloadable_file, write_process_states)
 from .run_config import CHANGEABLE_ON_RESUME, TrainingConfig, TrainingError
@@ -24,8 +24,8 @@ EVENTS = "events.log"
 
 
 def log_event(output_dir: str, message: str) -> None:
-    """Append one line to the run's events.log (main process only)."""
-    with open(os.path.join(output_dir, EVENTS), "a", encoding="utf-8") as handle:
+    """Append one line to the run's events.log (main process only), never through a link (`open_append`)."""
+    with open_append(os.path.join(output_dir, EVENTS)) as handle:
         handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {message}\n")
 
 
@@ -40,6 +40,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
     root = os.path.join(output_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:07d}")
     temporary = os.path.join(root, f".tmp-step-{step:07d}")
+    if accelerator.is_main_process:
+        make_folder(root)  # checkpoints/ is the run's own: a link to another folder is refused, nothing entered
     try:
         if accelerator.is_main_process:
             shutil.rmtree(temporary, ignore_errors=True)  # leftovers of a save that was killed

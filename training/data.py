@@ -10,6 +10,7 @@ no saved iterator, and every process of a distributed run can cut its share out 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from array import array
@@ -170,7 +171,8 @@ def _hub_documents(name: str, text_field: str) -> tuple[list[str], list[str]]:
     import datasets
 
     try:
-        splits = datasets.load_dataset(name)
+        with _quiet_hub():
+            splits = datasets.load_dataset(name)
     except Exception as error:  # noqa: BLE001 - offline, unknown name, ...: one line for the user
         raise DataError(f"data {name!r} is neither a local path nor a loadable Hub dataset "
                         f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
@@ -181,6 +183,23 @@ def _hub_documents(name: str, text_field: str) -> tuple[list[str], list[str]]:
     valid_split = next((s for s in ("validation", "valid", "test") if s in splits), None)
     valid = [t for t in splits[valid_split][text_field] if t] if valid_split else []
     return [t for t in splits["train"][text_field] if t], valid
+
+
+@contextlib.contextmanager
+def _quiet_hub():
+    """The Hub client's and Datasets' warnings held back during a download: without a network each of the five
+    retries logged two lines before the one error line that says the dataset cannot be reached."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets", "fsspec", "urllib3")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _hold_out(documents: list[str], fraction: float) -> tuple[list[str], list[str]]:

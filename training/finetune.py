@@ -56,6 +56,35 @@ class FinetuneError(ValueError):
     """Bad fine-tuning input: the message says what to change."""
 
 
+class FinetuneDiverged(RuntimeError):
+    """The training loss or the LoRA weights became non-finite: nothing was saved (`switchhead finetune` exits with
+    code 3, as `switchhead train` does on divergence)."""
+
+
+def check_finetune_settings(output_dir, data, r, lora_alpha, max_steps: int, batch_size: int, block_size,
+                            learning_rate: float, warmup_steps: int, seed: int) -> None:
+    """FinetuneError naming the first setting no run can use, before anything is loaded or written (an infinite
+    learning rate trained to NaN weights and exited 0; an empty output folder name meant the current folder)."""
+    for name, value in (("output folder", output_dir), ("data", data)):
+        if not isinstance(value, str) or not value.strip() or "\0" in value:
+            raise FinetuneError(f"{name} must be a non-empty path, got {value!r}")
+    for name, value, low in (("--max-steps", max_steps, 1), ("--batch-size", batch_size, 1), ("--rank", r, 1),
+                             ("--warmup-steps", warmup_steps, 0), ("--seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise FinetuneError(f"{name} must be an integer >= {low}, got {value!r}")
+    if seed >= 2**32:  # NumPy's seeds, which set_seed sets too, are below 2**32
+        raise FinetuneError(f"--seed must be below 2**32, got {seed}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2):
+        raise FinetuneError(f"--block-size must be an integer >= 2 (a next-token loss needs two tokens), got "
+                            f"{block_size!r}")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) \
+            or not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise FinetuneError(f"--learning-rate must be a finite number > 0, got {learning_rate!r}")
+    if lora_alpha is not None and (isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float))
+                                   or not math.isfinite(lora_alpha) or lora_alpha <= 0):
+        raise FinetuneError(f"LoRA alpha must be a finite number > 0 (--alpha), got {lora_alpha!r}")
+
+
 def _require_peft():
     try:
         import peft
@@ -309,7 +338,8 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
              target_modules: list[str] | None = None, target_parameters: list[str] | None = None,
              max_steps: int = 100, batch_size: int = 8, block_size: int | None = None, learning_rate: float = 1e-3,
              warmup_steps: int = 0, valid_blocks: int = 32, seed: int = 0, merge: bool = False,
-             logging_steps: int = 10, quantize: str | None = None, verify: bool = True) -> FinetuneResult:
+             logging_steps: int = 10, quantize: str | None = None, verify: bool = True,
+             report_to: str | list[str] = "none", progress: bool = True) -> FinetuneResult:
     """LoRA-fine-tune the model in `model_dir` (with its tokenizer) on `data` with the Transformers `Trainer`.
 
     Writes the adapter only to `output_dir` (plus `finetune.json` with the losses); with `merge`, also the merged
@@ -317,9 +347,14 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     `quantize` (one of `QUANTIZATIONS`) loads the base quantised and trains LoRA on top (QLoRA with `bnb-nf4`).
     `output_dir` is locked for the run (`switchhead.integrity.FolderLock`): a second writer is refused. The base
     folder is checked first (`switchhead.integrity.check_saved_model`; `verify=False` skips its manifest).
+    `report_to` is Trainer's (`report_integrations`; TensorBoard writes into `output_dir/tensorboard` unless
+    TENSORBOARD_LOGGING_DIR says otherwise); `progress` shows Trainer's progress bar, as `switchhead train` does.
     """
     from ..integrity import LOCK_NAME, FolderLock, check_saved_model
 
+    check_finetune_settings(output_dir, data, r, lora_alpha, max_steps, batch_size, block_size, learning_rate,
+                            warmup_steps, seed)
+    integrations, missing = report_integrations(report_to)
     _require_peft()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FinetuneError(f"{model_dir} is not a saved model folder (no config.json)")
@@ -329,14 +364,86 @@ def finetune(model_dir: str, data: str, output_dir: str, r: int = 8, lora_alpha:
     with FolderLock(output_dir, "finetune"):
         if [name for name in os.listdir(output_dir) if name != LOCK_NAME]:
             raise FinetuneError(f"output folder {output_dir} already exists and is not empty; choose another")
-        return _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters, max_steps,
-                         batch_size, block_size, learning_rate, warmup_steps, valid_blocks, seed, merge,
-                         logging_steps, quantize)
+        try:
+            return _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters,
+                             max_steps, batch_size, block_size, learning_rate, warmup_steps, valid_blocks, seed,
+                             merge, logging_steps, quantize, integrations, progress, missing)
+        except BaseException as error:  # a full disk, Ctrl-C: no half-written adapter stays (the folder was empty)
+            _remove_written(output_dir, LOCK_NAME)
+            from ..integrity.files import write_error
+
+            failure = write_error(error, output_dir)
+            if failure is not error:
+                raise failure from None
+            raise
+
+
+def report_integrations(report_to: str | list[str]) -> tuple[list[str], list[str]]:
+    """(the Trainer integrations `report_to` names that are installed, those whose package is not): a name, a comma
+    list or a list; "all" is every installed one, "none" none. FinetuneError for a name Trainer does not know."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    names = report_to.split(",") if isinstance(report_to, str) else report_to
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise FinetuneError(f"--report-to must be a name or a comma list of names, got {report_to!r}")
+    names = list(dict.fromkeys(name.strip() for name in names if name.strip()))
+    if not names:
+        raise FinetuneError("--report-to is empty; give none for no tracker")
+    for name in names:
+        if name not in ("all", "none") and name not in INTEGRATION_TO_CALLBACK:
+            raise FinetuneError(f"--report-to: unknown integration {name!r}; choose from tensorboard, wandb, mlflow, "
+                                "all or none (or another Trainer integration)")
+    if len(names) > 1 and ("all" in names or "none" in names):
+        raise FinetuneError(f"--report-to: 'all' and 'none' stand alone, got {','.join(names)!r}")
+    available = get_available_reporting_integrations()
+    if names == ["all"]:
+        return list(available), []
+    if names == ["none"]:
+        return [], []
+    return [name for name in names if name in available], [name for name in names if name not in available]
+
+
+class _tensorboard_folder:
+    """Trainer's TensorBoard callback writes into TENSORBOARD_LOGGING_DIR, else under Trainer's output folder (which
+    is deleted at the end): point it at `output_dir/tensorboard`, a folder created here (never a link), while the
+    callback is built, unless the user set the variable."""
+
+    def __init__(self, output_dir: str, wanted: bool):
+        self.folder = os.path.join(output_dir, "tensorboard") if wanted and \
+            "TENSORBOARD_LOGGING_DIR" not in os.environ else None
+
+    def __enter__(self):
+        if self.folder is not None:
+            from ..integrity import make_folder
+
+            os.environ["TENSORBOARD_LOGGING_DIR"] = make_folder(self.folder)
+
+    def __exit__(self, *exc):
+        if self.folder is not None:
+            os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
+
+
+def _remove_written(output_dir: str, keep: str) -> None:
+    """Delete what a failed run wrote into `output_dir` (empty but for `keep` when it began); links are removed, never
+    followed."""
+    import shutil
+
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name == keep:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target_parameters, max_steps, batch_size,
               block_size, learning_rate, warmup_steps, valid_blocks, seed, merge, logging_steps,
-              quantize) -> FinetuneResult:
+              quantize, integrations=(), progress=True, missing=()) -> FinetuneResult:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, set_seed
 
@@ -380,15 +487,25 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
     args = TrainingArguments(
         output_dir=os.path.join(output_dir, "trainer"), per_device_train_batch_size=batch_size, max_steps=max_steps,
         learning_rate=learning_rate, warmup_steps=warmup_steps, lr_scheduler_type="cosine",
-        logging_steps=logging_steps, save_strategy="no", report_to=[], seed=seed, dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        logging_steps=logging_steps, save_strategy="no", report_to=list(integrations), seed=seed,
+        dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=not progress,
     )
     dataset = Dataset.from_dict({"input_ids": train.tolist(), "labels": train.tolist()})
-    trainer = Trainer(model=peft_model, args=args, train_dataset=dataset)
+    if missing:  # a note, not an error: the run goes on without them
+        import sys
+
+        print(f"switchhead finetune: note: {' and '.join(missing)} not installed (pip install {' '.join(missing)}); "
+              f"fine-tuning without {'it' if len(missing) == 1 else 'them'}", file=sys.stderr)
+    with _tensorboard_folder(output_dir, "tensorboard" in integrations):  # read when Trainer builds its callbacks
+        trainer = Trainer(model=peft_model, args=args, train_dataset=dataset)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     after = _mean_loss(peft_model, valid, batch_size)
+    _check_finite(peft_model, losses, after, learning_rate)  # before anything is saved
 
+    from .run_card import with_context
+
+    with_context(tokenizer, model.config)  # the saved tokenizers truncate to what the model reads
     peft_model.save_pretrained(output_dir, save_embedding_layers=False)  # the adapter only, even with lm_head
     tokenizer.save_pretrained(output_dir)
     if merge:
@@ -396,6 +513,11 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
         merged.save_pretrained(os.path.join(output_dir, "merged"))
         tokenizer.save_pretrained(os.path.join(output_dir, "merged"))
     result = FinetuneResult(max_steps, losses, before, after, trainable, total, output_dir)
+    _write_cards(output_dir, model_dir, model.config, merge, losses, before, after,
+                 dict(data=data, rank=r, lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
+                      target_modules=target_modules or "default",
+                      max_steps=max_steps, batch_size=batch_size, block_size=block_size,
+                      learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed, quantize=quantize))
     with open(os.path.join(output_dir, "finetune.json"), "w", encoding="utf-8") as handle:
         json.dump({"base_model": os.path.abspath(model_dir), "data": data, "rank": r, "steps": max_steps,
                    "quantize": quantize,
@@ -405,6 +527,29 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
 
     shutil.rmtree(os.path.join(output_dir, "trainer"), ignore_errors=True)
     return result
+
+
+def _write_cards(output_dir, model_dir, config, merge, losses, before, after, settings) -> None:
+    """README.md of the adapter folder (in place of PEFT's placeholder card) and of the merged model."""
+    from .run_card import finetune_card, write_card
+
+    name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
+    folders = [(output_dir, name, True)] + ([(os.path.join(output_dir, "merged"), f"{name}-merged", False)]
+                                            if merge else [])
+    for folder, title, adapter in folders:
+        write_card(folder, finetune_card(config, name=title, base_model=model_dir, settings=settings, losses=losses,
+                                         valid_before=before, valid_after=after, adapter=adapter), replace=True)
+
+
+def _check_finite(model, losses: list[float], valid_loss: float, learning_rate: float) -> None:
+    """FinetuneDiverged when a logged training loss, the validation loss or a trained (LoRA) weight is not finite:
+    such an adapter is never saved."""
+    bad = [name for name, parameter in model.named_parameters()
+           if parameter.requires_grad and not bool(torch.isfinite(parameter).all())]
+    if bad or not all(math.isfinite(loss) for loss in losses) or not math.isfinite(valid_loss):
+        what = f"{len(bad)} trained weight tensor(s) (e.g. {bad[0]})" if bad else "the loss"
+        raise FinetuneDiverged(f"fine-tuning diverged: {what} became non-finite (learning rate {learning_rate!r}); "
+                               f"nothing was saved; lower --learning-rate")
 
 
 def _take_characters(documents: list[str], characters: int) -> list[str]:
@@ -418,7 +563,7 @@ def _take_characters(documents: list[str], characters: int) -> list[str]:
     return taken
 
 
-__all__ = ["DENSE_MODULES", "EXPERT_PARAMETERS", "FinetuneError", "FinetuneResult", "QUANTIZATIONS", "apply_lora",
+__all__ = ["DENSE_MODULES", "EXPERT_PARAMETERS", "FinetuneDiverged", "FinetuneError", "FinetuneResult", "QUANTIZATIONS", "apply_lora",
            "load_quantized", "quantization_config",
            "attention_param_wrapper", "default_lora_targets", "finetune", "load_lora", "lora_config", "lora_targets",
            "register_switchhead_modules"]

@@ -30,6 +30,7 @@ class DivergenceGuard:
         self.in_a_row = 0
 
     def update_is_finite(self, step_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        step_loss, grad_norm = plain_tensor(step_loss), plain_tensor(grad_norm)
         if self.config.mixed_precision == "fp16":  # the loss scaler skips non-finite gradients itself
             bad = ~torch.isfinite(step_loss)
         else:
@@ -45,6 +46,7 @@ class DivergenceGuard:
     def skip(self, step: int, step_loss: torch.Tensor, grad_norm: torch.Tensor, learning_rate: float) -> float:
         """Account for the bad update of `step` (not applied): stop the run when it is one too many in a row, else
         count it and write it to events.log. Returns the step's loss."""
+        step_loss, grad_norm = plain_tensor(step_loss), plain_tensor(grad_norm)
         loss_value = float(self.accelerator.reduce(step_loss, reduction="mean"))
         if self.in_a_row > self.config.skip_nonfinite:
             self.log.write(dict(step=step, loss=repr(loss_value), learning_rate=repr(learning_rate),
@@ -73,6 +75,15 @@ def apply_update(optimizer, finite: bool, mixed_precision: str) -> None:
     if finite or mixed_precision == "fp16":
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """`value` as an ordinary tensor holding its whole value. Under Transformers' distributed engine a gradient norm
+    (or a loss) can be a DTensor, often a pending sum over processes; collectives such as `accelerator.reduce` have
+    no sharding rule for DTensors, so it is made whole (`full_tensor`, a collective every process reaches here)
+    before anything reduces or reads it."""
+    full_tensor = getattr(value, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else value
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,99 @@ def launched_processes() -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
+# how long the launched processes may take to find each other before the run stops (seconds); the collectives of
+# the joined run keep torch's own timeouts
+JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT = "SWITCHHEAD_JOIN_TIMEOUT", 60.0
+
+
+class ProcessesMissing(TrainingError):
+    """The launched processes did not all join in time: every process reports it (rank 0 may be the missing one)."""
+
+
+def join_timeout() -> float:
+    """Seconds to wait for every launched process to join (SWITCHHEAD_JOIN_TIMEOUT, default 60)."""
+    raw = os.environ.get(JOIN_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_JOIN_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value == value and 0 < value <= 86400):
+        raise TrainingError(f"{JOIN_TIMEOUT_ENV} must be a number of seconds in (0, 86400], got {raw!r}")
+    return value
+
+
+def start_accelerator(**options):
+    """`Accelerator(**options)` whose process group must form within `join_timeout()` seconds: a launched process
+    whose peers never start (`WORLD_SIZE=2 RANK=0` alone, a node that did not come up) stops with a TrainingError
+    instead of waiting torch's default 30 minutes. Once joined, the group's collectives get torch's default timeout
+    back (a checkpoint written by rank 0 may keep the others waiting longer than the join allows)."""
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    launched = launched_processes()
+    if launched is None or launched < 2 or torch.distributed.is_initialized():
+        return Accelerator(**options)
+    seconds = join_timeout()
+    try:
+        with _stderr_held_back() as held:  # torch's C++ store logs each failed connection try on stderr
+            accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=seconds))],
+                                      **options)
+        held.replay()
+    except (RuntimeError, TimeoutError) as error:  # DistStoreError / DistNetworkError are RuntimeErrors
+        text = str(error).lower()
+        if not isinstance(error, TimeoutError) and "timed out" not in text and "timeout" not in text \
+                and type(error).__name__ not in ("DistStoreError", "DistNetworkError"):
+            raise
+        rank = os.environ.get("RANK", "?")
+        raise ProcessesMissing(f"process {rank} of {launched}: the other launched processes did not join within "
+                            f"{seconds:g} s (WORLD_SIZE={launched}); start all of them (torchrun --nproc_per_node "
+                            f"N starts them for you), or set {JOIN_TIMEOUT_ENV} to wait longer") from None
+    if torch.distributed.is_initialized():
+        from torch.distributed import constants
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        nccl = torch.distributed.get_backend() == "nccl"
+        _set_pg_timeout(constants.default_pg_nccl_timeout if nccl else constants.default_pg_timeout)
+    return accelerator
+
+
+class _stderr_held_back:
+    """Collect what is written to file descriptor 2 (C++ logs included) in the body; `replay()` writes it out after
+    a success, a failure drops it: its one-line error says what happened."""
+
+    def __enter__(self):
+        import sys
+        import tempfile
+
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile()
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        return False
+
+    def replay(self) -> None:
+        import sys
+
+        self.file.seek(0)
+        text = self.file.read()
+        self.file.close()
+        if text:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+            sys.stderr.flush()
+
+
 def check_sizes(sizes: dict[str, int], model_config=None) -> None:
     """TrainingError saying what to change when `sizes` cannot shard this run: a size that is not a positive
     integer, a product that is not the number of launched processes (or no launcher), what DistributedConfig

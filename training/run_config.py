@@ -24,8 +24,8 @@ TINY_TRAINING: dict[str, Any] = dict(block_size=128, batch_size=16, learning_rat
 # options that may change when a run is resumed: they do not change what is computed, except max_steps, which
 # extends (or shortens) the run and so stretches the cosine schedule from the resumed step on
 CHANGEABLE_ON_RESUME = ("output_dir", "resume", "eval_every", "save_every", "log_every", "keep_checkpoints",
-                        "progress", "tensorboard", "eval_batches", "max_steps", "overwrite", "skip_nonfinite",
-                        "inexact_resume", "allow_pickle")
+                        "progress", "report_to", "tensorboard", "eval_batches", "max_steps", "overwrite",
+                        "skip_nonfinite", "inexact_resume", "allow_pickle")
 
 
 class TrainingError(ValueError):
@@ -80,7 +80,10 @@ class TrainingConfig:
     log_every: int = 10
     save_every: int = 1000
     keep_checkpoints: int = 2
-    tensorboard: bool = True
+    # experiment trackers (Accelerate's): "tensorboard", "wandb", "mlflow" (a comma list or a list), "all" (those
+    # installed) or "none"; Transformers' TrainingArguments.report_to defaults to "none" too
+    report_to: str | list[str] = "none"
+    tensorboard: bool | None = None  # deprecated (--no-tensorboard): False leaves TensorBoard out, True adds it
     progress: bool = True
     resume: str | None = None  # "latest" or a checkpoint folder
     overwrite: bool = False  # start the run in output_dir (one of our runs) over, deleting its files
@@ -136,6 +139,7 @@ def learning_rate_at(step: int, config: TrainingConfig) -> float:
 
 def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_processes: int) -> None:
     """Raise TrainingError naming the option and the rule for settings the loop cannot run."""
+    check_settings(config)
     for name in ("block_size", "batch_size", "gradient_accumulation_steps", "max_steps", "log_every", "eval_every",
                  "save_every", "keep_checkpoints"):
         value = getattr(config, name)
@@ -171,6 +175,85 @@ def check_config(config: TrainingConfig, model_config: SwitchHeadConfig, num_pro
         raise TrainingError(str(error)) from None
 
 
+SEED_LIMIT = 2**32  # NumPy's seeds, which `set_seed` sets with torch's and Python's, are below it
+VOCAB_LIMIT = 1 << 22  # BPE vocabularies beyond this are typos (the embedding alone would be huge)
+
+
+def check_settings(config: TrainingConfig) -> None:
+    """The settings that need neither the data nor the model: TrainingError naming the first bad one. Run before
+    the output folder is touched, so a typo leaves nothing behind."""
+    for name in ("output_dir", "preset", "text_field"):
+        value = getattr(config, name)
+        if not isinstance(value, str) or not value.strip() or "\0" in value:
+            raise TrainingError(f"{name} must be a non-empty string, got {value!r}")
+    for name in ("data", "valid_data", "tokenizer"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value.strip() or "\0" in value):
+            raise TrainingError(f"{name} must be a path or a name (leave it out for the default), got {value!r}")
+    if config.preset not in PRESETS:
+        raise TrainingError(f"unknown preset {config.preset!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < SEED_LIMIT:
+        raise TrainingError(f"seed must be an integer in [0, {SEED_LIMIT - 1}], got {config.seed!r}")
+    if isinstance(config.vocab_size, bool) or not isinstance(config.vocab_size, int) \
+            or not 2 <= config.vocab_size <= VOCAB_LIMIT:
+        raise TrainingError(f"vocab_size must be an integer in [2, {VOCAB_LIMIT}], got {config.vocab_size!r}")
+    fraction = config.valid_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise TrainingError(f"valid_fraction must be a number in (0, 1), got {fraction!r}")
+    for name in ("block_size", "batch_size", "gradient_accumulation_steps", "max_steps", "log_every", "eval_every",
+                 "save_every", "keep_checkpoints"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TrainingError(f"{name} must be an integer >= 1, got {value!r}")
+    for name in ("warmup_steps", "eval_batches"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TrainingError(f"{name} must be an integer >= 0, got {value!r}")
+    for name in ("learning_rate", "min_learning_rate", "grad_clip", "weight_decay"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TrainingError(f"{name} must be a finite number, got {value!r}")
+    if config.grad_clip < 0 or config.weight_decay < 0:
+        raise TrainingError("grad_clip and weight_decay must be >= 0")
+    if config.mixed_precision not in ("no", "bf16", "fp16"):
+        raise TrainingError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {config.mixed_precision!r}")
+    report_trackers(config)
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # the documented choices; Accelerate's other trackers work as well
+
+
+def report_trackers(config: TrainingConfig) -> list[str]:
+    """The tracker names `config.report_to` asks for ("all": those Accelerate finds installed; "none": no tracker),
+    with `config.tensorboard` applied; TrainingError for a name Accelerate does not know. Whether each is
+    installed is decided when the run starts."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    value = config.report_to
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise TrainingError(f"report_to must be a tracker name, a comma list or a list of names, got {value!r}")
+    names = [name.strip() for name in names if name.strip()]
+    if not names:
+        raise TrainingError("report_to is empty; give none for no tracker")
+    for name in names:
+        if name not in ("all", "none") and name not in LOGGER_TYPE_TO_CLASS:
+            raise TrainingError(f"report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}, all or "
+                                "none (or another tracker Accelerate knows)")
+    if len(names) > 1 and ("all" in names or "none" in names):
+        raise TrainingError(f"report_to: 'all' and 'none' stand alone, got {','.join(names)!r}")
+    if names == ["none"]:
+        names = []
+    elif names == ["all"]:
+        names = [getattr(tracker, "value", str(tracker)) for tracker in get_available_trackers()]
+    names = list(dict.fromkeys(names))
+    if config.tensorboard is False:
+        names = [name for name in names if name != "tensorboard"]
+    elif config.tensorboard is True and "tensorboard" not in names:
+        names.append("tensorboard")
+    return names
+
+
 def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
     """The preset's model configuration with the user's overrides and the tokenizer's vocabulary (None: the
     configured BPE vocabulary size, to check the settings before a tokenizer exists)."""
@@ -184,9 +267,17 @@ def build_model_config(config: TrainingConfig, tokenizer) -> SwitchHeadConfig:
                                 + (f"; did you mean {' or '.join(close)}?" if close else ""))
     if tokenizer is None:
         vocabulary = dict(vocab_size=config.vocab_size)
+        if config.tokenizer:  # the given tokenizer decides; it is checked once loaded
+            vocabulary = dict(vocab_size=config.model.get("vocab_size", config.vocab_size))
     else:
         vocabulary = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                           bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    for name, value in vocabulary.items():  # the tokenizer's numbers win: a different --set value is a conflict
+        if name in config.model and config.model[name] != value:
+            source = ("the tokenizer" if tokenizer is not None or config.tokenizer
+                      else "--vocab-size (the BPE tokenizer trained for the run)")
+            raise TrainingError(f"model configuration: {name}={config.model[name]!r} conflicts with {value!r} from "
+                                f"{source}; drop the --set {name} (use --vocab-size for the vocabulary)")
     try:
         return SwitchHeadConfig.from_preset(config.preset, **{**config.model, **vocabulary})
     except (TypeError, ValueError) as error:

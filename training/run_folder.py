@@ -9,19 +9,23 @@ import csv
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import PRESETS, SwitchHeadConfig
-from ..integrity import LOCK_NAME, MANIFEST, FolderLock, atomic_file, read_manifest, write_manifest
+from ..integrity import LOCK_NAME, MANIFEST, FolderLock, atomic_file, make_folder, open_append, read_manifest, \
+    write_manifest
+from ..integrity.files import PARTIAL, check_target
 from .checkpoint_files import checkpoint_dirs
 from .checkpoints import (EVENTS, Resume, _write_failure, choose_checkpoint, merge_resumed_config,
                           read_checkpoint_state)
 from .data import DataError, TokenBatches, load_documents, load_tokenizer, tokenize_documents, train_tokenizer, \
     unigram_perplexity
 from .run_config import TrainingConfig, TrainingError, build_model_config, check_config
+from .run_card import with_context, write_train_card
 
 
 LOG_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_memory_mb", "valid_loss",
@@ -31,17 +35,25 @@ LOG_FIELDS = ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second",
 RUN_MARKER = "training_config.json"  # marks a folder as a `switchhead train` run (written before anything else)
 
 
-class RunLog:
-    """log.csv (and TensorBoard) of the main process. On resume the CSV is cut back to the checkpoint's step, so
-    the log of an interrupted and resumed run reads like that of an uninterrupted one."""
+TRACKER_PROJECT = "switchhead"  # the trackers' project (W&B project, MLflow experiment); runs are named by folder
 
-    def __init__(self, output_dir: str, start_step: int, tensorboard: bool, enabled: bool):
+
+class RunLog:
+    """log.csv of the main process, and the same rows for the run's experiment trackers (`accelerator`'s, started
+    by `start_trackers`). On resume the CSV is cut back to the checkpoint's step, so the log of an interrupted and
+    resumed run reads like that of an uninterrupted one. Rows are appended by `open_append` (opened again for each
+    row, without following a link): a link planted at log.csv while the run goes on stops it instead of receiving
+    the rows. With `tensorboard`, TensorBoard's folder (tensorboard/TRACKER_PROJECT) is created here, each level a
+    folder, never a link to one, before a tracker writes into it."""
+
+    def __init__(self, output_dir: str, start_step: int, tensorboard: bool, enabled: bool, accelerator=None):
         self.enabled = enabled
         self.path = os.path.join(output_dir, "log.csv")
-        self.writer = None
+        self.accelerator = accelerator
         if not enabled:
             return
         rows = []
+        check_target(self.path)  # a link or a device at log.csv is neither read nor replaced
         if start_step > 0 and os.path.exists(self.path):
             with open(self.path, newline="") as handle:
                 rows = [row for row in csv.DictReader(handle) if int(row["step"]) <= start_step]
@@ -51,26 +63,71 @@ class RunLog:
                 writer.writeheader()
                 writer.writerows(rows)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is an optional extra (pip install switchhead[train])
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1)
+            make_folder(os.path.join(make_folder(tensorboard_dir(output_dir)), TRACKER_PROJECT))
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", newline="") as handle:
+        with open_append(self.path, newline="") as handle:
             csv.DictWriter(handle, LOG_FIELDS).writerow(row)
-        if self.writer is not None:
-            for key, value in row.items():
-                if key != "step" and value not in ("", None):
-                    self.writer.add_scalar(f"train/{key}" if "valid" not in key else f"valid/{key}", value, row["step"])
+        if self.accelerator is not None and self.accelerator.trackers:
+            metrics = {(f"valid/{key}" if "valid" in key else f"train/{key}"): float(value)
+                       for key, value in row.items() if key != "step" and value not in ("", None)}
+            self.accelerator.log(metrics, step=int(row["step"]))
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """The run ends here (a divergence stop): the trackers close their runs."""
+        if self.accelerator is not None:
+            finish_trackers(self.accelerator)
+
+
+def tensorboard_dir(output_dir: str) -> str:
+    """The folder the run's TensorBoard tracker writes under (Accelerate's `logging_dir`)."""
+    return os.path.join(output_dir, "tensorboard")
+
+
+def installed_trackers(names: list[str]) -> tuple[list[str], list[str]]:
+    """(the trackers of `names` that can run, the built-in ones whose package is not installed); trackers
+    registered with Accelerate (`accelerate.tracking.register_tracker_class`) count as installed."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    available = {getattr(tracker, "value", str(tracker)) for tracker in get_available_trackers()}
+    built_in = {tracker.value for tracker in LoggerType}
+    missing = [name for name in names if name in built_in and name not in available]
+    return [name for name in names if name not in missing], missing
+
+
+def start_trackers(accelerator, config: TrainingConfig, start_step: int) -> None:
+    """`init_trackers` on the main process, with the run's settings flattened to scalars (nested fields as
+    "model.hidden_size", lists joined by commas, unset ones left out). Resuming at `start_step`, TensorBoard drops
+    the events its writer wrote after that step (purge_step), so the curve has no step twice; the other trackers
+    start a new run of the same name."""
+    if not accelerator.is_main_process or not accelerator.log_with:
+        return
+    settings: dict[str, Any] = {}
+
+    def flatten(prefix: str, values: dict) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                flatten(f"{prefix}{key}.", value)
+            elif isinstance(value, (list, tuple)):
+                settings[prefix + key] = ",".join(str(item) for item in value)
+            elif value is not None:
+                settings[prefix + key] = value
+
+    flatten("", config.to_dict())
+    name = os.path.basename(os.path.abspath(config.output_dir))
+    accelerator.init_trackers(TRACKER_PROJECT, config=settings,
+                              init_kwargs={"tensorboard": {"purge_step": start_step + 1}, "wandb": {"name": name},
+                                           "mlflow": {"run_name": name}})
+
+
+def finish_trackers(accelerator) -> None:
+    """Close the trackers' runs (TensorBoard flushes its events), once; `Accelerator.end_training` finds none left."""
+    trackers, accelerator.trackers = list(accelerator.trackers), []
+    for tracker in trackers:
+        tracker.finish()
 
 
 @dataclass
@@ -208,7 +265,8 @@ def check_output_dir(config: TrainingConfig) -> None:
     if config.resume and config.overwrite:
         raise TrainingError("--resume continues a run and --overwrite starts it over: give only one")
     # (a marker whose atomic write was interrupted does not make the folder anyone else's)
-    if not os.path.isdir(folder) or not [e for e in os.listdir(folder) if e not in (RUN_MARKER + ".tmp", LOCK_NAME)]:
+    if not os.path.isdir(folder) or not [e for e in os.listdir(folder) if e not in (RUN_MARKER + ".tmp", LOCK_NAME)
+                                         and not (e.startswith(PARTIAL) and e.endswith("-" + RUN_MARKER))]:
         return
     if not os.path.isfile(os.path.join(folder, RUN_MARKER)):
         raise TrainingError(f"--output-dir {folder!r} is not empty and is not a switchhead training run; choose a "
@@ -235,13 +293,15 @@ def clear_run(folder: str) -> None:
 
 
 def _write_json(path: str, content: dict) -> None:
-    with open(path + ".tmp", "w") as handle:
-        json.dump(content, handle, indent=1)
-    os.replace(path + ".tmp", path)
+    with atomic_file(path) as temporary:  # a fresh name: a stale link at a fixed ".tmp" name is never written through
+        with open(temporary, "w") as handle:
+            json.dump(content, handle, indent=1)
 
 
-def save_final_model(accelerator, model, tokenizer, output_dir: str, placement=None) -> None:
-    """Write the run folder's save_pretrained model, tokenizer and manifest (main process; every process gathers
+def save_final_model(accelerator, model, tokenizer, output_dir: str, placement=None,
+                     settings: dict | None = None) -> None:
+    """Write the run folder's save_pretrained model, tokenizer (truncating to the model's context), manifest and
+    model card (`settings`: the run's TrainingConfig as a dict, for the card; main process; every process gathers
     the weights). A failed write raises TrainingError; the checkpoints stay intact for a resume."""
     from .placement import AcceleratePlacement
 
@@ -250,7 +310,9 @@ def save_final_model(accelerator, model, tokenizer, output_dir: str, placement=N
     state_dict = placement.full_state_dict(model)  # the full weights (gathered when sharded); every process calls it
     if accelerator.is_main_process:
         try:
-            _save_model(placement.saveable(model), state_dict, tokenizer, output_dir)
+            saveable = placement.saveable(model)
+            _save_model(saveable, state_dict, with_context(tokenizer, saveable.config), output_dir)
+            write_train_card(output_dir, saveable.config, settings)  # after the manifest: the user may edit it
         except Exception as error:  # noqa: BLE001 - only write failures are turned into a message
             reason = _write_failure(error)
             if reason is None:
@@ -279,13 +341,14 @@ def _save_model(model, state_dict, tokenizer, output_dir: str) -> None:
 def _save_into(output_dir: str, write) -> None:
     """Let `write` fill a temporary folder, then move each file into `output_dir` with an atomic rename: a file
     there is always either the old complete one or the new complete one."""
-    temporary = os.path.join(output_dir, ".tmp-save")
-    shutil.rmtree(temporary, ignore_errors=True)
-    os.makedirs(temporary)
+    temporary = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)  # a fresh name: no planted link is entered
     try:
         write(temporary)
         for name in os.listdir(temporary):
-            os.replace(os.path.join(temporary, name), os.path.join(output_dir, name))
+            target = os.path.join(output_dir, name)
+            if not os.path.isdir(os.path.join(temporary, name)):
+                check_target(target)  # a link or a device planted at a file's name is refused, not replaced
+            os.replace(os.path.join(temporary, name), target)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)  # nothing half-written stays behind (a full disk)
 

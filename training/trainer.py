@@ -17,11 +17,13 @@ Output folder layout:
     OUTPUT/                         save_pretrained folder (config, weights, model code, tokenizer) at the end
     OUTPUT/training_config.json     the TrainingConfig of the run
     OUTPUT/log.csv                  one row per logged step (loss, lr, grad norm, tokens/s, peak memory, validation)
-    OUTPUT/tensorboard/             the same numbers for TensorBoard (when it is installed)
+    OUTPUT/tensorboard/switchhead/  the same numbers for TensorBoard (with report_to="tensorboard"; Accelerate's
+                                    trackers, as W&B and MLflow, get them too)
     OUTPUT/checkpoints/step-NNNNNNN model, optimizer, RNG states, XL memory and the step (the data position);
                                     RNG states and XL memory as safetensors + JSON (rng_state_P.safetensors,
                                     xl_memory_P.safetensors), so resuming unpickles nothing of ours
     OUTPUT/SHA256SUMS, OUTPUT/checkpoints/step-NNNNNNN/SHA256SUMS   SHA-256 manifests, written last
+    OUTPUT/README.md                the model card (Hub metadata, settings, validation losses), after the manifest
     OUTPUT/events.log               fallbacks to older checkpoints, inexact resumes, divergence stops
 
 Checkpoints are written to a hidden temporary folder, closed with a SHA-256 manifest and renamed into place when
@@ -47,7 +49,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 import resource
+import signal
+import sys
+import threading
 import time
 
 import torch
@@ -55,10 +61,12 @@ import torch
 from .. import SwitchHeadForCausalLM
 from .checkpoints import choose_checkpoint, restore_checkpoint, save_checkpoint
 from .data import TokenBatches
-from .guard import DivergenceGuard, apply_update
-from .placement import check_sizes, placement_for
-from .run_config import TINY_TRAINING, TrainingConfig, TrainingDiverged, TrainingError, TrainResult, learning_rate_at
-from .run_folder import RunLog, check_processes_joined, load_data, open_run, run_folder_lock, save_final_model
+from .guard import DivergenceGuard, apply_update, plain_tensor
+from .placement import check_sizes, placement_for, start_accelerator
+from .run_config import (TINY_TRAINING, TrainingConfig, TrainingDiverged, TrainingError, TrainResult, learning_rate_at,
+                         report_trackers)
+from .run_folder import (RunLog, check_processes_joined, finish_trackers, installed_trackers, load_data, open_run,
+                         run_folder_lock, save_final_model, start_trackers, tensorboard_dir)
 
 
 def _detach(memory):
@@ -84,14 +92,23 @@ def train(config: TrainingConfig) -> TrainResult:
     the run ends, however it ends; a second writer gets TrainingError naming the holder. With `config.distributed`
     sizes the model is sharded by Transformers' distributed engine (`placement`); without a GPU its processes join
     over gloo."""
-    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
 
     check_sizes(config.distributed)  # launched processes that do not fit the sizes: before any process group
     on_cpu = bool(config.distributed) and not torch.accelerator.is_available()
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=on_cpu)
+    trackers, missing = installed_trackers(report_trackers(config))
+    project = ProjectConfiguration(project_dir=config.output_dir, logging_dir=tensorboard_dir(config.output_dir))
+    accelerator = start_accelerator(mixed_precision=config.mixed_precision, cpu=on_cpu,  # peers join in bounded time
+                                    log_with=trackers or None, project_config=project)
     check_processes_joined(accelerator)
-    with run_folder_lock(accelerator, config.output_dir):
-        return _train(config, accelerator)
+    if missing and accelerator.is_main_process:  # a note, not an error: the run goes on without them
+        print(f"switchhead train: note: {' and '.join(missing)} not installed (pip install {' '.join(missing)}); "
+              f"training without {'it' if len(missing) == 1 else 'them'}", file=sys.stderr)
+    with run_folder_lock(accelerator, config.output_dir), StopOnSignal.restoring():
+        try:
+            return _train(config, accelerator)
+        finally:  # however the run ends (a failure, a signal), the trackers close their runs
+            finish_trackers(accelerator)
 
 
 def _train(config: TrainingConfig, accelerator) -> TrainResult:
@@ -120,7 +137,9 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
     if resume is not None:
         step, skipped_updates, memory = restore_checkpoint(accelerator, config, resume, placement)
 
-    log = RunLog(config.output_dir, step, config.tensorboard, is_main)
+    tracked = [getattr(tracker, "value", tracker) for tracker in accelerator.log_with]
+    log = RunLog(config.output_dir, step, "tensorboard" in tracked, is_main, accelerator)
+    start_trackers(accelerator, config, step)
     if is_main:
         accelerator.print(f"{config.preset} ({data.model_config.attention_type} attention): "
                           f"{num_parameters / 1e6:.2f}M parameters, {data.train_tokens:,} training tokens, "
@@ -135,7 +154,8 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
     loss_value, valid_loss = float("nan"), float("nan")
     tokens_per_step = config.batch_size * config.block_size
     tick, steps_since_tick = time.time(), 0
-    while step < config.max_steps:
+    stop = StopOnSignal(accelerator)
+    while stop.watching(step < config.max_steps):
         learning_rate = learning_rate_at(step, config)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
@@ -172,20 +192,98 @@ def _train(config: TrainingConfig, accelerator) -> TrainResult:
             tick, steps_since_tick = time.time(), 0  # validation and logging time is not training throughput
             progress.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{math.exp(valid_loss):.1f}"
                                  if valid_loss == valid_loss else "-")
-        if step % config.save_every == 0 or step == config.max_steps:
+        stopping = stop.requested()  # Ctrl-C or SIGTERM: the step is whole, so save it before stopping
+        if step % config.save_every == 0 or step == config.max_steps or stopping:
             guard.check_weights(model, step, loss_value, grad_norm)
             save_checkpoint(accelerator, config.output_dir, step, config, memory, guard.skipped_updates, placement)
+        if stopping:
+            progress.close()
+            raise stop.interrupt(step, config.output_dir)
     progress.close()
-    log.close()
 
     # ---------------------------------------------------------------- the result folder
-    save_final_model(accelerator, model, data.tokenizer, config.output_dir, placement)
+    save_final_model(accelerator, model, data.tokenizer, config.output_dir, placement, settings=config.to_dict())
     if valid_loss != valid_loss:  # resumed at the last step: nothing was evaluated in this process
         valid_loss = evaluate(model, data.valid_batches, accelerator, memory_supported, config.eval_batches,
                               placement)
+    finish_trackers(accelerator)
     accelerator.end_training()
     return TrainResult(config.output_dir, step, loss_value, valid_loss, math.exp(valid_loss), data.unigram,
                        num_parameters, time.time() - started)
+
+
+class StopOnSignal:
+    """Ctrl-C (SIGINT) or SIGTERM during the training loop ends the run at the end of the step under way, with a
+    verified checkpoint of that step to `--resume` from: a signal only sets a flag, which the loop reads between
+    steps (every process agrees on it), so no save ever sees a half-applied update. A second signal stops at once.
+
+    `watching(condition)` wraps the loop's condition: the handlers are installed while it is True (in the main
+    thread only) and restored when it turns False; `interrupt` is the exception that ends the command (exit code
+    130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def watching(self, condition: bool) -> bool:
+        if condition and not self._previous and threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self._previous[number] = signal.signal(number, self._handle)
+        elif not condition:
+            self.restore()
+        return condition
+
+    def _handle(self, number, frame) -> None:
+        if self.signal is not None:  # the second signal: do not wait for the step
+            self.restore()
+            raise self._exception(number)()
+        self.signal = number
+
+    def restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    @staticmethod
+    @contextlib.contextmanager
+    def restoring():
+        """The SIGINT and SIGTERM handlers as they were, whichever way the run ends (an error inside the loop)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def requested(self) -> bool:
+        flag = self.signal is not None
+        if self.accelerator.num_processes > 1:  # one process signalled: every process stops at the same step
+            flag = float(self.accelerator.reduce(torch.tensor([float(flag)], device=self.accelerator.device),
+                                                 reduction="sum")) > 0
+        return flag
+
+    @staticmethod
+    def _exception(number: int | None) -> type[KeyboardInterrupt]:
+        from ..integrity import Terminated
+
+        return Terminated if number == signal.SIGTERM else KeyboardInterrupt
+
+    def interrupt(self, step: int, output_dir: str) -> KeyboardInterrupt:
+        """The exception that ends the run, naming the checkpoint (verified against its manifest) to resume from."""
+        from ..integrity import verify_manifest
+
+        self.restore()
+        checkpoint = os.path.join(output_dir, "checkpoints", f"step-{step:07d}")
+        problems = verify_manifest(checkpoint)
+        if problems:
+            return self._exception(self.signal)(f"stopped at step {step}; its checkpoint does not verify "
+                                                f"({problems[0]})")
+        return self._exception(self.signal)(f"stopped at step {step}; checkpoint {checkpoint} saved and verified: "
+                                            "continue with --resume")
 
 
 def accumulate_gradients(model, batches: TokenBatches, step: int, memory: list, accumulation: int, accelerator,
@@ -214,7 +312,7 @@ def clip_gradients(model, accelerator, grad_clip: float) -> torch.Tensor:
     Clipping computes the norm anyway (max_norm=inf: the norm alone); with the loss it decides whether the update
     may be applied."""
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    return torch.as_tensor(grad_norm, device=accelerator.device)
+    return plain_tensor(torch.as_tensor(grad_norm, device=accelerator.device))  # a DTensor under the engine
 
 
 def _data_share(accelerator, placement) -> tuple[int, int]:

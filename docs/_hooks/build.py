@@ -13,7 +13,8 @@ from the benchmark results at build time, so that no page keeps a copy of either
 - `<!-- ratio-table ... -->` is replaced by a table of SwitchHead / dense ratios read from the results' JSON files
   (one row per line: `label | file | RoPE values | XL values | text...`; values are dotted paths into the JSON,
   several joined by ` / `, `FILE:path` for another file; a number indexes a list, as in `pairs.0.ratios`).
-- benchmarks/results/*.md and *.png become the site's `results/` folder, CHANGELOG.md its `changelog.md` page.
+- benchmarks/results/*.png and every .md under it become the site's `results/` folder, CHANGELOG.md its
+  `changelog.md` page.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def on_shutdown():
 
 # ----------------------------------------------------------------------------- results and changelog as files
 def on_files(files: Files, config) -> Files:
-    for path in sorted(RESULTS.glob("*.png")) + sorted(RESULTS.glob("*.md")):
-        files.append(File.generated(config, f"results/{path.name}", abs_src_path=str(path)))
+    for path in sorted(RESULTS.glob("*.png")) + sorted(RESULTS.rglob("*.md")):  # with the run folders' pages
+        files.append(File.generated(config, f"results/{path.relative_to(RESULTS).as_posix()}",
+                                    abs_src_path=str(path)))
     changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
     files.append(File.generated(config, "changelog.md", content=changelog))
     return files
@@ -240,7 +242,7 @@ def _site_results_links(markdown: str, page_uri: str) -> str:
     """The pages link results where the repository keeps them (`../benchmarks/results/NAME`, which GitHub renders);
     on the site those files are the generated `results/` folder (on_files)."""
     results = posixpath.relpath("results", posixpath.dirname(page_uri) or ".")
-    return re.sub(r"\]\(\.\./benchmarks/results/([\w.-]+\.(?:png|md|json)(?:#[\w-]*)?)\)",
+    return re.sub(r"\]\(\.\./benchmarks/results/([\w./-]+\.(?:png|md|json)(?:#[\w-]*)?)\)",
                   lambda m: f"]({results}/{m.group(1)})", markdown)
 
 

@@ -1,4 +1,4 @@
-"""Correctness on a GPU: the Triton CVMM kernels and the whole model, checked before anything is timed (issue #11).
+"""Correctness on a GPU: the Triton CVMM kernels and the whole model, checked before anything is timed.
 
     python scripts/gpu/gpu_check.py                  # CUDA: every section, paper shapes, >= 300 random problems
     python scripts/gpu/gpu_check.py --cpu-smoke      # anywhere: the same checks on small shapes, Triton interpreted
@@ -13,8 +13,9 @@ Sections (`--sections`, comma separated; all by default):
   modes (atomic, deterministic), against the float64 PyTorch reference on the same rounded values; the error is
   max |got - want| / max |want| per tensor. Deterministic mode must also give bitwise equal results twice.
 - `model`: whole models (RoPE, XL, SwitchAll; 2 layers of the 47M presets on CUDA, the tiny presets on CPU):
-  logits and every parameter gradient with the Triton path against the PyTorch path (fp32, and bf16 autocast),
-  and cached decoding (one token at a time through the KV cache) against the full forward over the same tokens.
+  logits and every parameter gradient with the Triton path against the PyTorch path (fp32, with the PyTorch run's
+  ReLU decisions replayed in the Triton run: `ReluDecisions`; and bf16 autocast, each path against fp32), and cached
+  decoding (one token at a time through the KV cache) against the full forward over the same tokens.
 - `compile`: `torch.compile(fullgraph=True)` with inductor of a training step (loss and gradients against eager)
   and of static-cache `generate` (tokens against eager `generate`), for RoPE and XL; and compiled flex_attention
   for XL (logits and gradients against sdpa).
@@ -422,13 +423,14 @@ def diagnose_fp32_mismatch(variant: str, model, ids, triton_run, torch_run, wors
 class ReluDecisions:
     """Holds the ReLU decisions of one run of a model and replays them in the runs compared with it.
 
-    A pre-activation within rounding of zero is positive in one run and negative in another (measured: SwitchAll-XL's
-    3.6% "gradient error" of issue #40 is one sigma-MoE key unit at +2.1e-7 in fp32 and -4.2e-7 in float64, with
-    the logits within 1.2e-6). The ReLU's derivative jumps there, so the gradients of two correct runs can differ by
-    percents while the forward agrees: the whole-model check would test where the kinks fall, not the expert op. So
-    the reference run records each ReLU's mask (`record`), and every run compared with it multiplies by those masks
-    instead (`replay`), counting the pre-activations whose own sign disagrees (`kinks`): the values differ only
-    there, by a rounding error, and the gradients then differ only by the arithmetic under test."""
+    A pre-activation within rounding of zero is positive in one run and negative in another (on an H100, a fresh
+    2-layer SwitchAll-XL had one sigma-MoE key unit at +2.1e-7 in fp32 and -4.2e-7 in float64: a 3.6% gradient
+    difference with the logits within 1.2e-6). The ReLU's derivative jumps there, so the gradients of two correct
+    runs can differ by percents while the forward agrees: the whole-model check would test where the kinks fall, not
+    the expert op. So the reference run records each ReLU's mask (`record`), and every run compared with it
+    multiplies by those masks instead (`replay`), counting the pre-activations whose own sign disagrees (`kinks`):
+    the values differ only there, by a rounding error, and the gradients then differ only by the arithmetic under
+    test."""
 
     def __init__(self, model):
         from switchhead.expert_ops import relu

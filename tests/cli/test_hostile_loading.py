@@ -116,8 +116,10 @@ def test_nan_model_safetensors_beside_an_index_of_clean_shards_is_refused(folder
 
 def test_a_clean_model_safetensors_beside_an_index_is_refused_too(folder):
     shard(folder, halves(tensors_of(folder)))
-    save(load_file(folder / "model-00001-of-00002.safetensors") | load_file(folder / "model-00002-of-00002.safetensors"),
-         folder / "model.safetensors")
+    whole = {}
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        whole.update(load_file(folder / name))
+    save(whole, folder / "model.safetensors")
     refused(folder, "holds both")
 
 
@@ -169,10 +171,10 @@ def test_a_weight_file_linked_to_a_fifo_is_refused_without_hanging(folder, tmp_p
     os.mkfifo(fifo)
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").symlink_to(fifo)
-    refused(folder, "model.safetensors is not a regular file")
+    refused(folder, "holds model.safetensors, which is not a regular file")
     (folder / "model.safetensors").unlink()
     os.mkfifo(folder / "model.safetensors")
-    refused(folder, "model.safetensors is not a regular file")
+    refused(folder, "holds model.safetensors, which is not a regular file")
 
 
 def test_a_dangling_link_or_a_folder_as_weight_file_is_refused(folder, tmp_path):
@@ -189,7 +191,20 @@ def test_a_shard_that_is_a_fifo_is_refused(folder):
     second = folder / "model-00002-of-00002.safetensors"
     second.unlink()
     os.mkfifo(second)
-    refused(folder, "model-00002-of-00002.safetensors is not a regular file")
+    refused(folder, "holds model-00002-of-00002.safetensors, which is not a regular file")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "generation_config.json", "tokenizer.json",
+                                  "anything"])
+def test_a_fifo_or_device_anywhere_in_the_folder_is_refused_without_hanging(folder, tmp_path, name):
+    """Transformers opens the config files it finds without asking; a FIFO would block it forever."""
+    path = folder / name
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    refused(folder, f"holds {name}, which is not a regular file")
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    refused(folder, f"holds {name}, which is not a regular file")
 
 
 # --------------------------------------------------------------------------- indexes that lie
@@ -316,11 +331,50 @@ def test_other_float_dtypes_pass_and_their_nan_or_inf_is_refused(folder, dtype):
     refused(folder, Q_PROJ, "NaN or infinite")
 
 
+def test_float8_weights_are_checked_for_nan_too(folder):
+    tensors = {key: value.to(torch.float8_e4m3fn) for key, value in tensors_of(folder).items()}
+    save(tensors, folder / "model.safetensors")
+    check_saved_model(str(folder), verify=False)
+    tensors[Q_PROJ] = tensors[Q_PROJ].float()
+    tensors[Q_PROJ][0, 0] = float("nan")
+    tensors[Q_PROJ] = tensors[Q_PROJ].to(torch.float8_e4m3fn)
+    save(tensors, folder / "model.safetensors")
+    refused(folder, Q_PROJ, "NaN or infinite")
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64])
+def test_complex_tensors_for_float_parameters_are_refused(folder, dtype):
+    tensors = tensors_of(folder)
+    tensors[Q_PROJ] = tensors[Q_PROJ].to(dtype)
+    save(tensors, folder / "model.safetensors")
+    refused(folder, Q_PROJ, "is stored as")
+
+
 def test_fp16_overflow_to_inf_is_refused(folder):
     tensors = tensors_of(folder)
     tensors[Q_PROJ][2, 3] = 1e6  # finite in float32, inf in float16
     save({key: value.half() for key, value in tensors.items()}, folder / "model.safetensors")
     refused(folder, "NaN or infinite")
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "[" * 100000, '"a string"', "", "{\"model_type\": 7}"],
+                         ids=["list", "deep", "string", "empty", "type-not-a-string"])
+def test_a_config_json_that_is_not_a_config_object_is_refused_in_one_line(folder, text):
+    (folder / "config.json").write_text(text)
+    refused(folder, "config.json")
+
+
+def test_transformers_weights_naming_an_index_checks_its_shards(folder):
+    parts = halves(tensors_of(folder))
+    shard(folder, parts)
+    (folder / "model.safetensors.index.json").rename(folder / "custom.safetensors.index.json")
+    edit_config(folder, transformers_weights="custom.safetensors.index.json")
+    assert weight_files(str(folder)) == sorted(parts)
+    check_saved_model(str(folder), verify=False)
+    broken = load_file(folder / sorted(parts)[1])
+    broken[next(iter(broken))].view(-1)[0] = float("nan")
+    save(broken, folder / sorted(parts)[1])
+    refused(folder, sorted(parts)[1], "NaN or infinite")
 
 
 # --------------------------------------------------------------------------- the commands use this check
@@ -364,7 +418,8 @@ def test_generate_eval_export_and_serve_refuse_in_one_line(hub_saved, tmp_path, 
     text.write_text("the sea is wide and the fish are many.\n" * 40)
     capsys.readouterr()
     for argv in (["generate", str(folder), "--max-new-tokens", "2"], ["eval", str(folder), "--perplexity", str(text)],
-                 ["export", str(folder), str(tmp_path / "out.onnx")], ["serve", str(folder), "--port", str(free_port())]):
+                 ["export", str(folder), str(tmp_path / "out.onnx")],
+                 ["serve", str(folder), "--port", str(free_port())]):
         assert main(argv) == 2, (damage, argv[0])
         assert words in one_line(capsys, argv[0]), (damage, argv[0])
     assert not (tmp_path / "out.onnx").exists()

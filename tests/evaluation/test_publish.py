@@ -48,7 +48,7 @@ def trained_run(tmp_path_factory):
     run = folder / "run"
     assert main(["train", "--vocab-size", "512", "--block-size", "32", "--batch-size", "8", "--max-steps", "4",
                  "--log-every", "1", "--eval-every", "2", "--eval-batches", "2", "--save-every", "2",
-                 "--no-progress", "--data", str(text), "--output-dir", str(run)]) == 0
+                 "--no-progress", "--report-to", "tensorboard", "--data", str(text), "--output-dir", str(run)]) == 0
     return run
 
 
@@ -88,7 +88,11 @@ def test_publish_uploads_only_the_model_tokenizer_code_and_card(trained_run, mon
         assert not _is_pickle(data), name
         if name != "README.md":
             assert data == (trained_run / name).read_bytes(), name  # the file as saved, unchanged
-    assert hub.files["README.md"].startswith(b"---\n")
+    card = hub.files["README.md"].decode()
+    assert card.startswith("---\n") and "license: apache-2.0" in card
+    # the published card keeps what the run's own card says about its training
+    assert "Trained on `text.txt`" in card and "| max_steps | 4 |" in card and "### Training results" in card
+    assert str(trained_run) not in card
     assert "uploading" in capsys.readouterr().out
 
 

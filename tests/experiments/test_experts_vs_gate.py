@@ -29,6 +29,7 @@ def _load():
 
 grid = _load()
 STEPS = [240, 480, 720, 960, 1200]
+CODE = dict(commit="c0de" * 10, dirty=[], at="2026-01-01T00:00:00+00:00")  # the pages' stamp (git is a process)
 
 
 def fake(arm: str, lr: float, seed: int, valid: float, test: float, valid_losses=None) -> dict:
@@ -192,7 +193,13 @@ def test_summary_pairs_by_seed_on_test_nll():
     assert ab["valid_curve"][-1]["mean"] == pytest.approx(sum(ab["deltas"]) / 5)
 
 
-def test_results_pages_from_fake_run_folders(tmp_path):
+@pytest.fixture
+def no_process(monkeypatch):
+    """The machine description without `uname` (platform.processor starts it): the fast tier starts no process."""
+    monkeypatch.setattr(grid.replicate, "machine", lambda: dict(host="h", cpu="test CPU", cores=2))
+
+
+def test_results_pages_from_fake_run_folders(tmp_path, no_process):
     records = full_records([100.0, 101.0, 99.0], [100.1, 100.9, 99.05], [])
     out, results = tmp_path / "out", tmp_path / "results"
     for name, record in records.items():
@@ -202,7 +209,7 @@ def test_results_pages_from_fake_run_folders(tmp_path):
     record = json.loads((out / first / grid.FINISHED).read_text())
     record["training_settings"] = dict(output_dir=str(out / first), data=str(tmp_path / "wt2"))
     (out / first / grid.FINISHED).write_text(json.dumps(record))
-    report = grid.write_results(out, results, str(tmp_path / "wt2"))
+    report = grid.write_results(out, results, str(tmp_path / "wt2"), code=CODE)
     page = (results / f"{grid.STEM}.md").read_text()
     runs, _ = grid.plan(records)
     # no folder of the machine that ran the grid in the committed pages
@@ -213,12 +220,14 @@ def test_results_pages_from_fake_run_folders(tmp_path):
     assert "| A - B | 3 (s0, s1, s2) |" in page and "(interim: not every seed has finished)" in page
     assert "learned per-head constant scale" in page  # arm D: left out, and why
     assert "| A | SwitchHead H=2 dh=32, E=5 k=2" in page and "27.8M" in page
+    assert "at commit c0dec0dec0de," in page
+    assert report["machine"] == dict(cpu="test CPU", cores=2)  # no host name
     ab, ac = report["summary"]["comparisons"]
     assert ab["n"] == 3 and ac["n"] == 1 and ac["ci95"] is None  # C: only its sweep's seed 0
     assert "/tmp" not in page and str(tmp_path) not in page
     # the hand-written reading below the marker survives a rewrite
     (results / f"{grid.STEM}.md").write_text(page + "\nmy reading\n")
-    grid.write_results(out, results)
+    grid.write_results(out, results, code=CODE)
     assert (results / f"{grid.STEM}.md").read_text().endswith("\nmy reading\n")
 
     docs = tmp_path / "results_page.md"
@@ -227,14 +236,17 @@ def test_results_pages_from_fake_run_folders(tmp_path):
     text = docs.read_text()
     assert text.startswith("# Results\n\nintro\n\n") and text.endswith("\n\nafter\n") and "old" not in text
     assert f"{len(records)} of the {len(runs)} runs decided so far have finished" in text
+    assert "* A (SwitchHead H=2 dh=32, E=5 k=2, sigmoid expert gates on value and output), lr 0.004: test " \
+        "perplexity 100.00 ± 1.00 over 3 of 5 seeds." in text
+    assert "Measured: the 19 run(s)" not in page and "took 50 wall-minutes and 47 CPU-minutes on average" in page
     assert "* A - B (test NLL, 3 seeds)" in text and "(interim)" in text and "* A - C: no verdict yet" in text
     docs.write_text("# Results\n")
     with pytest.raises(SystemExit):
         grid.update_docs(report, docs)
 
 
-def test_no_runs_renders_progress_and_no_verdict(tmp_path):
-    report = grid.write_results(tmp_path / "out", tmp_path / "results")
+def test_no_runs_renders_progress_and_no_verdict(tmp_path, no_process):
+    report = grid.write_results(tmp_path / "out", tmp_path / "results", code=CODE)
     page = (tmp_path / "results" / f"{grid.STEM}.md").read_text()
     assert "**Progress: 0 of the 9 runs decided so far have finished**" in page
     assert "no verdict" in page and report["summary"]["comparisons"] == []

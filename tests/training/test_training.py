@@ -131,7 +131,7 @@ def wikitext_run(tmp_path_factory):
     config = TrainingConfig.from_preset("tiny-switchhead", data=str(data), output_dir=str(output), vocab_size=2048,
                                         block_size=64, batch_size=16, max_steps=150, warmup_steps=15,
                                         eval_every=150, eval_batches=20, log_every=25, save_every=75,
-                                        progress=False)
+                                        progress=False, report_to="tensorboard")
     return output, train(config)
 
 
@@ -145,7 +145,7 @@ def test_tiny_wikitext2_run_gets_well_below_unigram_perplexity(wikitext_run):
     first, last = dict(zip(header, rows[1].split(","))), dict(zip(header, rows[-1].split(",")))
     assert float(last["loss"]) < float(first["loss"]) - 0.5
     assert float(last["tokens_per_second"]) > 0 and float(last["peak_memory_mb"]) > 0
-    assert list((output / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((output / "tensorboard" / "switchhead").glob("events.out.tfevents.*"))
     assert [Path(p).name for p in checkpoint_dirs(str(output))] == ["step-0000075", "step-0000150"]
 
 
