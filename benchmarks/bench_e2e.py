@@ -73,8 +73,8 @@ def parse_args(argv):
     parser.add_argument("--decode-steps", type=int, default=64, help="tokens decoded per row")
     parser.add_argument("--attn", default="sdpa", help="attention backend of every model (eager, sdpa, ...)")
     parser.add_argument("--experts-implementation", default=None,
-                        help="how SwitchHead's experts run (eager, batched_mm, grouped_mm, cvmm; default: the "
-                             "model's automatic choice)")
+                        help="how SwitchHead's experts run (eager, switchhead_batched, switchhead_grouped, "
+                             "cvmm; default: the model's automatic choice)")
     parser.add_argument("--compiled-decode", action="store_true",
                         help="time only greedy decoding, through `generate` with a static cache and its compiled "
                              "step (CUDA graphs on a GPU), at each --decode-batches (training and prefill not timed)")

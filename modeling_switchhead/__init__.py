@@ -3,8 +3,9 @@
 Importing the package registers the model with AutoConfig, AutoModel, AutoModelForCausalLM and the task-head Auto
 classes (sequence and token classification, question answering), and marks the classes so that `save_pretrained`
 writes an `auto_map` and copies the model files: a saved folder then loads with `trust_remote_code=True` where this
-package is not installed. It also registers our CVMM kernels as the
-Transformers experts implementation "cvmm" (`switchhead.kernels.experts`), usable by any MoE model.
+package is not installed. The model file registers our expert projections ("cvmm", "switchhead_batched",
+"switchhead_grouped") as Transformers experts implementations (`switchhead.experts_integration`), usable by any MoE
+model.
 """
 
 import logging as _logging
@@ -46,8 +47,8 @@ try:
         SwitchHeadForTokenClassification,
         SwitchHeadModel,
         SwitchHeadPreTrainedModel,
-        expert_projection,
     )
+    from .expert_ops import expert_projection
 finally:
     for _logger in _noisy_loggers:
         _logger.removeFilter(_noise)
@@ -65,11 +66,6 @@ for _auto_class, _model_class in _AUTO_CLASSES.items():
     _auto_class.register(SwitchHeadConfig, _model_class, exist_ok=True)
     _model_class.register_for_auto_class(_auto_class.__name__)
 del _auto_class, _model_class
-
-# our CVMM as Transformers' experts implementation "cvmm", for this model and every other MoE model
-from .kernels import experts as _experts  # noqa: E402 - after the registrations above, which it does not need
-
-_experts.register(expert_projection)
 
 __all__ = [
     "SwitchHeadConfig",

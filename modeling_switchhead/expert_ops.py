@@ -14,12 +14,15 @@ and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`.
 `EXPERTS_IMPLEMENTATIONS` is the one place a projection is chosen, keyed by the values of
 `config.experts_implementation`:
 - "eager": the PyTorch formulation that `choose_formulation` (the "auto" rule) picks for the call's sizes;
-- "batched_mm": gather the selected matrices, one bmm with the gated sum inside (`_batched`);
-- "grouped_mm": slots sorted by expert, one grouped matmul (`torch._grouped_mm`: CPU tensors in float32 / bfloat16 /
-  float16 with 16-byte aligned rows, not under torch.compile; elsewhere `_all_experts` runs) with a backward that
-  keeps no per-slot tensor (`_GroupedExperts`);
+- "switchhead_batched": gather the selected matrices, one bmm with the gated sum inside (`_batched`);
+- "switchhead_grouped": slots sorted by expert, one grouped matmul (`torch._grouped_mm`: CPU tensors in float32 /
+  bfloat16 / float16 with 16-byte aligned rows, not under torch.compile; elsewhere `_all_experts` runs) with a
+  backward that keeps no per-slot tensor (`_GroupedExperts`);
 - "cvmm": the Triton kernels of `switchhead.kernels` (the custom op `switchhead::cvmm_forward`) where they run (CUDA
-  tensors, or CPU tensors under `TRITON_INTERPRET=1`), else "eager".
+  tensors, or CPU tensors under `TRITON_INTERPRET=1`), elsewhere the PyTorch formulation the "auto" rule picks (the
+  kernels' twin on devices they do not run on).
+
+Only "eager" and "cvmm" choose by size; the other names are one formulation each.
 
 The formulations "eager" chooses among besides those two: `_all_experts` (every expert in dense matmuls, no weight
 copy: without gates every row times every expert, then each slot's result picked; with gates, the gates scattered
@@ -172,7 +175,7 @@ def _gathered(inputs, expert_index, weight, gates, out_groups):
     return _expert_gated_sum((rows * matrices).sum(2), gates, out_groups)
 
 
-def _batched(inputs, expert_index, weight, gates, out_groups):
+def _batched(inputs, expert_index, weight, gates, out_groups, grouped_routing=False):
     n, s = expert_index.shape
     r, d_in, d_out = inputs.shape[1], inputs.shape[2], weight.shape[2]
     matrices = weight.index_select(0, expert_index.reshape(-1))  # [M, d_in, d_out]
@@ -212,7 +215,7 @@ def _all_experts(inputs, expert_index, weight, gates, out_groups):
     return out.view(n, out_groups, d_out)
 
 
-def _grouped(inputs, expert_index, weight, gates, out_groups):
+def _grouped(inputs, expert_index, weight, gates, out_groups, grouped_routing=False):
     if expert_index.shape[0] == 0 or not _grouped_mm_usable(inputs, weight):
         return _all_experts(inputs, expert_index, weight, gates, out_groups)
     return _GroupedExperts.apply(inputs, weight, gates, expert_index, out_groups)
@@ -260,46 +263,40 @@ def choose_formulation(tokens: int, slots: int, rows: int, out_groups: int | Non
     return _batched if tokens * slots <= _FEW_SLOTS else _all_experts
 
 
-def _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing):
+def _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing=False):
     n, s = expert_index.shape
     groups = out_groups if gates is not None else None
     formulation = choose_formulation(n, s, inputs.shape[1], groups, weight.shape[0], grouped_routing)
     return formulation(inputs, expert_index, weight, gates, out_groups)
 
 
-def _triton_runs(inputs: torch.Tensor) -> bool:
-    return _kernels is not None and _kernels.triton_runs(inputs.device, inputs.dtype)
-
-
-def _cvmm(inputs, expert_index, weight, gates, out_groups, grouped_routing):
-    if _triton_runs(inputs):
+def _cvmm(inputs, expert_index, weight, gates, out_groups, grouped_routing=False):
+    if _kernels is not None and _kernels.triton_runs(inputs.device, inputs.dtype):
         return _kernels.cvmm(inputs, expert_index, weight, gates, out_groups)
-    return _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing)
+    n, s = expert_index.shape
+    groups = out_groups if gates is not None else None
+    formulation = choose_formulation(n, s, inputs.shape[1], groups, weight.shape[0], grouped_routing)
+    return formulation(inputs, expert_index, weight, gates, out_groups)
 
 
-def _batched_mm(inputs, expert_index, weight, gates, out_groups, grouped_routing):
-    return _batched(inputs, expert_index, weight, gates, out_groups)
-
-
-def _grouped_mm(inputs, expert_index, weight, gates, out_groups, grouped_routing):
-    return _grouped(inputs, expert_index, weight, gates, out_groups)
-
-
-# The one table, keyed by the values of `config.experts_implementation`. Every entry takes
-# (inputs, expert_index, weight, gates, out_groups, grouped_routing).
+# The one table, keyed by the values of `config.experts_implementation`: every entry takes (inputs, expert_index,
+# weight, gates, out_groups, grouped_routing=False). Our names differ from Transformers' "batched_mm" / "grouped_mm"
+# (its MLP-only experts functions): a name means one function, and `experts_integration.register` puts every entry
+# but "eager" into Transformers' table under the same name, so a SwitchAll model's MLP runs what its attention runs.
 EXPERTS_IMPLEMENTATIONS: dict[str, Callable] = {
     "eager": _eager,
-    "batched_mm": _batched_mm,
-    "grouped_mm": _grouped_mm,
     "cvmm": _cvmm,
+    "switchhead_batched": _batched,
+    "switchhead_grouped": _grouped,
 }
+DEFAULT_EXPERTS_IMPLEMENTATION = "cvmm"
 
 
 def default_experts_implementation(registered) -> str:
-    """The experts implementation a model runs unless told otherwise: "cvmm" (our kernels where they run, else
-    "eager") once the switchhead package has registered it in `registered` (Transformers'
-    `ALL_EXPERTS_FUNCTIONS`), else "eager"."""
-    return "cvmm" if "cvmm" in registered else "eager"
+    """The experts implementation a model runs unless told otherwise: "cvmm" (our kernels where they run, else the
+    formulations "eager" picks) once it is registered in `registered` (Transformers' `ALL_EXPERTS_FUNCTIONS`: the
+    model file registers it on import), else "eager"."""
+    return DEFAULT_EXPERTS_IMPLEMENTATION if DEFAULT_EXPERTS_IMPLEMENTATION in registered else "eager"
 
 
 def expert_projection(
@@ -308,10 +305,10 @@ def expert_projection(
     weight: torch.Tensor,
     gates: torch.Tensor | None = None,
     out_groups: int = 1,
-    implementation: str | None = None,
+    implementation: str = DEFAULT_EXPERTS_IMPLEMENTATION,
     grouped_routing: bool = False,
 ) -> torch.Tensor:
-    """The expert projection (see the module docstring for the contract and the table).
+    """The expert projection (see the module docstring for the contract and the table), for callers outside a model.
 
     Args:
         inputs: `[N, R, d_in]`.
@@ -319,16 +316,26 @@ def expert_projection(
         weight: `[G, d_in, d_out]`.
         gates: `[N, S]` or None.
         out_groups: output rows per token when `gates` is given.
-        implementation: a key of `EXPERTS_IMPLEMENTATIONS`. None, and any other name (an experts function that
-            another package registered with Transformers for MLP-shaped experts), runs "cvmm".
+        implementation: a key of `EXPERTS_IMPLEMENTATIONS` (any other name is a ValueError).
         grouped_routing: the caller guarantees that the slots of group h (input row or output group h) pick among
             experts h * E .. h * E + E - 1, which lets "eager" take the per-head formulation.
 
     Returns:
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them.
     """
-    entry = EXPERTS_IMPLEMENTATIONS.get(implementation, _cvmm)
-    return entry(inputs, expert_index.long(), weight, gates, out_groups, grouped_routing)
+    return lookup(implementation)(inputs, expert_index.long(), weight, gates, out_groups, grouped_routing)
+
+
+def lookup(implementation: str) -> Callable:
+    """The table's function for `implementation`; a name it lacks is a ValueError that lists the table."""
+    try:
+        return EXPERTS_IMPLEMENTATIONS[implementation]
+    except KeyError:
+        raise ValueError(
+            f"experts_implementation={implementation!r} has no expert projection: SwitchHead's expert projections "
+            f"run {sorted(EXPERTS_IMPLEMENTATIONS)} (Transformers' 'batched_mm' / 'grouped_mm' are MLP experts "
+            f"functions; ours are 'switchhead_batched' / 'switchhead_grouped')"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------- per head

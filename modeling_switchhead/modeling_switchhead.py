@@ -14,19 +14,15 @@ so a layer with few heads (and few attention matrices) matches a dense model wit
 also replaces the feed-forward block by a sigma-MoE. `attention_type="dense"` gives the paper's
 multi-head baseline.
 
-The file is Hub-ready: it imports only torch, transformers and its siblings, which a saved folder
-carries too: `configuration_switchhead.py`, `expert_ops.py` (the expert projection: PyTorch
-formulations, and the package's Triton kernels where installed), `positions.py` (RoPE,
-Transformer-XL positions and paged-cache helpers), `tensor_parallel.py` (the styles of
-`base_model_tp_plan`), `checkpoint_format.py` (a saved folder's `auto_map`, and the tensor names of
-earlier releases) and `transformers_compat.py` (what differs between the supported Transformers
-releases).
+The file is Hub-ready: it imports only torch, transformers and its sibling files, which a saved folder carries too
+(the expert projections and their Transformers registration, positions, parallel styles, checkpoint names, and what
+differs between Transformers releases).
 """
 
-# No `from __future__ import annotations` here: Transformers reads the `**kwargs:
-# Unpack[TransformersKwargs]` annotations at run time (e.g. to know that forward accepts
-# output_attentions), which needs real objects.
+# No `from __future__ import annotations` here: Transformers reads the `**kwargs: Unpack[TransformersKwargs]`
+# annotations at run time (e.g. to know that forward accepts output_attentions), which needs real objects.
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,11 +32,10 @@ from torch import nn
 
 from .transformers_compat import (  # first: it checks the installed Transformers release
     accepts_past_key_values,
-    cache_kwarg,
-    experts_implementation,
     incompatible_release,
     model_cache,
     output_cache,
+    transformers_cache,
     update_cache,
 )
 
@@ -64,8 +59,9 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .expert_ops import default_experts_implementation, expert_projection, relu
-from .tensor_parallel import check_parallel_plans, refuse_pipeline_training, register_styles
+from .expert_ops import EXPERTS_IMPLEMENTATIONS, default_experts_implementation, lookup, relu
+from .experts_integration import local_routes, register as register_experts_functions
+from .tensor_parallel import ParallelPlansMixin, register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
     apply_partial_rotary,
@@ -121,13 +117,6 @@ class ExpertSelection(nn.Module):
         return logits, scores.gather(-1, index), index
 
 
-def _plain_call(module: nn.Module) -> bool:
-    """Whether calling `module` runs its class's forward and nothing else (no hooks, no forward set on it)."""
-    hooks = nn.modules.module
-    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-                or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
-
-
 # ======================================================================================== attention
 def eager_attention_forward(
     module: nn.Module,
@@ -161,19 +150,17 @@ def eager_attention_forward(
 class SwitchHeadAttentionBase(nn.Module):
     """What SwitchHead and dense attention share: dense per-head Q/K, positions, cache and attention backend.
 
-    Subclasses say how values are made from the source tokens (`project_values`) and how the
-    per-head attention results become the layer output (`project_output`).
+    Subclasses say how values are made from the source tokens (`project_values`) and how the per-head attention results
+    become the layer output (`project_output`).
 
-    Backends: `config._attn_implementation` picks eager (`eager_attention_forward`, the reference),
-    sdpa or flex. With XL positions the relative-position term (`positions.xl_position_bias`, `[B,
-    H, Tq, Tk]`) is passed as `position_bias` (eager adds it to the scores, sdpa folds it into a
-    float mask, flex into its score_mod); keys are indexed cache or XL memory first, then the
-    current tokens (query t at key index `query_offset + t`).
+    Backends: `config._attn_implementation` picks eager (`eager_attention_forward`, the reference), sdpa or flex. With
+    XL positions the relative-position term (`positions.xl_position_bias`, `[B, H, Tq, Tk]`) is passed as
+    `position_bias` (eager adds it to the scores, sdpa folds it into a float mask, flex into its score_mod); keys are
+    indexed cache or XL memory first, then the current tokens (query t at key index `query_offset + t`).
 
-    Deviations from the authors' code, on purpose: attention dropout acts on the probabilities
-    (theirs drops entries of k and of the projected positions; the paper's runs use 0), and the
-    dense XL baseline has no u/v biases and a fixed 1/sqrt(dh) scale (their `preln_relative`
-    baseline layer learns both).
+    Deviations from the authors' code, on purpose: attention dropout acts on the probabilities (theirs drops entries of
+    k and of the projected positions; the paper's runs use 0), and the dense XL baseline has no u/v biases and a fixed
+    1/sqrt(dh) scale (their `preln_relative` baseline layer learns both).
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -191,25 +178,17 @@ class SwitchHeadAttentionBase(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, inner, bias=False)
         self.position_encoding = config.position_encoding
         if self.position_encoding == "xl":
-            # W_pk: projects the sinusoidal encoding of the relative position into each head's key
-            # space.
+            # W_pk: projects the sinusoidal encoding of the relative position into each head's key space.
             self.position_key_proj = nn.Linear(config.hidden_size, inner, bias=False)
 
-    def route(self, sources: torch.Tensor, destinations: torch.Tensor) -> tuple | None:
-        """The routing of both expert sides computed together, handed to both projections, or None: each side
-        routes itself (dense attention has no router)."""
-        return None
-
-    def project_values(self, hidden_states: torch.Tensor, routing: tuple | None = None) -> torch.Tensor:
+    def project_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states `[B, T, d]` -> values `[B, T, H, dh]`."""
         raise NotImplementedError
 
-    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor,
-                       routing: tuple | None = None) -> torch.Tensor:
+    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
-    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -223,20 +202,21 @@ class SwitchHeadAttentionBase(nn.Module):
 
         Memory tokens are extra sources: they give keys and (expert-mixed) values, never queries.
         """
+        if "past_key_values" in kwargs:  # inside the model the cache has one name; ignoring it would be silent
+            raise TypeError("SwitchHead's layers take the key-value cache as `cache=` (the top-level forwards also "
+                            "accept `past_key_values=`)")
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, -1, self.head_dim)  # -1: this process's heads under tensor parallelism
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
         query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
         key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
-        routing = self.route(sources, hidden_states)
-        value = self.project_values(sources, routing=routing).transpose(1, 2)  # [B, H, M+T, dh], expert-mixed
+        value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], expert-mixed
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
         key, value, past_length, packed = update_cache(cache, key, value, self.layer_idx, kwargs)
-        # index of the first query among the keys: what the cache held before, else the memory
-        # length
+        # index of the first query among the keys: what the cache held before, else the memory length
         query_offset = sources.shape[1] - length if past_length is None else past_length
 
         extra = {}
@@ -264,21 +244,19 @@ class SwitchHeadAttentionBase(nn.Module):
             **extra,
             **kwargs,
         )  # attended: [B, T, H, dh]
-        # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's
-        # CPU kernel (whose transposed output is contiguous already, so `.contiguous()` recorded
-        # nothing) by one whose output is not
+        # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's CPU kernel (whose
+        # transposed output is contiguous already, so `.contiguous()` recorded nothing) by one whose output is not
         if torch.compiler.is_exporting():
             attended = attended.clone(memory_format=torch.contiguous_format)
-        return self.project_output(attended.reshape(heads_shape), hidden_states, routing=routing), probs
+        return self.project_output(attended.reshape(heads_shape), hidden_states), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
     """SwitchHead: sigma-MoE value and output projections, E experts per head, k active per head.
 
-    `config.attention_expert_projections` ("value_output", the default) can make only one side a
-    mixture of experts (the paper's Table 6 ablation): "value" keeps expert values and uses a dense,
-    ungated output projection `o_proj` (H*dh -> d); "output" uses a dense value projection `v_proj`
-    (d -> H*dh) and expert outputs. The dense side has no router.
+    `config.attention_expert_projections` ("value_output", the default) can make only one side a mixture of experts (the
+    paper's Table 6 ablation): "value" keeps expert values and uses a dense, ungated output projection `o_proj` (H*dh ->
+    d); "output" uses a dense value projection `v_proj` (d -> H*dh) and expert outputs. The dense side has no router.
     """
 
     is_transposed = True  # expert tensors are [experts, in, out] (Transformers' / PEFT's flag for that layout)
@@ -305,57 +283,33 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         else:
             self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
 
-    def _project(self, tokens, index, weight, gates, out_groups):
-        """The expert projection the configured experts implementation picks, told that routing is per head."""
-        return expert_projection(tokens, index, weight, gates, out_groups, experts_implementation(self.config),
-                                 grouped_routing=True)
-
-    def route(self, sources, destinations):
-        """Both routers' scores from one matmul and one top-k: ((gates, index) of the values, of the output).
-
-        Taken for one token that is its own source (decoding without XL memory), where a router call is a
-        noticeable part of the step. Not for more tokens (there the stacked matmul is not bitwise the two
-        separate ones, and a training step must not depend on how its batch is split over processes), nor where
-        a router's call is more than its forward: hooks (recorded router logits), a forward replaced by a
-        parallel style, projections replaced per process (tensor_parallel.py), or expert dropout in training
-        (each router draws its own masks)."""
-        if sources is not destinations or destinations.shape[0] * destinations.shape[1] != 1:
-            return None
-        if not (self.expert_values and self.expert_output) or "project_values" in self.__dict__:
-            return None
-        values, output = self.value_selection, self.output_selection
-        if (self.training and values.expert_dropout > 0) or not (_plain_call(values) and _plain_call(output)):
-            return None
-        logits = F.linear(destinations.reshape(1, -1), torch.cat((values.weight, output.weight)))
-        _, gates, index = values.select(logits)  # [1, 2H, k]: the value side's H groups, then the output side's
-        # both sides have H groups of E experts: the value router's group offsets serve both halves
-        index = index.view(2, self.num_heads, self.top_k) + values.group_offsets.view(-1, 1)
-        return tuple(zip(gates.view(2, 1, -1).unbind(0), index.view(2, 1, -1).unbind(0)))  # per side [1, H * k]
-
-    def project_values(self, hidden_states, routing=None):
+    # Each projection reads the configured implementation and calls the table's function, as Transformers' experts
+    # decorator does for the MLP, told that routing is per head (grouped_routing=True).
+    def project_values(self, hidden_states):
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         rows = hidden_states.reshape(-1, 1, d)  # one input row per token
-        gates, index = routing[0] if routing is not None else self.value_selection(rows.view(-1, d))[1:]
-        values = self._project(rows, index, self.value_experts, gates, self.num_heads)
+        _, gates, index = self.value_selection(rows.view(-1, d))
+        project = lookup(self.config._experts_implementation)
+        values = project(rows, index, self.value_experts, gates, self.num_heads, True)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
-    def project_output(self, attended, hidden_states, routing=None):
+    def project_output(self, attended, hidden_states):
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
         rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
-        gates, index = routing[1] if routing is not None else self.output_selection(hidden_states.reshape(-1, d))[1:]
-        return self._project(rows, index, self.output_experts, gates, 1).view(batch, length, -1)
+        _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
+        project = lookup(self.config._experts_implementation)
+        return project(rows, index, self.output_experts, gates, 1, True).view(batch, length, -1)
 
 
 class MultiHeadAttention(SwitchHeadAttentionBase):
     """The dense baseline: plain multi-head attention with dense value and output projections.
 
-    With `config.attention_output_gate`, each head's result is scaled by `sigmoid(x_dst
-    W_gate^T)[h]` before the output projection: the authors' SwitchHead module with E = 1 (no
-    value-side gate, no top-k).
+    With `config.attention_output_gate`, each head's result is scaled by `sigmoid(x_dst W_gate^T)[h]` before the output
+    projection: the authors' SwitchHead module with E = 1 (no value-side gate, no top-k).
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -367,10 +321,10 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
         self.output_gate = nn.Parameter(torch.empty(self.num_heads, config.hidden_size)) \
             if config.attention_output_gate else None
 
-    def project_values(self, hidden_states, routing=None):
+    def project_values(self, hidden_states):
         return self.v_proj(hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim)
 
-    def project_output(self, attended, hidden_states, routing=None):
+    def project_output(self, attended, hidden_states):
         if self.output_gate is not None:
             attended = attended * torch.sigmoid(F.linear(hidden_states, self.output_gate)).unsqueeze(-1)  # [B,T,H,dh]
         return self.o_proj(attended.flatten(2))
@@ -397,18 +351,19 @@ class SwitchHeadMLP(nn.Module):
 class SigmaMoeExperts(nn.Module):
     """The sigma-MoE experts as a Transformers experts module: `act(x keys_e) values_e`, gated and summed.
 
-    `config._experts_implementation` picks how they run (`from_pretrained(...,
-    experts_implementation=...)`, `model.set_experts_implementation(...)`): "eager" is this forward
-    (the "eager" entry of `expert_ops.EXPERTS_IMPLEMENTATIONS`), "batched_mm" / "grouped_mm"
-    Transformers' functions, "cvmm" our kernels (registered when the switchhead package is
-    imported). The flags say what those functions need to know: no gated (GLU) projection, no
-    biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is
-    their up projection, `expert_values` `[E, S, d]` their down projection. Checkpoints name them
-    `mlp.keys` / `mlp.values`, as every release has (`checkpoint_format.py`).
+    `config._experts_implementation` picks how they run (`from_pretrained(..., experts_implementation=...)`,
+    `model.set_experts_implementation(...)`): "eager" is this forward (the "eager" entry of
+    `expert_ops.EXPERTS_IMPLEMENTATIONS`), any other name the function Transformers registered under it: "cvmm",
+    "switchhead_batched", "switchhead_grouped" the same entries of that table as SwitchHead attention runs
+    (`experts_integration.py`), "batched_mm" / "grouped_mm" Transformers' own (with dense attention only: SwitchHead
+    attention has no such function). The flags say what those functions need to know: no gated (GLU) projection, no
+    biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is their up projection,
+    `expert_values` `[E, S, d]` their down projection. Checkpoints name them `mlp.keys` / `mlp.values`, as every
+    release has (`checkpoint_format.py`).
 
-    Under expert parallelism (`base_model_ep_plan`) the module holds `num_experts` local experts, and a route
-    to another process's expert arrives as the id `num_experts` with gate 0 (Transformers' sentinel): it
-    adds nothing and receives no gradient.
+    Under expert parallelism (`base_model_ep_plan`) the module holds `num_experts` local experts, and a route to another
+    process's expert arrives as the id `num_experts` with gate 0 (Transformers' sentinel): it adds nothing and receives
+    no gradient.
     """
 
     is_transposed = True  # expert_keys [E, d, S] and expert_values [E, S, d] are [experts, in, out]
@@ -432,14 +387,10 @@ class SigmaMoeExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
         """hidden_states `[N, d]`, top_k_index `[N, k]` (experts), top_k_weights `[N, k]` (gates) -> `[N, d]`."""
-        if getattr(self, "_is_expert_parallel", False):  # another process's expert: any local row, gate 0
-            off_process = top_k_index >= self.num_experts
-            top_k_index = top_k_index.masked_fill(off_process, 0)
-            top_k_weights = top_k_weights.masked_fill(off_process, 0.0)
-        tokens = hidden_states.unsqueeze(1)
-        inner = self.act_fn(expert_projection(tokens, top_k_index, self.expert_keys, implementation="eager"))
-        out = expert_projection(inner, top_k_index, self.expert_values, top_k_weights, 1, implementation="eager")
-        return out.view(hidden_states.shape)
+        index, weights = local_routes(self, top_k_index.long(), top_k_weights)  # expert parallelism's sentinels
+        eager = EXPERTS_IMPLEMENTATIONS["eager"]
+        inner = self.act_fn(eager(hidden_states.unsqueeze(1), index, self.expert_keys, None, 1))
+        return eager(inner, index, self.expert_values, weights, 1).view(hidden_states.shape)
 
 
 class SigmaMoeMLP(nn.Module):
@@ -458,10 +409,6 @@ class SigmaMoeMLP(nn.Module):
         self.experts = SigmaMoeExperts(config)
         self.gate = ExpertSelection(config.hidden_size, 1, config.num_mlp_experts, self.top_k,
                                     config.mlp_expert_dropout, True)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        rename_old_keys(state_dict, prefix)  # `load_state_dict` of a state dict under earlier names
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states `[..., d]` -> `[..., d]`."""
@@ -491,7 +438,6 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -513,8 +459,9 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
-class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
-    """`save_pretrained` lists every Auto class in `auto_map` (`checkpoint_format.py`)."""
+class SwitchHeadPreTrainedModel(SavedFolderMixin, ParallelPlansMixin, PreTrainedModel):
+    """`save_pretrained` lists every Auto class in `auto_map` (`checkpoint_format.py`); parallel plans are checked
+    (`tensor_parallel.py`); `load_state_dict` also takes the tensor names of earlier releases."""
 
     config_class = SwitchHeadConfig
     config: SwitchHeadConfig
@@ -533,28 +480,28 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, PreTrainedModel):
         "attentions": [OutputRecorder(SwitchHeadAttention, index=1), OutputRecorder(MultiHeadAttention, index=1)],
     }
 
-    def _resolve_parallel_plans(self, distributed_config):
-        """Transformers' plans for `from_pretrained(..., distributed_config=...)`, after refusing what its engine
-        cannot run exactly for this model (`tensor_parallel.check_parallel_plans`; pipeline stages: inference only)."""
-        check_parallel_plans(self.config, distributed_config, distributed_config.ep_plan)
-        tp_plan, ep_plan, fsdp_plan = super()._resolve_parallel_plans(distributed_config)
-        check_parallel_plans(self.config, distributed_config, ep_plan)
-        if (distributed_config.pp_size or 1) > 1:
-            self.register_forward_pre_hook(refuse_pipeline_training, with_kwargs=True)
-        return tp_plan, ep_plan, fsdp_plan
-
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        """Transformers' check, with our default: "cvmm" (our kernels) once the switchhead package registered it,
-        else "eager" (this file's sync-free PyTorch path), rather than Transformers' "grouped_mm"."""
+        """Transformers' check, with our default ("cvmm", rather than Transformers' "grouped_mm"), refusing a name
+        SwitchHead attention has no expert projection for (Transformers' MLP-only "batched_mm" / "grouped_mm"): a
+        name runs one function, for the attention and the MLP alike."""
         if requested_experts is None:
             requested_experts = default_experts_implementation(ALL_EXPERTS_FUNCTIONS)
+        if self.config.attention_type == "switchhead" and requested_experts not in EXPERTS_IMPLEMENTATIONS:
+            lookup(requested_experts)  # the ValueError that lists the table
         return super().get_correct_experts_implementation(requested_experts)
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        metadata = getattr(state_dict, "_metadata", None)
+        state_dict = OrderedDict(state_dict)  # a copy (with torch's `_metadata`), renamed in place
+        if metadata is not None:
+            state_dict._metadata = metadata
+        rename_old_keys(state_dict)
+        return super().load_state_dict(state_dict, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """The paper's initialisation: std init_scale / sqrt(fan in) for every projection, dense (nn.Linear: q, k,
-        W_pk, the dense sides' v and o, the dense MLP) or expert, router rows normalised; std 1 /
-        sqrt(d) for the
+        W_pk, the dense sides' v and o, the dense MLP) or expert, router rows normalised; std 1 / sqrt(d) for the
         embedding and the output layer. init_scale defaults to sqrt(2 / num_hidden_layers)."""
         scale, d = self.config.init_scale, self.config.hidden_size
         if isinstance(module, SwitchHeadAttention):  # its dense side (if any) is an nn.Linear child
@@ -641,9 +588,8 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
         self.post_init()
-        # a training step that records router logits (SwitchAll's entropy loss) would install
-        # Transformers' output hooks on its first call, under a lock torch.compile(fullgraph=True)
-        # cannot enter: install them now
+        # a training step that records router logits (SwitchAll's entropy loss) would install Transformers' output hooks
+        # on its first call, under a lock torch.compile(fullgraph=True) cannot enter: install them now
         install_hooks = getattr(output_capturing, "maybe_install_capturing_hooks", None)
         records = config.mlp_type == "sigma_moe" and config.entropy_reg_coef > 0
         if install_hooks is not None and (records or config.output_router_logits):
@@ -706,15 +652,16 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             check_xl_memory(self.config, xl_memory, batch, use_cache, cache)
-        cache, packed = model_cache(cache, kwargs, use_cache, self.config)
-        # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding
-        # keeps its own state
+        if self.gradient_checkpointing and self.training:  # recomputed layers would update a cache twice
+            cache, use_cache = None, False
+        cache, packed = model_cache(cache, use_cache, self.config)
+        # memory is for segment-by-segment calls without a KV cache (use_cache=False): decoding keeps its own state
         keep_memory = (self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
                        and not packed)
         if inputs_embeds is None:
             inputs_embeds = self._embed(input_ids)
         if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None and not packed else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
 
         memory_length = xl_memory[0].shape[1] if xl_memory is not None else 0
@@ -726,7 +673,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                **cache_kwarg(cache),
+                **transformers_cache(cache),
             )
         new_memory = [] if keep_memory else None
         hidden_states = self.embed_dropout(inputs_embeds)
@@ -740,15 +687,15 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=causal_mask,
+                cache=cache,
                 memory=memory,
-                **cache_kwarg(cache),  # by the release's name: GradientCheckpointingLayer drops it when training
                 use_cache=use_cache,
                 position_ids=position_ids,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
         return SwitchHeadModelOutputWithPast(
-            last_hidden_state=hidden_states, xl_memory=new_memory, **cache_kwarg(cache)
+            last_hidden_state=hidden_states, xl_memory=new_memory, **transformers_cache(cache)
         )
 
 
@@ -764,8 +711,7 @@ def sigma_moe_entropy_loss(
     for logits in mlp_router_logits:
         log_probs = F.log_softmax(logits.float(), dim=-1)  # [N, E]
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() == logits.shape[0]:
-            # padding drops out of the mean by masking, not indexing: no data-dependent shape
-            # (torch.compile)
+            # padding drops out of the mean by masking, not indexing: no data-dependent shape (torch.compile)
             keep = attention_mask.reshape(-1, 1).bool().to(log_probs.device)
             count = keep.sum().clamp(min=1).to(log_probs.dtype)
             log_mean = torch.logsumexp(log_probs.masked_fill(~keep, float("-inf")), dim=0) - count.log()
@@ -875,7 +821,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
             loss=loss,
             aux_loss=aux_loss,
             logits=logits,
-            **cache_kwarg(output_cache(outputs)),
+            **transformers_cache(output_cache(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits if output_router_logits else None,
@@ -885,11 +831,10 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
 
 # ======================================================================================= task heads
 class TaskHead:
-    """Transformers' generic heads (as for Llama and Mixtral) build their body with `AutoModel.from_config`: point it
-    at the decoder stack for this config's class. This cannot be done once at import: a saved
-    folder's copy of the code is handed a config class that Transformers loaded apart from the one
-    the copy imported (a registration at
-    import names the wrong class: tests/model/test_task_heads.py, without the package)."""
+    """Transformers' generic heads (as for Llama and Mixtral) build their body with `AutoModel.from_config`: point it at
+    the decoder stack for this config's class. This cannot be done once at import: a saved folder's copy of the code is
+    handed a config class that Transformers loaded apart from the one the copy imported (a registration at import names
+    the wrong class: tests/model/test_task_heads.py, without the package)."""
 
     def __init__(self, config: SwitchHeadConfig):
         AutoModel.register(type(config), SwitchHeadModel, exist_ok=True)
@@ -910,12 +855,13 @@ class SwitchHeadForQuestionAnswering(TaskHead, GenericForQuestionAnswering, Swit
 
 def register() -> None:
     """What this file registers with Transformers, in one place, when it is imported (by the package, or as a saved
-    folder's copy, which is imported without the package): the tensor-parallel styles that
-    `base_model_tp_plan` names and the checkpoint names of renamed tensors (`checkpoint_format.py`).
-    The Auto classes are the package's
-    (`switchhead/__init__.py`); the task heads' body is `TaskHead`'s."""
+    folder's copy, which is imported without the package): the tensor-parallel styles that `base_model_tp_plan` names,
+    the checkpoint names of renamed tensors (`checkpoint_format.py`) and our expert projections as Transformers experts
+    functions (`experts_integration.py`). The Auto classes are the package's (`switchhead/__init__.py`); the task heads'
+    body is `TaskHead`'s."""
     register_styles()
     register_renamed_keys(SwitchHeadConfig.model_type)
+    register_experts_functions()
 
 
 register()
@@ -923,5 +869,5 @@ register()
 __all__ = ["SwitchHeadPreTrainedModel", "SwitchHeadModel", "SwitchHeadForCausalLM",
            "SwitchHeadForSequenceClassification", "SwitchHeadForTokenClassification",
            "SwitchHeadForQuestionAnswering", "SwitchHeadAttention", "MultiHeadAttention", "SigmaMoeMLP",
-           "ExpertSelection", "expert_projection", "sigma_moe_entropy_loss",
+           "ExpertSelection", "sigma_moe_entropy_loss",
            "SwitchHeadModelOutputWithPast", "SwitchHeadCausalLMOutputWithPast"]

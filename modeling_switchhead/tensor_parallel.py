@@ -146,3 +146,17 @@ def refuse_pipeline_training(module, args, kwargs) -> None:
             "pipeline parallelism (pp_size > 1) runs inference only in Transformers' distributed engine: its stages "
             "send activations forward and no gradient back; train with tp_size / fsdp_size / ep_size, or call "
             "model.eval() / torch.no_grad() for inference")
+
+
+class ParallelPlansMixin:
+    """`_resolve_parallel_plans` for `from_pretrained(..., distributed_config=...)`: Transformers' plans, after
+    refusing what its engine cannot run exactly for this model (`check_parallel_plans`; pipeline stages: inference
+    only, `refuse_pipeline_training`)."""
+
+    def _resolve_parallel_plans(self, distributed_config):
+        check_parallel_plans(self.config, distributed_config, distributed_config.ep_plan)
+        tp_plan, ep_plan, fsdp_plan = super()._resolve_parallel_plans(distributed_config)
+        check_parallel_plans(self.config, distributed_config, ep_plan)
+        if (distributed_config.pp_size or 1) > 1:
+            self.register_forward_pre_hook(refuse_pipeline_training, with_kwargs=True)
+        return tp_plan, ep_plan, fsdp_plan

@@ -13,13 +13,12 @@ moved the update of the paged (continuous batching) cache from the paged attenti
 attention layers, as `cache.update(key, value, layer_idx, kwargs=kwargs)`. Before 5.24, continuous batching
 already passed its paged cache as `cache=`, to travel through `**kwargs` to the paged attention function.
 
-The model therefore names the argument `cache` and accepts `past_key_values` as well (`accepts_past_key_values`),
-passes the cache to Transformers under the installed release's name (`cache_kwarg`), reads it back from outputs the
-same way (`output_cache`), and leaves the rest to two adapters: `model_cache` (the decoder stack's cache: a new
-`DynamicCache`, or continuous batching's paged cache where the release wants it) and `update_cache` (the attention
-layer's `cache.update`, which also decides who updates a paged cache). Nothing else in the model looks at the
-Transformers version or names a paged cache. `experts_implementation` reads the configured experts implementation
-without the configuration classes' attribute hooks (each expert projection asks).
+Inside, the model names the cache `cache` from the top-level forward down to the attention layers. The top-level
+forwards accept `past_key_values` as well (`accepts_past_key_values`) and hand the cache to Transformers' masking
+functions and outputs under the installed release's name (`transformers_cache`); `model_cache` makes the decoder
+stack's cache, and `update_cache` is the attention layer's `cache.update`, which also decides who updates a paged
+cache. Nothing else in the model looks at the Transformers version or names a paged cache. `cache_kwarg` and
+`output_cache` do the same renaming for code that calls a model (tests, benchmarks).
 """
 
 import functools
@@ -111,25 +110,21 @@ def is_paged(cache) -> bool:
     return isinstance(cache, PagedAttentionCache)
 
 
-def _route_paged_cache(cache, kwargs: dict):
-    """Continuous batching's paged cache, where the installed release wants it -> the model's own cache.
-
-    Before 5.24 the paged attention function reads the cache from its `**kwargs` and updates it itself: the model
-    passes it on there and runs as if it had no cache. From 5.24 the model keeps it and updates it.
-    """
+def transformers_cache(cache) -> dict:
+    """`{name: cache}` for Transformers' masking functions and output classes, under the installed release's name:
+    a paged cache only where the release's models update it (before 5.24 the paged attention function does, and
+    the model hands it only that)."""
     if is_paged(cache) and not MODEL_UPDATES_PAGED_CACHE:
-        kwargs["cache"] = cache
-        return None
-    return cache
+        cache = None
+    return {CACHE_NAME: cache}
 
 
-def model_cache(cache, kwargs: dict, use_cache: bool | None, config) -> tuple:
-    """The decoder stack's cache -> `(cache, packed)`: the given one (a paged cache moved into `kwargs` where the
-    release's attention function updates it), or a new `DynamicCache` when `use_cache` asks for one; `packed`:
-    whether this is a continuous-batching call (requests packed into one row, keys read from a paged cache)."""
-    packed = is_paged(cache) or is_paged(kwargs.get("cache"))
-    cache = _route_paged_cache(cache, kwargs)
-    if use_cache and cache is None and not packed:
+def model_cache(cache, use_cache: bool | None, config) -> tuple:
+    """The decoder stack's cache -> `(cache, packed)`: the given one, or a new `DynamicCache` when `use_cache` asks
+    for one; `packed`: whether this is a continuous-batching call (requests packed into one row, keys read from a
+    paged cache)."""
+    packed = is_paged(cache)
+    if use_cache and cache is None:
         cache = DynamicCache(config=config)
     return cache, packed
 
@@ -142,33 +137,22 @@ class CacheStep(NamedTuple):
 
 
 def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict) -> CacheStep:
-    """The attention layer's `cache.update`, as Transformers' own attention layers call it, on any release.
+    """The attention layer's `cache.update`, as Transformers' own attention layers call it, on any release; `kwargs`
+    are the keyword arguments the layer passes on to the attention function.
 
     A paged cache is updated here from 5.24 (which also writes into `kwargs` what the attention call needs for this
-    layer: its key lengths, and the block table on the flash path); before, it is passed on in `kwargs` to the paged
-    attention function, which updates it. Any other cache reports its length before the update (a static cache's
-    counter is cloned, as `update` bumps it in place).
+    layer: its key lengths, and the block table on the flash path); before, it is passed on as `kwargs["cache"]` to
+    the paged attention function, which updates it. Any other cache reports its length before the update (a static
+    cache's counter is cloned, as `update` bumps it in place).
     """
-    packed = is_paged(cache) or is_paged(kwargs.get("cache"))
-    cache = _route_paged_cache(cache, kwargs)
     if cache is None:
-        return CacheStep(key, value, None, packed)
-    if packed:
+        return CacheStep(key, value, None, False)
+    if is_paged(cache):
+        if not MODEL_UPDATES_PAGED_CACHE:
+            kwargs["cache"] = cache
+            return CacheStep(key, value, None, True)
         return CacheStep(*cache.update(key, value, layer_idx, kwargs=kwargs), None, True)
     past_length = cache.get_seq_length(layer_idx)
     if isinstance(past_length, torch.Tensor):
         past_length = past_length.clone()
     return CacheStep(*cache.update(key, value, layer_idx), past_length, False)
-
-
-def experts_implementation(config) -> str | None:
-    """`config._experts_implementation`, read from the instance attribute behind Transformers' property (every
-    supported release keeps it in `_experts_implementation_internal`). Each expert projection reads it, and the
-    property, behind two `__getattribute__` overrides of the configuration classes, cost about 1% of a 47M model's
-    batch-1 decoding step on CPU; a release that keeps it elsewhere is read through the property."""
-    if torch.compiler.is_compiling():  # dynamo does not trace `object.__getattribute__`; traced, it costs nothing
-        return config._experts_implementation
-    attributes = object.__getattribute__(config, "__dict__")  # not `vars(config)`: that also passes the overrides
-    if "_experts_implementation_internal" in attributes:
-        return attributes["_experts_implementation_internal"]
-    return config._experts_implementation

@@ -182,10 +182,9 @@ def test_matrix_prints_one_line_per_release_and_fails_with_the_main_run(log, cod
 
 
 @pytest.mark.parametrize("preset", ["tiny-switchhead", "tiny-switchhead-xl", "tiny-dense"])
-def test_the_attention_layer_takes_the_cache_under_either_name(preset):
-    """Called with `past_key_values=` (the name Transformers' own attention layers still accept on 5.24, with a
-    deprecation warning) the attention layer uses the cache exactly as with `cache=`: each step attends to every
-    cached token (a cache dropped into **kwargs would leave each step attending to itself)."""
+def test_the_attention_layer_takes_the_cache_by_its_one_name(preset):
+    """Inside the model the cache is `cache=` on every release: each step attends to every cached token; the old
+    name, which only the top-level forwards accept, is refused by a layer (in **kwargs it would be ignored)."""
     model = _model(preset)
     attention = model.model.layers[0].self_attn
     hidden = torch.randn(1, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -194,14 +193,12 @@ def test_the_attention_layer_takes_the_cache_under_either_name(preset):
     embeddings = (lambda t: rotary(hidden[:, t], positions[:, t])) if rotary is not None else (lambda t: None)
     with torch.no_grad():
         full, _ = attention(hidden, embeddings(slice(0, 6)), None)
-        steps = {}
-        for name in ("cache", "past_key_values"):
-            cache = DynamicCache(config=model.config)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # the old name's deprecation (5.24 and newer)
-                attention(hidden[:, :4], embeddings(slice(0, 4)), None, **{name: cache})
-                steps[name] = [attention(hidden[:, t:t + 1], embeddings(slice(t, t + 1)), None, **{name: cache})[0]
-                               for t in (4, 5)]
-            assert cache.get_seq_length() == 6, name  # every step went into the cache
-    assert all(torch.equal(a, b) for a, b in zip(steps["cache"], steps["past_key_values"]))
-    torch.testing.assert_close(torch.cat(steps["past_key_values"], dim=1), full[:, 4:], atol=1e-5, rtol=0)
+        cache = DynamicCache(config=model.config)
+        attention(hidden[:, :4], embeddings(slice(0, 4)), None, cache=cache)
+        steps = [attention(hidden[:, t:t + 1], embeddings(slice(t, t + 1)), None, cache=cache)[0] for t in (4, 5)]
+        assert cache.get_seq_length() == 6  # every step went into the cache
+        with pytest.raises(TypeError, match="cache="):
+            attention(hidden[:, 5:], embeddings(slice(5, 6)), None, past_key_values=cache)
+        with pytest.raises(TypeError, match="cache="):
+            model.model.layers[0](hidden[:, 5:], embeddings(slice(5, 6)), None, past_key_values=cache)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], atol=1e-5, rtol=0)

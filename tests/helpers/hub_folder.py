@@ -22,7 +22,7 @@ GPT2 = "tokenizers/gpt2"
 # files a user's Hub repository needs so that `from_pretrained(repo, trust_remote_code=True)` works anywhere
 HUB_FILES = ("config.json", "generation_config.json", "model.safetensors", "configuration_switchhead.py",
              "modeling_switchhead.py", "expert_ops.py", "positions.py", "tensor_parallel.py", "checkpoint_format.py",
-             "transformers_compat.py", "tokenizer.json", "tokenizer_config.json")
+             "transformers_compat.py", "experts_integration.py", "tokenizer.json", "tokenizer_config.json")
 
 
 @functools.lru_cache(maxsize=1)  # building the fast tokenizer from vocab/merges takes ~10 s; do it once per run

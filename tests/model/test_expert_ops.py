@@ -40,10 +40,15 @@ def _assert_same(got_out, want_out, got_grads, want_grads, dtype):
 
 
 def test_the_table_is_keyed_by_the_experts_implementations():
-    # one naming scheme: the values of `config.experts_implementation` that the attention layer passes on
-    assert set(EXPERTS_IMPLEMENTATIONS) == {"eager", "batched_mm", "grouped_mm", "cvmm"}
+    # one naming scheme: the values of `config.experts_implementation`; ours are not Transformers' names
+    assert set(EXPERTS_IMPLEMENTATIONS) == {"eager", "switchhead_batched", "switchhead_grouped", "cvmm"}
+    assert EXPERTS_IMPLEMENTATIONS["switchhead_batched"] is expert_ops._batched
+    assert EXPERTS_IMPLEMENTATIONS["switchhead_grouped"] is expert_ops._grouped
     assert expert_ops.default_experts_implementation({"cvmm": None}) == "cvmm"
     assert expert_ops.default_experts_implementation({}) == "eager"
+    for name in ("batched_mm", "grouped_mm", "another-registered-experts-function"):
+        with pytest.raises(ValueError, match="switchhead_batched"):
+            expert_ops.lookup(name)
 
 
 def test_naive_twin_is_the_definition():
@@ -103,7 +108,7 @@ def test_every_entry_with_repeated_and_cross_group_expert_ids(use):
         _assert_same(got, want, _grads(got, case.leaves()), want_grads, torch.float64)
     f32 = case.as_dtype(torch.float32)  # float32: the grouped formulation really runs torch._grouped_mm
     want32 = naive(*f32.args())
-    got32 = expert_projection(*f32.args(), implementation="grouped_mm")
+    got32 = expert_projection(*f32.args(), implementation="switchhead_grouped")
     _assert_same(got32, want32, _grads(got32, f32.leaves()), _grads(want32, f32.leaves()), torch.float32)
 
 
@@ -154,21 +159,20 @@ def test_compiled_decoding_reads_only_the_selected_experts(use):
 
 
 def test_grouped_mm_falls_back_where_grouped_mm_cannot_run():
-    # float64 (no _grouped_mm) and no tokens: the "grouped_mm" entry runs _all_experts, with the same values
+    # float64 (no _grouped_mm) and no tokens: the "switchhead_grouped" entry runs _all_experts, with the same values
     for tokens, dtype in ((4096, torch.float64), (0, torch.float32)):
         case = random_case(torch.Generator().manual_seed(2), "value", tokens=tokens, heads=2, experts=5, k=2,
                            d_in=8, d_out=4, dtype=dtype)
-        assert torch.equal(expert_projection(*case.args(), implementation="grouped_mm"),
+        assert torch.equal(expert_projection(*case.args(), implementation="switchhead_grouped"),
                            expert_ops._all_experts(*case.args()))
 
 
 def test_cvmm_entry_runs_eager_where_triton_does_not():
     case = random_case(torch.Generator().manual_seed(3), "output", tokens=5, heads=2, experts=3, k=2, d_in=8,
                        d_out=4, dtype=torch.float64)
-    assert not expert_ops._triton_runs(case.inputs)
-    for implementation in ("cvmm", None, "another-registered-experts-function"):
-        assert torch.equal(expert_projection(*case.args(), implementation=implementation),
-                           expert_projection(*case.args(), implementation="eager"))
+    assert expert_ops._kernels is None or not expert_ops._kernels.triton_runs(case.inputs.device, case.inputs.dtype)
+    assert torch.equal(expert_projection(*case.args(), implementation="cvmm"),
+                       expert_projection(*case.args(), implementation="eager"))
 
 
 @pytest.mark.parametrize("use", ["value", "output", "mlp_keys", "mlp_values"])
@@ -216,7 +220,7 @@ def test_grouped_formulation_saves_no_per_slot_tensor():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = expert_projection(*case.args(), implementation="grouped_mm")
+        out = expert_projection(*case.args(), implementation="switchhead_grouped")
     argument_bytes = sum(t.numel() * t.element_size() for t in case.leaves())
     slots = case.expert_index.numel()
     saved_bytes = sum(t.numel() * t.element_size() for t in saved)
@@ -230,7 +234,7 @@ def test_grouped_formulation_in_bfloat16_with_float32_gates():
     case = random_case(torch.Generator().manual_seed(5), "value", tokens=64, heads=2, experts=5, k=2, d_in=16,
                        d_out=8, dtype=torch.float64).as_dtype(torch.bfloat16)
     assert expert_ops._grouped_mm_usable(case.inputs, case.weight)
-    got = expert_projection(*case.args(), implementation="grouped_mm")
+    got = expert_projection(*case.args(), implementation="switchhead_grouped")
     want = _twin(case)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -346,9 +350,9 @@ def test_router_select_is_the_forward_routing():
 
 
 def _two_paths(variant="switchhead-rope"):
-    """Two copies of a model: "eager" (the per-head formulation where its rule picks it), and "batched_mm"."""
+    """Two copies of a model: "eager" (the per-head formulation where its rule picks it), "switchhead_batched"."""
     per_head, generic = variant_model(variant), variant_model(variant)
-    generic.set_experts_implementation("batched_mm")  # explicit: the CVMM formulation, each side routing itself
+    generic.set_experts_implementation("switchhead_batched")  # explicit: the selected matrices gathered, one bmm
     return per_head, generic
 
 
@@ -377,7 +381,7 @@ def test_per_head_path_equals_the_generic_path(variant):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     per_head.eval(), generic.eval()
     # decoding steps through the cache: three sequences select more matrices than there are experts (3 * H * k > H * E,
-    # the per-head formulation), one sequence fewer (the selected matrices gathered, both sides routed together)
+    # the per-head formulation), one sequence fewer (the selected matrices gathered)
     for rows, formulation in ((3, expert_ops._per_head), (1, expert_ops._batched)):
         chosen.clear()
         with torch.no_grad():
@@ -392,7 +396,7 @@ def test_per_head_path_equals_the_generic_path(variant):
 
 def test_recorded_router_logits_keep_each_router_call():
     # with output_router_logits the routers' hooks record their logits: each side routes through its own module
-    # call (no joint matmul), so the recorded tensors are exactly the routers' own, and the outputs do not change
+    # call, so the recorded tensors are exactly the routers' own, and the outputs do not change
     per_head, generic = _two_paths()
     ids = torch.randint(0, per_head.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -418,14 +422,14 @@ def test_recorded_router_logits_keep_each_router_call():
 
 
 def test_many_token_formulations_compile_in_fp32():
-    """"eager"/"grouped_mm" with many tokens in fp32 under torch.compile: `_grouped_mm`'s fake kernel takes bf16 only,
+    """"eager"/"switchhead_grouped", many tokens, fp32, under torch.compile: `_grouped_mm`'s fake kernel takes bf16,
     so the compiled graph must fall back to a formulation it can trace, with the eager values and gradients."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 1, 64, generator=gen, requires_grad=True)
     w = torch.randn(8, 64, 32, generator=gen, requires_grad=True)
     g = torch.rand(512, 2, generator=gen, requires_grad=True)
     idx = torch.randint(0, 8, (512, 2), generator=gen)
-    for implementation in ("eager", "grouped_mm"):
+    for implementation in ("eager", "switchhead_grouped"):
         def loss(x, w, g, implementation=implementation):
             return (expert_projection(x, idx, w, g, 1, implementation=implementation) ** 2).sum()
 
@@ -437,74 +441,3 @@ def test_many_token_formulations_compile_in_fp32():
         torch.testing.assert_close(compiled, eager, rtol=2e-5, atol=2e-5)
         for a, b in zip(got, want):  # sums over 512 tokens in another order: fp32 rounding relative to the scale
             torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * float(b.abs().max()))
-
-
-def _routes_taken(model, call):
-    """Run `call()` and return what each SwitchHead attention layer's `route` returned, in call order."""
-    taken, route = [], modeling.SwitchHeadAttention.route
-
-    def spy(self, sources, destinations):
-        taken.append(route(self, sources, destinations))
-        return taken[-1]
-
-    with unittest.mock.patch.object(modeling.SwitchHeadAttention, "route", spy):
-        result = call()
-    return taken, result
-
-
-@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl"])
-def test_one_token_decoding_routes_both_sides_with_one_router_matmul(variant):
-    # decoding one token, both routers run as one matmul and one top-k (`route`), and both projections read that
-    # routing: the logits equal each side routing itself; prompts (several tokens) route each side separately
-    joint, separate = variant_model(variant), variant_model(variant)
-    for layer in separate.model.layers:
-        layer.self_attn.route = lambda sources, destinations: None  # this instance: each side routes itself
-    layers = joint.config.num_hidden_layers
-    ids = torch.randint(0, joint.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        taken, out = _routes_taken(joint, lambda: joint(input_ids=ids[:, :5], use_cache=True))
-        assert taken == [None] * layers  # a prompt of 5 tokens
-        caches = [output_cache(out), output_cache(separate(input_ids=ids[:, :5], use_cache=True))]
-        for t in range(5, 9):
-            taken, stepped = _routes_taken(joint, lambda: joint(input_ids=ids[:, t:t + 1], cache=caches[0],
-                                                                use_cache=True).logits)
-            assert len(taken) == layers and all(routing is not None for routing in taken)
-            reference = separate(input_ids=ids[:, t:t + 1], cache=caches[1], use_cache=True).logits
-            torch.testing.assert_close(stepped, reference, rtol=1e-6, atol=1e-6)
-    # the joint routing is each router's own: the same expert ids, the same gates
-    attention = joint.model.layers[0].self_attn
-    tokens = torch.randn(1, 1, joint.config.hidden_size, generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        values, output = attention.route(tokens, tokens)
-        for (gates, index), router in ((values, attention.value_selection), (output, attention.output_selection)):
-            _, want_gates, want_index = router(tokens.reshape(1, -1))
-            assert torch.equal(index, want_index)
-            torch.testing.assert_close(gates, want_gates, rtol=1e-6, atol=1e-7)
-
-
-def test_recorded_router_logits_and_expert_dropout_keep_each_router_its_own_call():
-    # a router whose call records its logits (Transformers' output hooks) or draws expert dropout routes itself:
-    # a one-token step asked for router logits returns every router's, one row each
-    model = variant_model("switchhead-rope")
-    layers = model.config.num_hidden_layers
-    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        cache = output_cache(model(input_ids=ids[:, :5], use_cache=True))
-        taken, out = _routes_taken(model, lambda: model(input_ids=ids[:, 5:], cache=cache, use_cache=True,
-                                                        output_router_logits=True))
-    assert taken == [None] * layers
-    assert len(out.router_logits) == layers * model.config.routers_per_layer
-    assert all(logits.shape[0] == 1 for logits in out.router_logits)
-    # SwitchAll trains with its routers' logits recorded (the entropy regulariser): its hooks are always there
-    switchall = variant_model("switchall-rope")
-    with torch.no_grad():
-        cache = output_cache(switchall(input_ids=ids[:, :5], use_cache=True))
-        taken, _ = _routes_taken(switchall, lambda: switchall(input_ids=ids[:, 5:], cache=cache,
-                                                              use_cache=True))
-    assert taken == [None] * switchall.config.num_hidden_layers
-    fresh = variant_model("switchhead-rope").train()
-    attention, tokens = fresh.model.layers[0].self_attn, torch.randn(1, 1, fresh.config.hidden_size)
-    attention.value_selection.expert_dropout = attention.output_selection.expert_dropout = 0.5
-    assert attention.route(tokens, tokens) is None
-    attention.value_selection.expert_dropout = attention.output_selection.expert_dropout = 0.0
-    assert attention.route(tokens, tokens) is not None

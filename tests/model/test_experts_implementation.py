@@ -1,13 +1,16 @@
-"""Transformers' experts implementations on SwitchAll / SwitchHead, and our CVMM ("cvmm") on stock MoE models.
+"""The experts implementations on SwitchAll / SwitchHead, and ours on stock MoE models.
 
-- SwitchAll's sigma-MoE MLP is a Transformers experts module: "eager", "batched_mm", "grouped_mm" and "cvmm" run
-  through `config._experts_implementation` / `from_pretrained(..., experts_implementation=...)` /
-  `set_experts_implementation(...)`, and agree (forward and every gradient) within 1e-5 in fp32.
-- SwitchHead attention's V/O experts follow the same switch with our formulations of it.
-- Importing switchhead registers "cvmm" for every MoE model: tiny random Mixtral, Qwen3-MoE, OLMoE (and GPT-OSS,
-  whose experts have biases, [in, out] weights and an interleaved custom gate) match their eager experts.
+- SwitchAll's sigma-MoE MLP is a Transformers experts module and SwitchHead attention's V/O experts read the same
+  switch: "eager", "switchhead_batched", "switchhead_grouped" and "cvmm" run through `config._experts_implementation`
+  / `from_pretrained(..., experts_implementation=...)` / `set_experts_implementation(...)`, each name one function
+  of `expert_ops.EXPERTS_IMPLEMENTATIONS` for attention and MLP alike, at most three Python calls from the config
+  value, and agree (forward and every gradient) within 1e-5 in fp32. Transformers' "batched_mm" / "grouped_mm" run
+  SwitchAll's MLP under dense attention and are refused for SwitchHead attention.
+- Importing the model registers our names for every MoE model: tiny random Mixtral, Qwen3-MoE, OLMoE (and GPT-OSS,
+  whose experts have biases, [in, out] weights and an interleaved custom gate) match their eager experts on "cvmm".
 """
 
+import sys
 import unittest.mock
 
 import pytest
@@ -25,11 +28,11 @@ from transformers import (
 from transformers.integrations import moe
 
 import switchhead.expert_ops as expert_ops
+import switchhead.experts_integration as integration
 import switchhead.modeling_switchhead as modeling
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
-from switchhead.kernels.experts import cvmm_experts_forward
 
-IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm", "cvmm"]
+IMPLEMENTATIONS = ["eager", "switchhead_batched", "switchhead_grouped", "cvmm"]
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -56,56 +59,124 @@ def _assert_same(reference, other, label):
         torch.testing.assert_close(other[1][name], grad, **TOL, msg=lambda m, n=name: f"{label} d {n}: {m}")
 
 
-@pytest.mark.parametrize("variant", ["switchall", "switchhead"])
+VARIANTS = {"switchall": {}, "switchhead": dict(mlp_type="dense", intermediate_size=48),
+            "switchall-dense-attention": dict(attention_type="dense")}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_implementation_matches_eager_forward_and_gradients(variant):
-    overrides = {} if variant == "switchall" else dict(mlp_type="dense", intermediate_size=48)
     torch.manual_seed(0)
-    model = SwitchHeadForCausalLM(_switchall(**overrides)).eval()
+    model = SwitchHeadForCausalLM(_switchall(**VARIANTS[variant])).eval()
     ids = torch.randint(0, 101, (3, 40))
     results = {}
-    for implementation in IMPLEMENTATIONS:
+    # Transformers' own experts functions run the MLP where the attention has no experts
+    extra = ["batched_mm", "grouped_mm"] if variant == "switchall-dense-attention" else []
+    for implementation in IMPLEMENTATIONS + extra:
         model.set_experts_implementation(implementation)
         assert model.config._experts_implementation == implementation
         results[implementation] = _forward_backward(model, ids)
-    for implementation in IMPLEMENTATIONS[1:]:
+    for implementation in IMPLEMENTATIONS[1:] + extra:
         _assert_same(results["eager"], results[implementation], implementation)
 
 
-def test_the_chosen_implementation_is_what_runs():
-    """The MLP calls the registered function of the choice; the attention takes the table entry of that name."""
+def test_one_name_runs_one_function_for_attention_and_mlp():
+    """Whatever the name, SwitchAll's V, O and MLP projections all run the table's entry of that name and no other
+    entry, and nothing of Transformers' own experts functions."""
     torch.manual_seed(0)
     model = SwitchHeadForCausalLM(_switchall()).eval()
     ids = torch.randint(0, 101, (2, 12))
-    mocks = {name: unittest.mock.Mock(wraps=moe.ALL_EXPERTS_FUNCTIONS[name]) for name in ("batched_mm", "grouped_mm",
-                                                                                          "cvmm")}
     entries = {name: unittest.mock.Mock(wraps=entry) for name, entry in expert_ops.EXPERTS_IMPLEMENTATIONS.items()}
+    theirs = {name: unittest.mock.Mock(wraps=moe.ALL_EXPERTS_FUNCTIONS[name]) for name in ("batched_mm", "grouped_mm")}
     layers = model.config.num_hidden_layers
-    with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, mocks), \
+    with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, theirs), \
             unittest.mock.patch.dict(expert_ops.EXPERTS_IMPLEMENTATIONS, entries):
-        for implementation in ("eager", "batched_mm", "grouped_mm", "cvmm"):
+        integration.register()  # Transformers' table holds the spied entries for the length of the test
+        for implementation in IMPLEMENTATIONS:
             model.set_experts_implementation(implementation)
             with torch.no_grad():
                 model(ids)
-            # V and O of every layer take the entry of that name; "eager" also runs the MLP's two projections
-            mlp = 2 * layers if implementation == "eager" else 0
-            for name, entry in entries.items():
-                want = 2 * layers + mlp if name == implementation else 0
+            for name, entry in entries.items():  # per layer: V, O, and the MLP's two projections
+                want = 4 * layers if name == implementation else 0
                 assert entry.call_count == want, (implementation, name, entry.call_count)
                 entry.reset_mock()
-            for name, mock in mocks.items():
-                assert mock.call_count == (layers if name == implementation else 0), (implementation, name)
-                mock.reset_mock()
+            assert all(mock.call_count == 0 for mock in theirs.values()), implementation
+    integration.register()
+    registered = moe.ALL_EXPERTS_FUNCTIONS._global_mapping
+    for name in IMPLEMENTATIONS[1:]:  # what Transformers calls for the MLP is the entry the attention looks up
+        assert registered[name].keywords["project"] is expert_ops.EXPERTS_IMPLEMENTATIONS[name]
+
+
+def test_transformers_mlp_only_functions_are_refused_for_switchhead_attention():
+    model = SwitchHeadForCausalLM(_switchall())
+    for name in ("batched_mm", "grouped_mm"):
+        with pytest.raises(ValueError, match="switchhead_batched"):
+            model.set_experts_implementation(name)
+        with pytest.raises(ValueError, match="experts_implementation"):
+            SwitchHeadForCausalLM(_switchall(experts_implementation=name))
+    assert model.config._experts_implementation == "cvmm"
+    model.config._experts_implementation = "batched_mm"  # set around the check: the attention still refuses it
+    with pytest.raises(ValueError, match="has no expert projection"):
+        model(torch.tensor([[1, 2, 3]]))
+
+
+def _chains(run, starts, resolvers, entries):
+    """Run `run()` under a profiler; for every call of a table entry, (Python calls made directly by the frame that
+    read the configured name to resolve it, frames from that frame down to the entry, the entry's name)."""
+    resolved, found = {}, []
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        if code in starts:
+            resolved[id(frame)] = 0  # a new activation (frame ids are reused)
+        elif code in resolvers and frame.f_back is not None and frame.f_back.f_code in starts:
+            resolved[id(frame.f_back)] = resolved.get(id(frame.f_back), 0) + 1
+        elif code in entries:
+            depth, outer = 1, frame.f_back
+            while outer is not None and outer.f_code not in starts:
+                if outer.f_code in entries:  # an entry that another entry calls: counted at the outer one
+                    return
+                depth, outer = depth + 1, outer.f_back
+            if outer is not None:
+                found.append((resolved.get(id(outer), 0), depth, entries[code]))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_at_most_three_calls_from_the_config_value_to_the_code_that_runs(implementation):
+    """From the frame that reads `config._experts_implementation` (an attention projection, or the MLP's experts
+    decorator) to the table's function for that name: one lookup, then at most three Python calls in all."""
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(_switchall()).eval()
+    model.set_experts_implementation(implementation)
+    attention, experts = modeling.SwitchHeadAttention, modeling.SigmaMoeExperts
+    starts = {attention.project_values.__code__, attention.project_output.__code__, experts.forward.__code__}
+    resolvers = {expert_ops.lookup.__code__, moe.ExpertsInterface.get_interface.__code__}
+    entries = {entry.__code__: name for name, entry in expert_ops.EXPERTS_IMPLEMENTATIONS.items()}
+    with torch.no_grad():
+        found = _chains(lambda: model(torch.randint(0, 101, (2, 12))), starts, resolvers, entries)
+    layers = model.config.num_hidden_layers
+    assert len(found) == 4 * layers and {name for _, _, name in found} == {implementation}
+    assert all(lookups == 1 for lookups, _, _ in found), found
+    assert max(lookups + depth for lookups, depth, _ in found) <= 3, found
 
 
 def test_choosing_through_config_and_from_pretrained(tmp_path):
-    config = _switchall(experts_implementation="batched_mm")
+    config = _switchall(experts_implementation="switchhead_batched")
     model = SwitchHeadForCausalLM(config)
-    assert model.config._experts_implementation == "batched_mm"
+    assert model.config._experts_implementation == "switchhead_batched"
     model.save_pretrained(tmp_path)
-    loaded = SwitchHeadForCausalLM.from_pretrained(tmp_path, experts_implementation="grouped_mm")
-    assert loaded.config._experts_implementation == "grouped_mm"
+    loaded = SwitchHeadForCausalLM.from_pretrained(tmp_path, experts_implementation="switchhead_grouped")
+    assert loaded.config._experts_implementation == "switchhead_grouped"
     assert SwitchHeadForCausalLM.from_pretrained(tmp_path).config._experts_implementation == "cvmm"
-    with pytest.raises(ValueError, match="experts_implementation"):
+    with pytest.raises((ValueError, KeyError), match="experts_implementation"):
         model.set_experts_implementation("no_such_kernel")
 
 
@@ -215,11 +286,10 @@ def test_experts_benchmark_smoke(tmp_path):
     assert "| tokens | mode |" in out.with_suffix(".md").read_text()
 
 
-@pytest.mark.parametrize("implementation", ["batched_mm", "cvmm"])
+@pytest.mark.parametrize("implementation", ["switchhead_batched", "cvmm"])
 def test_training_step_compiles_fullgraph_with_the_switch_and_dynamic_rope(implementation):
     """The experts dispatch (MLP and attention) and the dynamic RoPE trace into one graph (aot_eager: dynamo, fake
-    tensors and AOTAutograd without inductor's C++ build). "grouped_mm" is left out: fp32 `torch._grouped_mm` has
-    no meta kernel on CPU (bf16 only), which Transformers' grouped_mm experts function (the MLP's) does not avoid."""
+    tensors and AOTAutograd without inductor's C++ build)."""
     torch.manual_seed(0)
     model = SwitchHeadForCausalLM(_switchall(rope_parameters={"rope_type": "dynamic", "factor": 2.0},
                                              max_position_embeddings=8)).eval()
@@ -236,28 +306,18 @@ def test_training_step_compiles_fullgraph_with_the_switch_and_dynamic_rope(imple
 
 
 def test_the_attention_reads_the_configured_implementation_as_set():
-    # the attention reads the implementation behind Transformers' property (without the configuration's attribute
-    # hooks): the same value after from_config, set_experts_implementation and a plain assignment, and through the
-    # property where a release keeps it elsewhere
-    from switchhead.transformers_compat import experts_implementation
-
+    # the same value after from_config, set_experts_implementation and a plain assignment
     model = SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-switchhead"))
-    config = model.model.layers[0].self_attn.config
-    assert experts_implementation(config) == config._experts_implementation
-    for name in ("batched_mm", "eager", "cvmm"):
-        model.set_experts_implementation(name)
-        assert experts_implementation(config) == config._experts_implementation == name
-    config._experts_implementation = "grouped_mm"
-    assert experts_implementation(config) == "grouped_mm"
-    called = []  # the implementation each projection is asked for
-    with unittest.mock.patch.object(modeling, "expert_projection",
-                                    lambda *args, **kwargs: called.append(args[5]) or expert_ops.expert_projection(
-                                        *args, **kwargs)):
+    called = []  # the implementation each projection asks the table for
+    lookup = expert_ops.lookup
+    with unittest.mock.patch.object(modeling, "lookup", lambda name: called.append(name) or lookup(name)):
+        for name in IMPLEMENTATIONS:
+            model.set_experts_implementation(name)
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[1, 2, 3]]))
+            assert called and set(called) == {name}
+            called.clear()
+        model.config._experts_implementation = "switchhead_grouped"
         with torch.no_grad():
             model(input_ids=torch.tensor([[1, 2, 3]]))
-    assert called and set(called) == {"grouped_mm"}
-
-    class Elsewhere:  # a release without the instance attribute: the property's value
-        _experts_implementation = "batched_mm"
-
-    assert experts_implementation(Elsewhere()) == "batched_mm"
+    assert called and set(called) == {"switchhead_grouped"}
