@@ -220,7 +220,7 @@ def test_finetune_that_diverges_exits_3_and_saves_no_adapter(model_folder, corpu
     pytest.importorskip("peft")
     output = tmp_path / "adapter"
     code = run(["finetune", str(model_folder), "--data", str(corpus), "--output-dir", str(output), "--max-steps", "3",
-                "--batch-size", "2", "--block-size", "16", "--learning-rate", "1e30"])
+                "--batch-size", "2", "--block-size", "16", "--learning-rate", "1e30", "--no-progress"])
     assert code == 3
     assert "fine-tuning diverged" in one_line(capsys, "finetune")
     assert not [path for path in output.rglob("*") if path.suffix in (".safetensors", ".bin", ".json")]
