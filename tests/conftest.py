@@ -23,6 +23,25 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """In the fast tier (`-m "not integration"`), a test that starts a process fails and says to mark it: the tier
+    stays fast because nothing in it can start a Python, a server, a compiler or a launcher unnoticed."""
+    if "not integration" not in (request.config.option.markexpr or "") or request.node.get_closest_marker(
+            "integration"):
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    yield
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The test data folder with every file of the manifest (else the test is skipped: helpers/data.py)."""
@@ -80,6 +99,8 @@ def pytest_collection_modifyitems(config, items):
     _say_what_data_is_missing(config)
     matched = set()
     for item in items:
+        if item.get_closest_marker("slow"):  # a long variant is never part of the fast tier
+            item.add_marker(pytest.mark.integration)
         entry = _compat_entry(item.nodeid)
         if entry is not None:
             item.add_marker(pytest.mark.compat)

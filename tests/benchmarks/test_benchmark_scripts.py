@@ -35,6 +35,7 @@ def test_model_benchmark_quick_mode_writes_json_and_markdown(tmp_path):
     assert "Ratios" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.integration
 def test_compiled_train_benchmark_quick_run_and_its_relu_swap(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import bench_compiled_train
@@ -158,6 +159,7 @@ def test_vllm_markdown_of_one_pair_gives_each_cells_median_ratio_and_range():
     assert "| 47M RoPE | 1024 | 32 | 1 | 1.50x | 1.50-1.50x |" in bench_vllm.markdown(results)
 
 
+@pytest.mark.integration
 def test_compare_runs_takes_interleaved_runs_with_the_earlier_version_first_on_the_path(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import json
@@ -191,6 +193,7 @@ def test_compare_runs_takes_interleaved_runs_with_the_earlier_version_first_on_t
         compare_runs.take_runs(empty, ["bench_model.py"], 1, tmp_path / "runs2", run=run)
 
 
+@pytest.mark.integration
 def test_compare_runs_installs_the_package_of_a_commit(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import subprocess
@@ -205,6 +208,7 @@ def test_compare_runs_installs_the_package_of_a_commit(tmp_path):
     assert (site / "switchhead" / "kernels" / "__init__.py").is_file()  # laid out as the package imports
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("transformers.distributed.expert_parallel") is None,
                     reason="this Transformers release has no expert parallelism in its distributed engine")
 def test_scaleout_benchmark_quick_run_counts_what_fsdp_and_expert_parallelism_send(tmp_path):

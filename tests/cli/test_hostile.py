@@ -418,6 +418,7 @@ def test_sigterm_stops_the_batching_server_within_seconds_with_requests_in_fligh
         connection.close()
 
 
+@pytest.mark.integration
 def test_without_continuous_batching(tmp_path):
     """--no-continuous-batching: the same refusals; per-request sampling; a disconnect stops generate(); a
     failing generate() fails alone; SIGTERM stops the server with a generation in flight."""
@@ -617,6 +618,7 @@ def test_an_rng_state_that_does_not_load_stops_the_resume_unless_inexact_resume(
     assert "inexact resume from" in (run / "events.log").read_text()
 
 
+@pytest.mark.integration
 def test_a_second_writer_is_refused_naming_the_first_and_a_killed_writer_blocks_nobody(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -640,6 +642,7 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_killed_writer_blocks_
     assert not (run / LOCK_NAME).exists()  # a clean exit removes it
 
 
+@pytest.mark.integration
 def test_a_full_disk_during_a_save_exits_2_and_every_earlier_checkpoint_resumes(corpus, finished, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished, run)
@@ -676,6 +679,7 @@ def test_bad_data_and_a_damaged_tokenizer_exit_2_and_leave_the_folder_reusable(c
     assert main([*args, "--tokenizer", tokenizer]) == 0
 
 
+@pytest.mark.integration
 def test_commands_print_nothing_but_their_own_line_on_stderr(tmp_path):
     """With the test extras installed (torchao among them) importing switchhead used to print four warning lines.
     One fresh process (the noise came at import): a command that succeeds, a marker, a command that fails."""
@@ -1002,6 +1006,7 @@ def test_the_exporter_writes_the_asked_opset_or_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_a_full_disk_during_the_second_save_of_a_run_exits_2_and_leaves_no_temporary_folder(corpus, tmp_path):
     """The first checkpoint is written, then the disk fills (here: files may not grow past 64 KiB from then on)."""
     run = tmp_path / "run"
@@ -1050,6 +1055,7 @@ def test_a_failed_save_of_any_kind_leaves_no_temporary_folder(corpus, tmp_path, 
     assert sorted(os.listdir(run / "checkpoints")) == ["step-0000002"]
 
 
+@pytest.mark.integration
 def test_other_libraries_noise_stays_off_our_commands_stderr(corpus, finished, tmp_path):
     """bitsandbytes' 'Failed to load CPU gemm_4bit_forward' (at import, on CPUs with AVX512-BF16, where its Hub
     kernel cannot be fetched), Transformers' 'You are using a model of type' and torch's pickle-protocol warning

@@ -52,6 +52,7 @@ def saved(tmp_path_factory):
     return folder, logits, generated
 
 
+@pytest.mark.integration
 def test_trust_remote_code_load_in_clean_venv_matches_package(saved, tmp_path):
     folder, logits, generated = saved
     python = clean_venv()

@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -36,6 +38,7 @@ def _installed_kernels() -> bool:
     return True
 
 
+@pytest.mark.integration
 def test_without_the_package_the_folder_is_a_placeholder_that_says_why():
     # -S: no site-packages, so no `kernels` package can be installed; only the root's folder is found
     result = _from_the_root("""
@@ -61,6 +64,7 @@ def test_without_the_package_the_folder_is_a_placeholder_that_says_why():
         assert part in message
 
 
+@pytest.mark.integration
 def test_transformers_probe_and_our_model_from_the_root():
     """Transformers imports whatever find_spec("kernels") names when no distribution claims it: the probe must
     answer like a missing package (or like the installed one), and the model must still import and run."""
@@ -83,6 +87,7 @@ def test_transformers_probe_and_our_model_from_the_root():
         assert out["available"] is False and out["top"] == out["ours"]
 
 
+@pytest.mark.integration
 def test_an_installed_kernels_package_gets_the_import(tmp_path):
     """A stand-in distribution (a package plus its dist-info) after the root on sys.path, as a pip-installed one
     is: `from kernels import get_kernel` gets it, and switchhead.kernels stays ours, a different module."""

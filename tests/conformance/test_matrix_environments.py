@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 # run by the interpreter under test: the matrix's environment-creation code, then the new environment's python
@@ -46,6 +48,7 @@ def _purelib(python: Path) -> Path:
     return Path(out)
 
 
+@pytest.mark.integration
 def test_an_environment_built_inside_a_virtual_environment_sees_that_environments_packages(tmp_path):
     """The reported case: the matrix runs inside a user's virtual environment, whose packages the base interpreter
     does not have. The new environment must see them (a plain module, one reached only through a .pth file, as an
@@ -72,6 +75,7 @@ def test_an_environment_built_inside_a_virtual_environment_sees_that_environment
     assert Path(prefix).resolve() == inner.resolve()
 
 
+@pytest.mark.integration
 def test_an_environment_built_by_this_interpreter_imports_what_this_run_imports(tmp_path):
     """Whatever runs the tests (the system interpreter in CI, a virtual or conda environment elsewhere): the new
     environment imports switchhead (an editable install), pytest and torch from the same files as this run."""

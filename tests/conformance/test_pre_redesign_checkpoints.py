@@ -79,6 +79,7 @@ print(json.dumps({"error": (logits - expected["logits"]).abs().max().item(), "mo
 """
 
 
+@pytest.mark.integration
 def test_pre_redesign_checkpoint_loads_in_a_clean_environment(tmp_path):
     folder = saved_folder("switchall", tmp_path)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "HF_", "VIRTUAL_ENV"))}

@@ -37,6 +37,7 @@ def _pytest(data: Path, **extra_env: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.integration
 def test_without_the_data_the_run_says_what_is_missing_first_and_skips_what_needs_it(tmp_path):
     empty = tmp_path / "no-data"
     empty.mkdir()
@@ -72,6 +73,7 @@ def test_tests_that_read_their_own_sub_run_pass_without_the_data(tmp_path):
     assert result.returncode == 0 and "1 passed" in out.splitlines()[-1], out[-3000:] + result.stderr[-2000:]
 
 
+@pytest.mark.integration
 def test_ci_fails_at_the_start_instead_of_skipping(tmp_path):
     result = _pytest(tmp_path, SWITCHHEAD_REQUIRE_DATA="1")
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout[-2000:] + result.stderr[-2000:]

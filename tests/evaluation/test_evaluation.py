@@ -79,6 +79,7 @@ def hand_logprob(model, tokenizer, context_ids: list[int], continuation_ids: lis
 
 
 # ---------------------------------------------------------------------------------------------------- lm-eval
+@pytest.mark.integration
 def test_lm_eval_cli_runs_offline_and_python_entry_point_gives_the_same_numbers(model_dir, shared_data, python_run,
                                                                                 tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", SWITCHHEAD_DATA_DIR=str(shared_data))
@@ -465,6 +466,7 @@ def test_lm_eval_per_request_warnings_become_one_summary_line(caplog):
                         "Combined length of context (1) after the run"]
 
 
+@pytest.mark.integration
 def test_lm_eval_records_the_commit_without_git_writing_to_the_terminal(tmp_path, monkeypatch, capfd):
     """lm-eval runs `git describe` with the caller's stderr; outside a checkout that printed "fatal: not a git
     repository" into every `switchhead eval`. While our evaluation runs, its probe is a quiet one."""

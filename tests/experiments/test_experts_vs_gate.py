@@ -199,6 +199,7 @@ def no_process(monkeypatch):
     monkeypatch.setattr(grid.replicate, "machine", lambda: dict(host="h", cpu="test CPU", cores=2))
 
 
+@pytest.mark.integration
 def test_results_pages_from_fake_run_folders(tmp_path, no_process):
     records = full_records([100.0, 101.0, 99.0], [100.1, 100.9, 99.05], [])
     out, results = tmp_path / "out", tmp_path / "results"
@@ -245,6 +246,7 @@ def test_results_pages_from_fake_run_folders(tmp_path, no_process):
         grid.update_docs(report, docs)
 
 
+@pytest.mark.integration
 def test_no_runs_renders_progress_and_no_verdict(tmp_path, no_process):
     report = grid.write_results(tmp_path / "out", tmp_path / "results", code=CODE)
     page = (tmp_path / "results" / f"{grid.STEM}.md").read_text()

@@ -98,6 +98,7 @@ def test_smoke_results_files(smoke):
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.integration
 def test_rerun_skips_finished_runs_and_keeps_the_reading(smoke):
     tmp, _ = smoke
     record = tmp / "runs" / "rope-switchhead-s0" / replicate.RUN_RECORD
@@ -111,6 +112,7 @@ def test_rerun_skips_finished_runs_and_keeps_the_reading(smoke):
     assert markdown.read_text().endswith("\nmy reading\n")
 
 
+@pytest.mark.integration
 def test_interrupted_run_resumes_from_its_checkpoint(smoke):
     """A run whose record and results are gone but whose checkpoint is there continues it (resume) instead of
     training again; a run killed before its first checkpoint starts afresh."""

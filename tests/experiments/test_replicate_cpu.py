@@ -105,6 +105,7 @@ def test_a_killed_and_resumed_run_equals_an_uninterrupted_one(runs):
     assert not resumed_timing["timing_complete"] and resumed_timing["cpu_seconds"] > 0
 
 
+@pytest.mark.integration
 def test_a_finished_run_is_never_run_again(runs):
     run = runs / "killed" / RUN
     stamps = {name: (run / name).stat().st_mtime_ns for name in (grid.FINISHED, "model.safetensors", "log.csv")}
@@ -118,6 +119,7 @@ def test_a_finished_run_is_never_run_again(runs):
     assert RUN in page and "Analysis, stated before the runs" in page
 
 
+@pytest.mark.integration
 def test_a_run_finished_on_an_earlier_machine_is_not_run_again(runs, tmp_path):
     """A fresh checkout has no run folders: the committed results page is what says which runs are finished."""
     results = tmp_path / "results"
@@ -178,6 +180,7 @@ def test_order_and_learning_rate_choice():
                                                                  ("gate", 0.016))]
 
 
+@pytest.mark.integration
 def test_git_state_lists_changed_paths_whole_and_the_report_ignores_the_grids_own_pages(tmp_path, monkeypatch):
     """A change not yet staged starts its porcelain line with a space; the first path keeps its first letter. The
     report's +dirty counts changes to anything but the grid's own results pages."""

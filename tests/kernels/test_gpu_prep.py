@@ -142,6 +142,7 @@ def test_make_inputs_leaves_experts_empty_and_keeps_values_when_strided():
 
 
 # ------------------------------------------------------------------------------------------------ the scripts
+@pytest.mark.integration
 def test_gpu_check_cpu_smoke_runs_every_section(tmp_path):
     result = _run(GPU_TOOLS / "gpu_check.py", "--cpu-smoke", "--cases", "4", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -162,6 +163,7 @@ def test_gpu_check_cpu_smoke_runs_every_section(tmp_path):
     assert report_path.with_suffix(".md").read_text().startswith("# GPU correctness check")
 
 
+@pytest.mark.integration
 def test_gpu_check_without_cuda_exits_2(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the full check would run")
@@ -169,6 +171,7 @@ def test_gpu_check_without_cuda_exits_2(tmp_path):
     assert result.returncode == 2 and "--cpu-smoke" in result.stderr
 
 
+@pytest.mark.integration
 def test_bench_cvmm_cpu_smoke_checks_and_times_every_use(tmp_path):
     out = tmp_path / "cvmm.json"
     result = _run(BENCHMARKS / "bench_cvmm.py", "--cpu-smoke", "--out", str(out))
@@ -183,12 +186,14 @@ def test_bench_cvmm_cpu_smoke_checks_and_times_every_use(tmp_path):
     assert "| problem |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.integration
 def test_bench_cvmm_rejects_a_missing_authors_kernel(tmp_path):
     result = _run(BENCHMARKS / "bench_cvmm.py", "--authors-cvmm", str(tmp_path / "nowhere.py"), "--check-only",
                   timeout=300)
     assert result.returncode == 2 and "--authors-cvmm" in result.stderr
 
 
+@pytest.mark.integration
 def test_bench_e2e_cpu_smoke_reports_ratios(tmp_path):
     result = _run(BENCHMARKS / "bench_e2e.py", "--cpu-smoke", "--only", "47m", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -202,6 +207,7 @@ def test_bench_e2e_cpu_smoke_reports_ratios(tmp_path):
     assert "## Ratios" in path.with_suffix(".md").read_text()
 
 
+@pytest.mark.integration
 def test_bench_e2e_rejects_an_unknown_pair(tmp_path):
     result = _run(BENCHMARKS / "bench_e2e.py", "--cpu-smoke", "--only", "7b", "--out-dir", str(tmp_path), timeout=300)
     assert result.returncode == 2 and "matches none" in result.stderr
@@ -265,6 +271,7 @@ def test_load_authors_rejects_a_file_without_their_api(tmp_path):
         bench_cvmm.load_authors_cvmm(path)
 
 
+@pytest.mark.integration
 def test_gpu_run_sh_imports_this_checkout_without_installing_it(tmp_path):
     """gpu_run.sh links the folders into a throw-away `switchhead` package (it runs the checkout, installed or not),
     records the versions, and refuses an unknown stage with exit status 2."""
@@ -286,6 +293,7 @@ def _session(tmp_path, *args: str, timeout: int = 1500) -> subprocess.CompletedP
                           timeout=timeout, env=env, cwd=REPO)
 
 
+@pytest.mark.integration
 def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
     """`gpu_run.sh smoke` is `all` on the CPU: every stage runs, in order, within its budget, and what comes back
     is the JSON of each stage, the log and the summary, which gpu_report.py renders with every check passed."""
@@ -407,6 +415,7 @@ def test_bench_cvmm_only_takes_comma_separated_texts():
     assert not bench_cvmm.matches("c4-262m,switchall", "wt103-262m-switchhead-xl/output")
 
 
+@pytest.mark.integration
 def test_gpu_run_sh_starts_no_stage_the_budget_cannot_hold(tmp_path):
     result = _session(tmp_path, "smoke", "--time-budget", "40", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -417,6 +426,7 @@ def test_gpu_run_sh_starts_no_stage_the_budget_cannot_hold(tmp_path):
     assert bad.returncode == 2 and "whole seconds" in bad.stderr
 
 
+@pytest.mark.integration
 def test_gpu_run_sh_runs_the_stages_asked_for_in_that_order(tmp_path):
     """--stages picks and orders the stages (the kernel timings are not in the default); an unknown stage, or one
     named twice (its JSON would replace the first run's), is refused before anything runs."""

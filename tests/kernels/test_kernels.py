@@ -118,6 +118,7 @@ def test_compile_fullgraph_switchhead_layer_and_training_step():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.integration
 def test_triton_kernels_under_interpreter():
     """Runs cvmm_interpret_suite.py (forward + three gradients vs the reference, opcheck, model fwd/bwd)."""
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -141,6 +141,7 @@ def test_eager_calls_between_compiled_ones_do_not_recompile():
     torch.testing.assert_close(again, eager)
 
 
+@pytest.mark.integration
 def test_inductor_compiles_xl_forward_and_hub_copy_without_kernels(tmp_path, monkeypatch):
     """Inductor (C++ on the CPU) on the Hub copy of the model file, its kernels import switched off."""
     import importlib

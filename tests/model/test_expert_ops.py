@@ -131,6 +131,7 @@ def test_eager_picks_by_problem_size():
     assert choose(4096, 4, 1, 2, 6) is f._all_experts
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("use", sorted(USES))
 def test_compiled_decoding_reads_only_the_selected_experts(use):
     # compiled, a call with no more selected matrices than experts takes `_gathered` (the gather fused into the
@@ -291,6 +292,7 @@ def test_per_head_formulation_matches_the_twin(use, repeats, dtype):
             _assert_same(_per_head(case, use, heads, experts), want, [], [], dtype)
 
 
+@pytest.mark.integration
 def test_per_head_formulation_compiles_for_one_token():
     # one token (every expert selected: the rule gathers fewer) under torch.compile(fullgraph=True)
     generator = torch.Generator().manual_seed(8)

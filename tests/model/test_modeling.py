@@ -251,6 +251,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_saved_folder_loads_with_trust_remote_code_without_the_package(tmp_path):
     model = tiny_model("tiny-switchall").eval()
     ids = torch.randint(0, 512, (2, 9))

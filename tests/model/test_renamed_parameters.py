@@ -125,6 +125,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.integration
 def test_folder_under_old_names_loads_with_its_own_code_without_the_package(tmp_path):
     model = _model()
     _save_under_old_names(model, tmp_path / "old")  # today's code copied beside the weights

@@ -124,6 +124,7 @@ CLEAN_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_task_heads_load_with_trust_remote_code_without_the_package(tmp_path):
     _causal_lm_folder(tmp_path / "lm", "tiny-switchall")
     classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=3).eval()

@@ -91,6 +91,7 @@ def expected_shards(config: SwitchHeadConfig) -> dict[str, list[int]]:
     return shards
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_plan_auto_on_two_cpu_processes(tmp_path, case):
     preset = case.removesuffix("-gate").removesuffix("-value").removesuffix("-output")

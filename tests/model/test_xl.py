@@ -157,6 +157,7 @@ def test_xl_generate_with_cache_equals_without():
 
 
 # ------------------------------------------------------------------------------------------ backends
+@pytest.mark.integration
 def test_eager_sdpa_and_flex_agree_on_padding_cache_and_memory(monkeypatch):
     # Transformers runs FlexAttention through torch.compile; the CPU (inductor C++) template of torch 2.13 fails to
     # compile a score_mod that reads a captured bias tensor together with a BlockMask, so here the same integration

@@ -118,6 +118,7 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(served):
     assert complete(server, PROMPTS[0]) == expected_text(model, tokenizer, tokenizer(PROMPTS[0])["input_ids"])
 
 
+@pytest.mark.integration
 def test_hub_folder_with_trust_remote_code_xl(tmp_path):
     """A published-style folder (auto_map + copied code) of the XL variant, loaded with --trust-remote-code."""
     path = tmp_path / "hub-xl"

@@ -105,6 +105,7 @@ def test_an_attention_function_marked_as_adding_the_bias_receives_it():
     assert CALLS and all("position_bias" in call["extra"] for call in CALLS)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("implementation", ["eager", "sdpa", "flex_attention"])
 def test_xl_runs_under_the_implementations_that_add_the_bias(implementation):
     config = SwitchHeadConfig.from_preset("tiny-switchhead-xl")

@@ -116,6 +116,7 @@ def reference_run(corpus, folder: Path, steps: int) -> tuple[Path, float]:
     return run, time.monotonic() - started
 
 
+@pytest.mark.integration
 def test_a_few_sigkills_including_during_checkpoint_writes_end_bitwise_equal(corpus, tmp_path):
     reference, seconds = reference_run(corpus, tmp_path / "reference", steps=10)
     tally = kill_and_restart(corpus, tmp_path / "run", steps=10, kills=3, seed=0, full_run_seconds=seconds)

@@ -56,6 +56,7 @@ def run(command, out: Path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_fsdp2_matches_one_process_and_resumes_bitwise_after_sigkill(tmp_path):
     single, sharded, killed = tmp_path / "single", tmp_path / "fsdp", tmp_path / "killed"
     run([sys.executable, WORKER, str(single), *COMMON, "--no-fsdp"], single)
@@ -130,6 +131,7 @@ def log_losses(output: Path) -> list[float]:
         return [float(row["loss"]) for row in csv.DictReader(handle)]
 
 
+@pytest.mark.integration
 def test_train_with_the_shipped_fsdp2_config_on_two_cpu_processes(tmp_path):
     """What Accelerate runs on CPU: `--accelerate-config fsdp2` starts 2 gloo processes (DDP; FSDP needs an
     accelerator), with the losses of one process on the same global batch."""
@@ -148,6 +150,7 @@ def test_train_with_the_shipped_fsdp2_config_on_two_cpu_processes(tmp_path):
     assert log_losses(tmp_path / "two") == pytest.approx(log_losses(tmp_path / "single"), abs=1e-5, rel=0)
 
 
+@pytest.mark.integration
 def test_fsdp2_config_launched_on_cpu_without_the_cpu_flag_is_refused(tmp_path):
     """`accelerate launch --config_file fsdp2.yaml` on a CPU machine starts 2 processes that Accelerate does not
     join: the trainer refuses (exit 2, one line) instead of letting both train into the same folder."""
@@ -171,6 +174,7 @@ def test_fsdp2_config_launched_on_cpu_without_the_cpu_flag_is_refused(tmp_path):
     (["--accelerate-config", "fsdp2", "--num-processes", "0"], "--num-processes must be >= 1, got 0"),
     (["--accelerate-config", "fsdp2", "--demo"], "--demo runs in one process; drop --accelerate-config"),
 ])
+@pytest.mark.integration
 def test_accelerate_config_usage_errors(arguments, message):
     done = subprocess.run([sys.executable, "-m", "switchhead.cli", "train", *arguments], env=train_env(),
                           capture_output=True, text=True, timeout=120)

@@ -93,6 +93,7 @@ def _assert_trained(weights_file: Path, initial: Path) -> None:
     assert not still, still
 
 
+@pytest.mark.integration
 def test_fsdp_and_expert_parallel_train_resume_and_save_like_one_process(tmp_path):
     model = _saved("tiny-switchall", tmp_path / "init")
     layout = {"fsdp_size": 2, "ep_size": 2}
@@ -125,6 +126,7 @@ def test_fsdp_and_expert_parallel_train_resume_and_save_like_one_process(tmp_pat
     torch.testing.assert_close(logits_of(loaded, ids), torch.load(tmp_path / "ep" / "logits.pt"), rtol=0, atol=1e-5)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchhead-xl"])
 def test_tensor_parallel_trains_like_one_process(tmp_path, preset):
     model = _saved(preset, tmp_path / "init")
@@ -134,6 +136,7 @@ def test_tensor_parallel_trains_like_one_process(tmp_path, preset):
     _assert_trained(tmp_path / "tp" / "weights.pt", model)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", [{"tp_size": 2, "fsdp_size": 2}, {"dp_replicate_size": 2, "fsdp_size": 2}],
                          ids=["tp2-fsdp2", "hsdp2x2"])
 def test_four_process_layouts_train_like_one_process(tmp_path, layout):
@@ -183,6 +186,7 @@ if torch.distributed.get_rank() == 0:
 '''
 
 
+@pytest.mark.integration
 def test_unsupported_layouts_are_refused_with_the_reason(tmp_path):
     # (folders not named `switchhead`: beside the script, that name would shadow the package)
     folders = {"switchall": str(_saved("tiny-switchall", tmp_path / "switchall-model")),

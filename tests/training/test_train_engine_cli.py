@@ -199,6 +199,7 @@ def test_rank_0_alone_writes_the_run_folder(runs):
         sorted(written)
 
 
+@pytest.mark.integration
 def test_a_resumed_run_continues_with_the_uninterrupted_losses(runs):
     resumed = runs["root"] / "resumed"
     shutil.copytree(runs["engine"], resumed)
@@ -219,6 +220,7 @@ def _one_error_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.integration
 def test_sizes_that_fit_no_launch_or_model_exit_2_with_one_line(runs, tmp_path):
     common = [*RUN, "--data", str(runs["corpus"])]
     # no launcher: the whole of stderr is the one line

@@ -162,6 +162,7 @@ def test_result_folder_loads_with_automodel_and_generates(wikitext_run):
     assert generated.shape[1] == ids["input_ids"].shape[1] + 8
 
 
+@pytest.mark.integration
 def test_result_folder_loads_with_trust_remote_code_without_the_package(wikitext_run, tmp_path):
     output, _ = wikitext_run
     script = (

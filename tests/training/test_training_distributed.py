@@ -28,6 +28,7 @@ def losses(output: Path) -> tuple[list[float], list[float]]:
     return [float(r["loss"]) for r in rows], [float(r["valid_loss"]) for r in rows if r["valid_loss"]]
 
 
+@pytest.mark.integration
 def test_two_gloo_processes_reach_the_losses_of_one_process_with_the_same_global_batch(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"Paragraph {i}: the European lobster lives {i % 50} metres deep near rock {i % 7}.\n"

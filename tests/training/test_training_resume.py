@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -57,6 +58,7 @@ def assert_complete_checkpoints(output: Path) -> list[str]:
     return names
 
 
+@pytest.mark.integration
 def test_sigkill_then_resume_logs_exactly_the_losses_of_an_uninterrupted_run(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"Sentence {i}: the lobster number {i % 97} swims {i % 13} metres towards the coast.\n"
