@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from . import UsageError
+from .common import UsageError
 
 
 def _common(parser: argparse.ArgumentParser, reads_pickle: bool, writes_folder: bool) -> None:

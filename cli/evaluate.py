@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import UsageError, check_device, parse_field_assignments, refuse_existing_output
+from .common import UsageError, check_device, parse_field_assignments, refuse_existing_output
 
 
 def register(subparsers) -> None:

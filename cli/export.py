@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from . import UsageError, refuse_existing_output
+from .common import UsageError, refuse_existing_output
 
 
 def register(subparsers) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import UsageError
+from .common import UsageError
 
 
 def _names(value: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 
-from . import UsageError
+from .common import UsageError
 
 
 def register(subparsers) -> None:

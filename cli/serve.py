@@ -20,7 +20,7 @@ import shlex
 import socket
 import sys
 
-from . import check_device, fail
+from .common import check_device, fail
 
 
 def register(subparsers) -> None:

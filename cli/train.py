@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import UsageError, parse_field_assignments
+from .common import UsageError, parse_field_assignments
 
 
 # command-line option -> DistributedConfig field of Transformers' distributed engine (TrainingConfig.distributed)
@@ -217,7 +217,7 @@ def run(args) -> int:
         raise UsageError(str(error), exit_code=3) from None
     except ProcessesMissing as error:
         if os.environ.get("RANK", "0") not in ("0", ""):  # rank 0 (which reports errors) may be the missing one
-            from . import error_line
+            from .common import error_line
 
             print(error_line("train", error), file=sys.stderr)
             return 2

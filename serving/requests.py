@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .supervision import ServerState
+from typing import Any, Protocol
 
 MAX_JSON_DEPTH = 32  # deeper JSON gets 400 (upstream's parser recursed into a RecursionError: HTTP 500)
 ROLES = ("system", "developer", "user", "assistant")
@@ -194,10 +191,23 @@ def normalize_generation_config(generation_config) -> None:
                          f"temperature >= {MIN_SAMPLING_TEMPERATURE:g} or do_sample false")
 
 
+class ServedModel(Protocol):
+    """What the checks read of the server's state (`serving.supervision.ServerState` has it)."""
+
+    checkpoint: str
+    continuous_batching: bool
+    vocab_size: int | None
+    cb_generation_config: Any
+    tokenizer: Any
+    chat_template_kwargs: dict
+
+    def token_limit(self) -> tuple[int | None, str]: ...
+
+
 class RequestChecker:
     """Checks one generation request body against the served model; thread-safe (it runs in worker threads)."""
 
-    def __init__(self, state: "ServerState"):
+    def __init__(self, state: ServedModel):
         self.state = state
 
     def check(self, path: str, raw: bytes) -> tuple[bytes, RequestInfo]:

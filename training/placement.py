@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from .run_config import TrainingError
+from .errors import TrainingError
 
 # the sizes `switchhead train` takes, in Transformers' names (DistributedConfig fields)
 SIZES = ("tp_size", "fsdp_size", "ep_size")

@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import PRESETS, SwitchHeadConfig
 from ..integrity import UnloadableModel, check_model_size
+from .errors import TrainingDiverged, TrainingError  # noqa: F401  (also importable from here)
 from .paper import PAPER_TRAINING
 
 
@@ -26,20 +27,6 @@ TINY_TRAINING: dict[str, Any] = dict(block_size=128, batch_size=16, learning_rat
 CHANGEABLE_ON_RESUME = ("output_dir", "resume", "eval_every", "save_every", "log_every", "keep_checkpoints",
                         "progress", "report_to", "tensorboard", "eval_batches", "max_steps", "overwrite",
                         "skip_nonfinite", "inexact_resume", "allow_pickle")
-
-
-class TrainingError(ValueError):
-    """The training run cannot start or continue as asked (one-line reason for the user)."""
-
-
-class TrainingDiverged(RuntimeError):
-    """A non-finite loss / gradient norm (or weights) stopped the run; `last_checkpoint` is the newest good one
-    (None when none was written yet). `switchhead train` exits with code 3."""
-
-    def __init__(self, message: str, step: int, last_checkpoint: str | None):
-        super().__init__(message)
-        self.step = step
-        self.last_checkpoint = last_checkpoint
 
 
 @dataclass

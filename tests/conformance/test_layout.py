@@ -155,3 +155,85 @@ def test_without_the_package_installed_the_shadowing_checkout_says_what_to_do(tm
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: the folder ") and "switchhead is not installed: run `pip install -e" in last
+
+
+def _our_modules() -> dict[str, Path]:
+    modules = {}
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            package = package_of(path)
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports anywhere in its file (`from .x import y` counts `x.y` where that is a
+    module, else `x`; an import under `if TYPE_CHECKING:` counts too: it is a circle a reader has to follow)."""
+    graph = {}
+    for name, path in modules.items():
+        package, targets = package_of(path), set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    names = package.split(".")
+                    base = ".".join(names[: len(names) - node.level + 1] + ([node.module] if node.module else []))
+                for alias in node.names:
+                    target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    if target in modules:
+                        targets.add(target)
+        graph[name] = targets - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_import_circles():
+    found = circles(import_graph(_our_modules()))
+    assert not found, "modules that import each other (directly or around a circle):\n" + "\n".join(
+        " <-> ".join(group) for group in found)
+
+
+def test_the_circle_finder_sees_a_circle_and_nothing_else():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set(), "c": {"b"}}) == []
