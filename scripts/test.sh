@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 results="$(mktemp -d)"
 started=$SECONDS
 status=0
-python -m pytest -q -p no:cacheprovider tests "$@" 2>&1 | tee "$results/main.log" || status=$?
+python -m pytest -q -p no:cacheprovider --durations=25 tests "$@" 2>&1 | tee "$results/main.log" || status=$?
 main_seconds=$((SECONDS - started))
 
 # The vLLM stage: the switchhead.vllm plugin's tests (tests/serving/test_vllm*.py) in .venv-vllm, which
