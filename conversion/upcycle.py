@@ -237,7 +237,7 @@ def _read_source(folder: str, verify: bool = True) -> UpcycleResult:
 
         from switchhead.integrity.loading import weight_files
 
-        check_saved_model(folder, verify=verify)
+        check_saved_model(folder, verify=verify, model_type="gpt2")
         tensors: dict[str, torch.Tensor] = {}
         for name in weight_files(folder):
             tensors.update(load_file(os.path.join(folder, name)))

@@ -399,14 +399,18 @@ def read_config(folder: str, trust_remote_code: bool = False):
         raise UnloadableModel(f"model folder {folder!r}: config.json does not load ({text})") from None
 
 
-def check_saved_model(folder: str, verify: bool = True, trust_remote_code: bool = False) -> bool:
+def check_saved_model(folder: str, verify: bool = True, trust_remote_code: bool = False,
+                      model_type: str | None = "switchhead") -> bool:
     """Refuse (UnloadableModel naming the problem) a saved model folder that should not be loaded; see the module
     docstring. Reads every tensor once; allocates no model. Returns the `trust_remote_code` bool to pass to every
-    Transformers call on the folder (`switchhead.integrity.trust.check_remote_code`)."""
+    Transformers call on the folder (`switchhead.integrity.trust.check_remote_code`). `model_type`: the type the
+    caller loads the folder as (another type Transformers builds is refused); None where any is read on purpose (a
+    GPT-2 folder that `upcycle` converts)."""
     from .user_json import check_folder_json
 
     try:
-        check_folder_json(folder)  # JSON files Transformers would fail on with a traceback (a list, 10^5 levels)
+        # JSON files Transformers would fail on with a traceback (a list, 10^5 levels), another model type
+        check_folder_json(folder, expected_model_type=model_type)
         trust = check_remote_code(folder, trust_remote_code)
     except ValueError as error:
         raise UnloadableModel(str(error)) from None
