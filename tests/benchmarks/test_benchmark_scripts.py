@@ -11,6 +11,8 @@ import torch
 
 from helpers.decoding import variant_model
 
+pytestmark = pytest.mark.integration  # runs the benchmarks
+
 
 def test_model_benchmark_quick_mode_writes_json_and_markdown(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

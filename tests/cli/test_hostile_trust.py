@@ -157,6 +157,7 @@ def test_the_transformers_calls_get_false_even_if_the_folder_check_is_bypassed(o
         assert not marker.exists(), (how, argv[0])
 
 
+@pytest.mark.integration
 def test_lm_eval_is_built_with_the_commands_decision(ours, tmp_path, monkeypatch):
     """evaluation.zero_shot.run_lm_eval passes `trust_remote_code` to lm-eval as given (False unless asked), and
     `eval` gives it the user's --trust-remote-code."""

@@ -140,6 +140,7 @@ def served(tmp_path):
     server.server_close()
 
 
+@pytest.mark.integration
 def test_fetch_gets_every_file_checks_it_and_writes_nothing_that_does_not_match(served, tmp_path, monkeypatch,
                                                                                capsys):
     tree, base = served

@@ -87,6 +87,7 @@ def site(tmp_path_factory) -> Path:
     return site_dir
 
 
+@pytest.mark.integration
 def test_site_builds_strictly_with_every_page_of_the_nav(site):
     import yaml
 
@@ -117,6 +118,7 @@ class _References(HTMLParser):
             self.targets.append(value)
 
 
+@pytest.mark.integration
 def test_built_html_references_only_files_that_exist(site):
     missing, checked = [], 0
     for page in site.rglob("*.html"):
@@ -174,6 +176,7 @@ def test_the_docs_have_runnable_examples():
         assert page in names, f"docs/{page} has no runnable example"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", [example["name"] for example in EXAMPLES])
 def test_runnable_example_runs(name, example_results):
     result = example_results[name]

@@ -197,6 +197,7 @@ def test_lambada_every_passage_builds_lambada_openai_requests(monkeypatch, share
     assert ours.higher_is_better() == theirs.higher_is_better()
 
 
+@pytest.mark.integration
 def test_blimp_every_paradigm_and_pair_builds_the_builtin_requests(monkeypatch, shared_data):
     theirs = builtin_tasks(monkeypatch, shared_data, ["blimp"])
     ours = our_tasks(shared_data, ["switchhead_blimp"])

@@ -15,6 +15,8 @@ import pytest
 
 from helpers.data import require
 
+pytestmark = pytest.mark.integration  # trains the experiment grids' tiny runs
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "experiments" / "replicate.py"
 

@@ -23,7 +23,8 @@ SCRIPT = REPO / "experiments" / "replicate_cpu.py"
 RUN = "lr0.002-switchhead-s0"  # the tiny grid's first run
 TINY_STEPS = 60  # its length (replicate_cpu.use_tiny), checkpoints every 10 steps
 
-pytestmark = pytest.mark.skipif(not WIKITEXT2.is_dir(), reason="needs ../shared/data/wikitext-2")
+pytestmark = [pytest.mark.integration,  # trains the experiment grid's tiny runs
+              pytest.mark.skipif(not WIKITEXT2.is_dir(), reason="needs ../shared/data/wikitext-2")]
 
 
 def _load():

@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
 
 import gpu_audit  # noqa: E402
 
+pytestmark = pytest.mark.integration  # compiles every kernel for sm_80/90/100
+
 
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):

@@ -32,8 +32,9 @@ import pytest
 
 from helpers.network import free_port
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers.distributed.expert_parallel") is None,
-                                reason="this Transformers release has no expert parallelism in its distributed engine")
+pytestmark = [pytest.mark.integration,  # launches and trains
+              pytest.mark.skipif(importlib.util.find_spec("transformers.distributed.expert_parallel") is None,
+                                 reason="this Transformers release has no expert parallelism in its distributed engine")]
 
 NO_DROPOUT = [item for name in ("hidden_dropout", "attention_dropout", "mlp_expert_dropout", "attention_expert_dropout")
               for item in ("--set", f"{name}=0")]

@@ -18,6 +18,8 @@ from switchhead.training import (TokenBatches, TrainingConfig, checkpoint_dirs, 
 from switchhead.training.data import load_documents
 from switchhead.cli.demo import parameter_matched_dense
 
+pytestmark = pytest.mark.integration  # trains
+
 SMALL_RUN = ["--vocab-size", "512", "--block-size", "32", "--batch-size", "8", "--max-steps", "4", "--log-every", "1",
              "--eval-every", "2", "--eval-batches", "2", "--save-every", "2", "--no-progress", "--no-tensorboard"]
 
