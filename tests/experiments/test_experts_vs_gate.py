@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers.data import require
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "experiments" / "experts_vs_gate.py"
-WIKITEXT2 = REPO.parent / "shared" / "data" / "wikitext-2"
 
 
 def _load():
@@ -256,12 +257,12 @@ def test_no_runs_renders_progress_and_no_verdict(tmp_path, no_process):
 
 # ================================================================================================ one real run
 @pytest.mark.integration
-@pytest.mark.skipif(not WIKITEXT2.is_dir(), reason="needs ../shared/data/wikitext-2")
 def test_tiny_run_through_driver_and_child(tmp_path):
     """The grid's first run, tiny (the smoke scale: E=4, 20 steps), through the driver, its child and the report."""
+    wikitext2 = require("wikitext-2") / "wikitext-2"
     (tmp_path / "data").mkdir()
     for split in ("train", "valid", "test"):
-        with open(WIKITEXT2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
+        with open(wikitext2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
             (tmp_path / "data" / f"wiki.{split}.tokens").write_text(handle.read(40_000), encoding="utf-8")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1")

@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.data import require
+
 REPO = Path(__file__).resolve().parents[2]
-WIKITEXT2 = REPO.parent / "shared" / "data" / "wikitext-2"
 SCRIPT = REPO / "experiments" / "replicate_cpu.py"
 RUN = "lr0.002-switchhead-s0"  # the tiny grid's first run
 TINY_STEPS = 60  # its length (replicate_cpu.use_tiny), checkpoints every 10 steps
 
-pytestmark = [pytest.mark.integration,  # trains the experiment grid's tiny runs
-              pytest.mark.skipif(not WIKITEXT2.is_dir(), reason="needs ../shared/data/wikitext-2")]
+pytestmark = pytest.mark.integration  # trains the experiment grid's tiny runs
 
 
 def _load():
@@ -54,10 +54,11 @@ def losses(run: Path) -> list[tuple[str, str, str]]:
 def runs(tmp_path_factory):
     """The tiny grid's first run three ways: uninterrupted (`reference`), and killed with SIGKILL (driver and child
     together, as `kill -KILL -PGID` would) after its first checkpoint, then resumed by starting the grid again."""
+    wikitext2 = require("wikitext-2") / "wikitext-2"
     tmp = tmp_path_factory.mktemp("replicate_cpu")
     (tmp / "data").mkdir()
     for split in ("train", "valid", "test"):
-        with open(WIKITEXT2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
+        with open(wikitext2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
             (tmp / "data" / f"wiki.{split}.tokens").write_text(handle.read(60_000), encoding="utf-8")
     done = subprocess.run(command(tmp, "reference"), capture_output=True, text=True, env=ENV, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
