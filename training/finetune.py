@@ -48,6 +48,8 @@ import torch
 from switchhead import SwitchHeadConfig
 from switchhead.checkpoint_format import RENAMED_MLP_PARAMETERS
 
+from .run_config import reporting_names
+
 DENSE_MODULES = ("q_proj", "k_proj", "position_key_proj", "v_proj", "o_proj", "up_proj", "down_proj", "lm_head")
 EXPERT_PARAMETERS = ("value_experts", "output_experts", "expert_keys", "expert_values")
 
@@ -383,18 +385,8 @@ def report_integrations(report_to: str | list[str]) -> tuple[list[str], list[str
     list or a list; "all" is every installed one, "none" none. FinetuneError for a name Trainer does not know."""
     from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
-    names = report_to.split(",") if isinstance(report_to, str) else report_to
-    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
-        raise FinetuneError(f"--report-to must be a name or a comma list of names, got {report_to!r}")
-    names = list(dict.fromkeys(name.strip() for name in names if name.strip()))
-    if not names:
-        raise FinetuneError("--report-to is empty; give none for no tracker")
-    for name in names:
-        if name not in ("all", "none") and name not in INTEGRATION_TO_CALLBACK:
-            raise FinetuneError(f"--report-to: unknown integration {name!r}; choose from tensorboard, wandb, mlflow, "
-                                "all or none (or another Trainer integration)")
-    if len(names) > 1 and ("all" in names or "none" in names):
-        raise FinetuneError(f"--report-to: 'all' and 'none' stand alone, got {','.join(names)!r}")
+    names = reporting_names(report_to, INTEGRATION_TO_CALLBACK, "--report-to", "integration", "Trainer",
+                            FinetuneError)
     available = get_available_reporting_integrations()
     if names == ["all"]:
         return list(available), []

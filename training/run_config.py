@@ -210,25 +210,33 @@ def check_settings(config: TrainingConfig) -> None:
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # the documented choices; Accelerate's other trackers work as well
 
 
+def reporting_names(value, known, option: str, kind: str, library: str, error: type[Exception]) -> list[str]:
+    """`value` (a name, a comma list or a list of names) -> its distinct names: each one `known` to `library`, or
+    "all" / "none" standing alone; `error` (naming `option`) for anything else. Shared by `train`'s trackers
+    (Accelerate) and `finetune`'s integrations (Trainer)."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise error(f"{option} must be a {kind} name, a comma list or a list of names, got {value!r}")
+    names = list(dict.fromkeys(name.strip() for name in names if name.strip()))
+    if not names:
+        raise error(f"{option} is empty; give none for no {kind}")
+    for name in names:
+        if name not in ("all", "none") and name not in known:
+            raise error(f"{option}: unknown {kind} {name!r}; choose from {', '.join(TRACKERS)}, all or none (or "
+                        f"another {kind} {library} knows)")
+    if len(names) > 1 and ("all" in names or "none" in names):
+        raise error(f"{option}: 'all' and 'none' stand alone, got {','.join(names)!r}")
+    return names
+
+
 def report_trackers(config: TrainingConfig) -> list[str]:
     """The tracker names `config.report_to` asks for ("all": those Accelerate finds installed; "none": no tracker),
     with `config.tensorboard` applied; TrainingError for a name Accelerate does not know. Whether each is
     installed is decided when the run starts."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
-    value = config.report_to
-    names = value.split(",") if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
-        raise TrainingError(f"report_to must be a tracker name, a comma list or a list of names, got {value!r}")
-    names = [name.strip() for name in names if name.strip()]
-    if not names:
-        raise TrainingError("report_to is empty; give none for no tracker")
-    for name in names:
-        if name not in ("all", "none") and name not in LOGGER_TYPE_TO_CLASS:
-            raise TrainingError(f"report_to: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}, all or "
-                                "none (or another tracker Accelerate knows)")
-    if len(names) > 1 and ("all" in names or "none" in names):
-        raise TrainingError(f"report_to: 'all' and 'none' stand alone, got {','.join(names)!r}")
+    names = reporting_names(config.report_to, LOGGER_TYPE_TO_CLASS, "report_to", "tracker", "Accelerate",
+                            TrainingError)
     if names == ["none"]:
         names = []
     elif names == ["all"]:
