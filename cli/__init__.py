@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
-    previous = _raise_on_sigterm()
+    previous = _raise_on_stop_signals()
     try:
         code = int(args.handler(args) or 0)
+        _raise_a_swallowed_stop()
         flush_stdout()
         return code
     except UsageError as error:
@@ -161,29 +162,46 @@ def main(argv: list[str] | None = None) -> int:
         report(error_line(args.command, message))
         return 2
     finally:
-        if previous is not None:
-            import signal
+        import signal
 
-            signal.signal(signal.SIGTERM, previous)
+        from switchhead.integrity import clear_stops
+
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        clear_stops()
 
 
-def _raise_on_sigterm():
-    """Make SIGTERM raise `Terminated` (a KeyboardInterrupt) in the main thread for the command's run, so that what
-    cleans up after Ctrl-C (temporary files, a training run's checkpoint) runs for a kill too; returns the handler
-    to restore, or None where none was installed (not the main thread, or a handler someone else installed)."""
+def _raise_on_stop_signals() -> dict:
+    """For the command's run, Ctrl-C raises KeyboardInterrupt and SIGTERM raises `Terminated` (a KeyboardInterrupt)
+    in the main thread, each recorded first (`switchhead.integrity.record_stop`), so that what cleans up after Ctrl-C
+    (temporary files, a training run's checkpoint) runs for a kill too, and a writer publishes nothing after a stop
+    that a library caught. Returns {signal: handler to restore} for the handlers installed (none outside the main
+    thread, or where someone else installed a handler)."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return None
+    from switchhead.integrity import Terminated, record_stop
 
-    def terminated(number, frame):
-        from switchhead.integrity import Terminated
+    if threading.current_thread() is not threading.main_thread():
+        return {}
 
-        raise Terminated()
+    def stop(number, frame):
+        error = Terminated() if number == signal.SIGTERM else KeyboardInterrupt()
+        record_stop(error)
+        raise error
 
-    return signal.signal(signal.SIGTERM, terminated)
+    previous = {}
+    for number, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(number) is default:
+            previous[number] = signal.signal(number, stop)
+    return previous
+
+
+def _raise_a_swallowed_stop() -> None:
+    """A command that returned although it was asked to stop (a library caught the exception) ends as stopped."""
+    from switchhead.integrity import raise_if_stopped
+
+    raise_if_stopped()
 
 
 def report(line: str) -> None:

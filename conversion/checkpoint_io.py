@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.checkpoint_format import rename_old_keys
-from switchhead.integrity import atomic_file, check_saved_model
+from switchhead.integrity import atomic_file, check_saved_model, raise_if_stopped
 from switchhead.integrity.files import check_target, fsync_folder, write_error
 from switchhead.integrity.loading import weight_files
 
@@ -103,6 +103,7 @@ def atomic_output(destination: str, is_dir: bool, overwrite: bool = False) -> It
     try:
         yield staging
         _fsync_tree(staging)
+        raise_if_stopped()
         if os.path.isdir(destination):
             os.rmdir(destination)  # an empty folder made by the user: replace it
         os.replace(staging, destination)

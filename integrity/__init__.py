@@ -19,7 +19,8 @@ nothing of ours but the model: it imports only the standard library (and, when c
 transformers and the model package).
 """
 
-from .files import OutputError, Terminated, WriteError, atomic_file, check_target, make_folder, open_append
+from .files import (OutputError, Terminated, WriteError, atomic_file, check_target, clear_stops, make_folder,
+                    open_append, raise_if_stopped, record_stop)
 from .lock import LOCK_NAME, FolderLock, FolderLocked, FolderLockPathInvalid
 from .loading import UnloadableModel, check_fits_memory, check_model_size, check_saved_model
 from .trust import RemoteCodeRefused, check_remote_code
@@ -28,4 +29,4 @@ from .manifest import MANIFEST, check_model_folder, file_sha256, read_manifest, 
 __all__ = ["FolderLock", "FolderLocked", "FolderLockPathInvalid", "LOCK_NAME", "MANIFEST", "OutputError",
            "RemoteCodeRefused", "Terminated", "UnloadableModel", "WriteError", "atomic_file", "check_fits_memory",
            "check_model_folder", "check_model_size", "check_remote_code", "check_saved_model", "check_target",
-           "file_sha256", "make_folder", "open_append", "read_manifest", "verify_manifest", "write_manifest"]
+           "clear_stops", "file_sha256", "make_folder", "open_append", "raise_if_stopped", "record_stop", "read_manifest", "verify_manifest", "write_manifest"]

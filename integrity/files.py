@@ -49,6 +49,27 @@ class Terminated(KeyboardInterrupt):
     143 rather than 130)."""
 
 
+# Ctrl-C or SIGTERM received by the command line while it runs (`record_stop`): an exception raised in the middle of
+# a library's work may be caught there, so each writer also asks before it publishes (`raise_if_stopped`)
+_stops: list[BaseException] = []
+
+
+def record_stop(stop: KeyboardInterrupt) -> None:
+    """Remember that the running command was asked to stop (its signal handler calls this before raising)."""
+    _stops.append(stop)
+
+
+def clear_stops() -> None:
+    _stops.clear()
+
+
+def raise_if_stopped() -> None:
+    """Raise the stop the command received, if any, before something is published: what was written after it is not
+    kept even where a library swallowed the exception."""
+    if _stops:
+        raise type(_stops[-1])()
+
+
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -222,6 +243,7 @@ def atomic_file(destination: str, overwrite: bool = True, option: str = "--overw
         os.close(fd)
         fd = None
         check_target(destination, overwrite, option)  # something planted at the name while the file was written
+        raise_if_stopped()
         os.replace(temporary, destination)
     except BaseException as error:
         if fd is not None:
@@ -237,4 +259,5 @@ def atomic_file(destination: str, overwrite: bool = True, option: str = "--overw
 
 
 __all__ = ["DISK_ERRNOS", "OutputError", "PARTIAL", "Terminated", "WriteError", "atomic_file", "check_folder",
-           "check_target", "fsync_folder", "make_folder", "open_append", "write_error"]
+           "check_target", "clear_stops", "fsync_folder", "make_folder", "open_append", "raise_if_stopped",
+           "record_stop", "write_error"]

@@ -31,7 +31,8 @@ from helpers.runs import corpus  # noqa: F401 - the module-scoped fixture: data,
 
 from switchhead.cli import main
 from switchhead.integrity import LOCK_NAME, MANIFEST, OutputError, Terminated, WriteError
-from switchhead.integrity.files import PARTIAL, atomic_file, check_target, make_folder, open_append, write_error
+from switchhead.integrity.files import (PARTIAL, atomic_file, check_target, clear_stops, make_folder, open_append,
+                                       record_stop, write_error)
 
 MINE = "the user's own bytes\n"
 ROOT = os.geteuid() == 0
@@ -911,3 +912,49 @@ def test_finetune_on_a_full_or_read_only_disk_exits_2_and_leaves_no_folder(tmp_p
     line = one_error_line(capsys, "finetune")
     assert line.startswith(f"switchhead finetune: error: cannot write {tmp_path / 'adapter'}"), line
     assert sorted(os.listdir(tmp_path)) == ["model", "text.txt"]
+
+
+# ------------------------------------------------------------------------------ a stop that a library swallowed
+def test_a_writer_publishes_nothing_after_a_stop_that_a_library_caught(tmp_path):
+    """Ctrl-C raised in the middle of a library's work (the ONNX exporter, say) may be caught there; the writer
+    asks before it publishes, so the user's file stays as it was and the temporary file goes."""
+    destination = tmp_path / "model.onnx"
+    destination.write_text("old\n")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with atomic_file(str(destination), True) as temporary:
+                Path(temporary).write_text("new\n")
+                try:
+                    record_stop(KeyboardInterrupt())
+                    raise KeyboardInterrupt
+                except KeyboardInterrupt:
+                    pass  # what a library that swallows it does
+    finally:
+        clear_stops()
+    assert destination.read_text() == "old\n" and not leftovers(tmp_path)
+    with atomic_file(str(destination), True) as temporary:  # nothing recorded any more: writes go through
+        Path(temporary).write_text("new\n")
+    assert destination.read_text() == "new\n"
+
+
+@pytest.mark.parametrize("number, stop", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)],
+                         ids=["sigint", "sigterm"])
+def test_a_command_that_returns_after_a_caught_signal_ends_as_stopped(number, stop):
+    from switchhead import cli
+
+    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+    previous = cli._raise_on_stop_signals()
+    try:
+        assert set(previous) == {signal.SIGINT, signal.SIGTERM}
+        try:
+            os.kill(os.getpid(), number)
+            time.sleep(1)  # the handler runs in this (the main) thread at the next bytecode
+        except KeyboardInterrupt as error:
+            assert type(error) is stop  # raised, and caught here as a library would
+        with pytest.raises(stop):
+            cli._raise_a_swallowed_stop()
+    finally:
+        for n, handler in previous.items():
+            signal.signal(n, handler)
+        clear_stops()
+    assert {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)} == before
