@@ -236,6 +236,13 @@ def _shutdown(instance, state: ServerState, stop: threading.Event) -> None:
     stuck = [t.name for t in (thread, worker) if t is not None and t.is_alive()]
     if stuck:  # both are non-daemon threads: the interpreter would wait for them at exit
         _exit_now(0, f"switchhead serve: stopped (cut off: {', '.join(stuck)})")
+    if any(t.is_alive() for t in threading.enumerate() if t.daemon):
+        # a daemon thread (a request's generation, the supervisor) that still writes to stderr while the
+        # interpreter shuts down aborts the process ("could not acquire lock for <stderr>", SIGABRT): leave without
+        # the interpreter's shutdown, everything written so far flushed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _exit_now(code: int, message: str) -> None:
