@@ -44,6 +44,12 @@ def users_file(folder: Path, name: str = "mine.txt") -> Path:
     return path
 
 
+def interruptible() -> None:
+    """In the child before it starts: Ctrl-C as in a terminal. A shell starts a background job (a test run among
+    them) with SIGINT ignored, its children inherit that, and Python then leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def leftovers(folder: Path) -> list[str]:
     return sorted(name for name in os.listdir(folder) if name.startswith(PARTIAL) or ".partial-" in name)
 
@@ -874,7 +880,8 @@ def test_a_resume_with_a_linked_tensorboard_folder_exits_2_and_the_users_folder_
 def test_a_signal_during_export_overwrite_keeps_the_old_file_and_no_partial_one(model_dir, tmp_path, number, code):
     previous = users_file(tmp_path, "model.onnx")
     process = subprocess.Popen([sys.executable, "-m", "switchhead.cli", "export", str(model_dir), str(previous),
-                                "--overwrite"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--overwrite"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=interruptible)
     try:
         deadline = time.time() + 240
         while time.time() < deadline and process.poll() is None and not leftovers(tmp_path):
@@ -942,7 +949,9 @@ def test_a_writer_publishes_nothing_after_a_stop_that_a_library_caught(tmp_path)
 def test_a_command_that_returns_after_a_caught_signal_ends_as_stopped(number, stop):
     from switchhead import cli
 
-    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+    # as in a terminal (a test run started in the background by a shell has SIGINT ignored)
+    before = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+              signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL)}
     previous = cli._raise_on_stop_signals()
     try:
         assert set(previous) == {signal.SIGINT, signal.SIGTERM}
@@ -957,4 +966,7 @@ def test_a_command_that_returns_after_a_caught_signal_ends_as_stopped(number, st
         for n, handler in previous.items():
             signal.signal(n, handler)
         clear_stops()
-    assert {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)} == before
+        restored = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+        for n, handler in before.items():
+            signal.signal(n, handler)
+    assert restored == {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
