@@ -75,7 +75,7 @@ single() {
 # ------------------------------------------------------------------------------------------ the whole run
 budget=540
 cvmm_only=""
-ALL_STAGES="check e2e e2e_compiled e2e_262m e2e_eager cvmm compile"
+ALL_STAGES="check check_model long_train decode_floor profiles prefill e2e e2e_compiled e2e_262m e2e_eager cvmm compile"
 # the default: whole models checked, then timed; the kernel timings alone only when asked for (--stages)
 stages_arg=check,e2e,e2e_compiled,e2e_262m,e2e_eager,compile
 smoke=()
@@ -163,6 +163,22 @@ session() {
             check) run_stage check 220 90 60 -- bash -c 'exec python3 scripts/gpu/gpu_check.py "$@" --time-budget $((STAGE_BUDGET > 120 ? STAGE_BUDGET - 90 : 30))' _ \
                 "${smoke[@]}" --sections "$check_sections" --cases "$cases" --max-tokens "$tokens" --jobs "$jobs" \
                 --sweep-precisions rotate --name gpu_check --no-markdown --out-dir "$work" ;;
+            # the whole-model checks alone (fp32 with ReLU decisions held, bf16 against fp32, cached decoding): what
+            # the matrices below rest on, without the op sweep that has passed in earlier runs
+            check_model) run_stage check_model 90 30 45 -- bash -c 'exec python3 scripts/gpu/gpu_check.py "$@"' _ \
+                "${smoke[@]}" --sections model --jobs "$jobs" --name gpu_check_model --no-markdown --out-dir "$work" ;;
+            # the long-context training matrix (65,536 tokens a step; bench_long_context.py)
+            long_train) run_stage long_train 230 40 60 -- bash -c 'exec python3 benchmarks/bench_long_context.py train "$@" --time-budget $STAGE_BUDGET' _ \
+                "${smoke[@]}" --out "$work/long_train.json" ;;
+            # decoding against its HBM floor, the step captured in a CUDA graph (bench_decode_floor.py)
+            decode_floor) run_stage decode_floor 110 30 45 -- bash -c 'exec python3 benchmarks/bench_decode_floor.py "$@" --time-budget $STAGE_BUDGET' _ \
+                "${smoke[@]}" --out "$work/decode_floor.json" ;;
+            # kernel tables of one training and one decoding step per model (profile_steps.py)
+            profiles) run_stage profiles 60 20 30 -- python3 benchmarks/profile_steps.py "${smoke[@]}" \
+                --out "$work/profiles.json" ;;
+            # prefill at batch 1, 1k and 16k tokens, graph-captured (bench_long_context.py prefill)
+            prefill) run_stage prefill 45 20 30 -- python3 benchmarks/bench_long_context.py prefill "${smoke[@]}" \
+                --out "$work/prefill.json" ;;
             # c. end to end, the 47M pairs: the figures the package exists for
             e2e) run_stage e2e 160 60 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
                 "${smoke[@]}" --only "$e2e_only" --name e2e --no-markdown --out-dir "$work" ;;

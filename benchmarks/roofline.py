@@ -1,0 +1,230 @@
+"""What a step should cost: FLOPs and bytes from a configuration, the device's measured ceilings, and the kernels a
+profiled step ran. The GPU benchmarks (bench_long_context.py, bench_decode_floor.py) print each figure beside the
+ideal these give; on its own it prints the predicted table on any machine:
+
+    python benchmarks/roofline.py                    # predicted SwitchHead / dense ratios for the GPU matrices
+    python benchmarks/roofline.py --json out.json    # the same, as JSON
+
+The model (all counts per token, forward; a training step is 3x forward, the usual model-FLOPs convention, which
+leaves out flash attention's recomputation in its backward):
+- Q and K: 2 x 2 * d * H * dh; values and output: dense 2 x 2 * d * H * dh, SwitchHead's useful work
+  2 x 2 * H * k * d * dh (k of E experts per head) plus its two routers, 2 x 2 * d * H * E;
+- the attention core, causal: 2 x 2 * H * dh * (T + 1) / 2 (scores and the weighted sum over the keys before
+  each query); Transformer-XL's relative-position term adds one more scores product;
+- the MLP: 2 * 2 * d * d_ff (dense), or sigma-MoE's 2 * 2 * d * k * g plus its router 2 * d * E;
+- the output layer: 2 * d * V.
+Decoding one token per row reads every weight once (bf16) and the whole key-value cache of the batch: the HBM floor
+is those bytes over the measured copy bandwidth. A static cache is read to its allocated length, so the floor counts
+that length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class LayerCost:
+    """Forward FLOPs per token of one layer, by part."""
+
+    qk: float
+    value_output: float
+    routers: float
+    core: float
+    mlp: float
+
+    @property
+    def total(self) -> float:
+        return self.qk + self.value_output + self.routers + self.core + self.mlp
+
+
+def layer_cost(config, context: int) -> LayerCost:
+    """Forward FLOPs per token of one decoder layer of `config` at causal context `context` (mean key count
+    (context + 1) / 2)."""
+    d, heads, dh = config.hidden_size, config.num_attention_heads, config.head_dim
+    inner = heads * dh
+    switchhead = config.attention_type == "switchhead"
+    if switchhead:
+        experts, k = config.num_attention_experts, config.num_attention_experts_per_tok
+        side = {"value_output": 2, "value": 1, "output": 1}[getattr(config, "attention_expert_projections",
+                                                                    "value_output")]
+        value_output = side * 2 * heads * k * d * dh + (2 - side) * 2 * d * inner
+        routers = side * 2 * d * heads * experts
+    else:
+        value_output, routers = 2 * 2 * d * inner, 0.0
+    keys = (context + 1) / 2
+    products = 3 if config.position_encoding == "xl" else 2  # XL: content, position and the weighted sum
+    core = products * 2 * heads * dh * keys
+    if getattr(config, "mlp_type", "dense") == "sigma_moe":
+        mlp = 2 * 2 * d * config.num_mlp_experts_per_tok * config.mlp_expert_size + 2 * d * config.num_mlp_experts
+    else:
+        mlp = 2 * 2 * d * config.intermediate_size
+    return LayerCost(qk=2 * 2 * d * inner, value_output=value_output, routers=routers, core=core, mlp=mlp)
+
+
+def training_flops(config, batch: int, context: int) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward) over batch x context tokens."""
+    per_token = config.num_hidden_layers * layer_cost(config, context).total + 2 * config.hidden_size * config.vocab_size
+    return 3.0 * per_token * batch * context
+
+
+def forward_flops(config, batch: int, context: int) -> float:
+    """Model FLOPs of a forward pass (a prefill) over batch x context tokens."""
+    per_token = config.num_hidden_layers * layer_cost(config, context).total + 2 * config.hidden_size * config.vocab_size
+    return per_token * batch * context
+
+
+def kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def kv_cache_bytes(config, batch: int, length: int, element_bytes: int = 2) -> int:
+    """Keys and values of every layer for `batch` rows of `length` positions."""
+    return 2 * config.num_hidden_layers * batch * kv_heads(config) * length * config.head_dim * element_bytes
+
+
+def weight_bytes(parameters: int, input_embedding: int, element_bytes: int = 2) -> int:
+    """Bytes a decoding step reads of the weights: all of them but the input embedding table (one row per token)."""
+    return (parameters - input_embedding) * element_bytes
+
+
+def decode_bytes(config, parameters: int, input_embedding: int, batch: int, cache_length: int) -> int:
+    """The fewest HBM bytes one decoding step (one token per row) must read."""
+    return weight_bytes(parameters, input_embedding) + kv_cache_bytes(config, batch, cache_length)
+
+
+def parameter_counts(config) -> tuple[int, int]:
+    """(all parameters, input embedding parameters) of a model built on the meta device (nothing allocated)."""
+    import torch
+
+    from switchhead import SwitchHeadForCausalLM
+
+    with torch.device("meta"):
+        model = SwitchHeadForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    if getattr(config, "tie_word_embeddings", False):
+        embedding = 0  # the same matrix is the output layer, read in full
+    return total, embedding
+
+
+# ------------------------------------------------------------------------------------------------ on the device
+def measure_ceilings(device, size: int = 8192, copy_mib: int = 1024) -> dict:
+    """The device's two ceilings, measured: bf16 matmul FLOP/s (a size^3 product, median of 10) and copy bandwidth
+    (bytes read plus written per second of a device-to-device copy, median of 10)."""
+    import statistics
+
+    import torch
+
+    if device.type != "cuda":
+        return dict(matmul_flops=None, copy_bytes_per_s=None)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    src = torch.randn(copy_mib * 2 ** 20 // 4, device=device)
+    dst = torch.empty_like(src)
+
+    def timed(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    matmul_s = timed(lambda: a @ b)
+    copy_s = timed(lambda: dst.copy_(src))
+    result = dict(matmul_flops=2 * size ** 3 / matmul_s, copy_bytes_per_s=2 * src.numel() * 4 / copy_s,
+                  matmul_size=size, copy_mib=copy_mib)
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return result
+
+
+def kernel_table(profile, top: int = 25) -> dict:
+    """The device kernels of a `torch.profiler` run: how many launches in all, their time, and the `top` kernels by
+    time with their counts."""
+    rows = []
+    for event in profile.key_averages():
+        device_time = getattr(event, "self_device_time_total", None)
+        if device_time is None:
+            device_time = getattr(event, "self_cuda_time_total", 0)
+        if getattr(event, "device_type", None) is None or "CUDA" not in str(event.device_type) or not device_time:
+            continue
+        rows.append(dict(name=event.key[:120], count=event.count, us=device_time))
+    rows.sort(key=lambda r: -r["us"])
+    return dict(kernels=sum(r["count"] for r in rows), device_us=sum(r["us"] for r in rows), top=rows[:top])
+
+
+# ------------------------------------------------------------------------------------------------ predicted table
+TRAIN_MATRIX = {  # pair -> contexts (65,536 tokens a step)
+    "47m-rope": (512, 4096, 16384),
+    "262m-rope": (1024, 8192, 16384),
+}
+DECODE_MATRIX = ((1, 1024), (32, 1024), (32, 8192), (128, 8192))  # (batch, tokens in the cache)
+PAIR_PRESETS = {"47m-rope": ("wt103-45m-switchhead-rope", "wt103-47m-dense-xl"),
+                "262m-rope": ("wt103-243m-switchhead-rope", "wt103-262m-dense-xl")}
+
+
+def rope_configs(pair: str, context: int):
+    """(SwitchHead, dense) configurations of a pair with RoPE positions covering `context`."""
+    from switchhead import SwitchHeadConfig
+
+    moe, dense = PAIR_PRESETS[pair]
+    return (SwitchHeadConfig.from_preset(moe, max_position_embeddings=context),
+            SwitchHeadConfig.from_preset(dense, position_encoding="rope", xl_memory_length=0,
+                                         max_position_embeddings=context))
+
+
+def predicted(tokens: int = 65536) -> dict:
+    """FLOP ratios of the training matrix and byte ratios of the decode matrix, SwitchHead / dense."""
+    train, decode = [], []
+    for pair, contexts in TRAIN_MATRIX.items():
+        for context in contexts:
+            moe, dense = rope_configs(pair, context)
+            batch = tokens // context
+            f_moe, f_dense = training_flops(moe, batch, context), training_flops(dense, batch, context)
+            core = dense.num_hidden_layers * layer_cost(dense, context).core * 3 * batch * context / f_dense
+            train.append(dict(pair=pair, context=context, batch=batch, switchhead_flops=f_moe, dense_flops=f_dense,
+                              ratio=f_moe / f_dense, dense_core_share=core))
+    for pair in PAIR_PRESETS:
+        moe, dense = rope_configs(pair, 8192 + 128)
+        counts = {kind: parameter_counts(c) for kind, c in (("switchhead", moe), ("dense", dense))}
+        for batch, length in DECODE_MATRIX:
+            b_moe = decode_bytes(moe, *counts["switchhead"], batch, length)
+            b_dense = decode_bytes(dense, *counts["dense"], batch, length)
+            decode.append(dict(pair=pair, batch=batch, cache_length=length, switchhead_bytes=b_moe,
+                               dense_bytes=b_dense, ratio=b_moe / b_dense,
+                               layer_flops={k: asdict(layer_cost(c, length)) for k, c in
+                                            (("switchhead", moe), ("dense", dense))}))
+    return dict(tokens_per_step=tokens, train=train, decode=decode)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
+    args = parser.parse_args(argv)
+    table = predicted()
+    print("training step, 65,536 tokens: FLOPs SwitchHead / dense (attention core's share of dense)")
+    for row in table["train"]:
+        print(f"  {row['pair']:>9} T={row['context']:>5}: {row['ratio']:.2f} ({row['dense_core_share']:.0%})")
+    print("decoding step, HBM bytes SwitchHead / dense (time at the floor is in proportion)")
+    for row in table["decode"]:
+        print(f"  {row['pair']:>9} batch {row['batch']:>3} @ {row['cache_length']:>5}: {row['ratio']:.2f} "
+              f"({row['switchhead_bytes'] / 2 ** 20:.0f} / {row['dense_bytes'] / 2 ** 20:.0f} MiB)")
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
