@@ -146,6 +146,54 @@ def cell(preset: str, overrides: dict, experts, batch: int, length: int, args, d
     return row
 
 
+SPEEDUP_TARGETS = {("47m-rope", 32, 1024): 1.25, ("262m-rope", 32, 1024): 1.4, ("47m-rope", 32, 8192): 2.0,
+                   ("262m-rope", 32, 8192): 2.0}  # dense step time / SwitchHead's (for the record)
+FLOOR_TARGET = 0.5  # at batch 32 after 8k tokens, both models at >= 50% of their HBM floor
+
+
+def markdown(report: dict) -> str:
+    env, ceil = report["environment"], report.get("ceilings") or {}
+    measured = (f"measured copy bandwidth {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written)"
+                if ceil.get("copy_bytes_per_s") else "no ceilings (CPU)")
+    lines = [f"# Decoding step against its HBM floor ({'CPU smoke' if report['smoke'] else env['device']})", "",
+             f"Device: {env['device']}; driver {env.get('driver')}; CUDA {env.get('cuda')}; torch {env['torch']}; "
+             f"triton {env['triton']}; transformers {env['transformers']}; bf16 weights, Transformers' StaticCache "
+             f"filled with random keys and values; {measured}.", "",
+             "One greedy step (forward, argmax, next position) captured in a CUDA graph, median of "
+             f"{report['reps']} x {report['steps']} replays; eager: the same step without the graph (Python and "
+             "launches included). Floor: the weights (bf16) and the whole allocated cache, read once, over the copy "
+             "bandwidth. Speed-up: dense step time over this model's (tokens/s ratio).", "",
+             "| pair | batch @ tokens | model | experts | graph ms | floor ms | of floor | eager ms | speed-up "
+             "(graph) | speed-up (eager) | target | graph = eager |", "|---" * 12 + "|"]
+    for row in report["rows"]:
+        cell = f"| {row['pair']} | {row['batch']} @ {row['length']} | {row['label']} |"
+        if "step_seconds" not in row:
+            lines.append(f"{cell} | {row.get('skipped') or row.get('error')} | | | | | | | | |")
+            continue
+        switchhead = row["label"].startswith("switchhead")
+        target = ""
+        bound = SPEEDUP_TARGETS.get((row["pair"], row["batch"], row["length"]))
+        if switchhead and bound and row.get("speedup"):
+            target = f">= {bound}: {'met' if row['speedup'] >= bound else 'missed'}"
+        if row["batch"] == 32 and row["length"] == 8192 and row.get("floor_fraction") is not None:
+            at = row["floor_fraction"] >= FLOOR_TARGET
+            target += f"{'; ' if target else ''}floor >= {FLOOR_TARGET}: {'met' if at else 'missed'}"
+        same = {True: "yes", False: "no", None: "-"}[row.get("graph_tokens_equal_eager")]
+        if row.get("graph_error"):
+            same = f"not captured: {row['graph_error']}"
+        lines.append(
+            f"{cell} {row.get('experts_implementation', '-') if switchhead else '-'} | "
+            f"{row['step_seconds'] * 1e3:.3f} | "
+            + (f"{row['floor_seconds'] * 1e3:.3f} | {row['floor_fraction']:.2f} | " if "floor_seconds" in row
+               else "- | - | ")
+            + f"{row['eager_step_seconds'] * 1e3:.2f} | "
+            + (f"{row['speedup']:.2f} | {row['eager_speedup']:.2f} | " if row.get("speedup") else "- | - | ")
+            + f"{target} | {same} |")
+    if report.get("not_run"):
+        lines += ["", f"Not run (time budget): {', '.join(report['not_run'])}."]
+    return "\n".join(lines) + "\n"
+
+
 def pairs(smoke: bool):
     if smoke:
         return [("tiny", ("tiny-dense", dict(ROPE)), ("tiny-switchhead", {}))]
@@ -173,7 +221,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_decode_floor: error: no CUDA device; run with --cpu-smoke for the small CPU run", file=sys.stderr)
+        print("bench_decode_floor: error: no CUDA device; run with --cpu-smoke for the small CPU run",
+              file=sys.stderr)
         return 2
     env = describe(device)
     slug = "".join(c if c.isalnum() else "-" for c in env["device"].lower()).strip("-")[:40]

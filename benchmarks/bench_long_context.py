@@ -81,7 +81,8 @@ def groups(smoke: bool) -> list[dict]:
         pair("47m-rope", SH_47M, DENSE_47M, 512, True, extra=[aligned]),
         pair("262m-rope", SH_262M, DENSE_262M, 1024, True),
         dict(name="47m-xl@256", context=256, batch=64,
-             members=[member("dense", DENSE_47M, {}), member("switchhead/eager", "wt103-47m-switchhead-xl", {}, "eager"),
+             members=[member("dense", DENSE_47M, {}),
+                      member("switchhead/eager", "wt103-47m-switchhead-xl", {}, "eager"),
                       member("switchhead/cvmm", "wt103-47m-switchhead-xl", {}, "cvmm")]),
     ]
 
@@ -265,6 +266,79 @@ def run_prefill(args, device, ceilings, log, save) -> list:
             rows.append(row)
             save(rows)
     return rows
+
+
+# ------------------------------------------------------------------------------------------------ report
+TRAIN_TARGETS = {"47m-rope@512": 0.80, "262m-rope@1024": 0.90, "47m-rope@4096": 0.65, "262m-rope@8192": 0.75,
+                 "262m-rope@16384": 0.65, "47m-xl@256": 0.72}  # time, SwitchHead / dense (for the record)
+MEMORY_TARGETS = {"rope": 0.85, "xl": 0.65}
+PREFILL_TARGETS = {("47m-rope", 1024): 1.1, ("262m-rope", 1024): 1.1, ("262m-rope", 16384): 0.7}
+
+
+def verdict(value, bound) -> str:
+    return "" if value is None or bound is None else f"<= {bound}: {'met' if value <= bound else 'missed'}"
+
+
+def _header(report: dict, what: str) -> list[str]:
+    env, ceil = report["environment"], report.get("ceilings") or {}
+    measured = (f"measured ceilings: bf16 matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s, copy "
+                f"{ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s" if ceil.get("matmul_flops") else "no ceilings (CPU)")
+    return [f"# {what} ({'CPU smoke' if report['smoke'] else env['device']})", "",
+            f"Device: {env['device']}; driver {env.get('driver')}; CUDA {env.get('cuda')}; torch {env['torch']}; "
+            f"triton {env['triton']}; transformers {env['transformers']}; {report['precision']}; {measured}.", ""]
+
+
+def markdown(report: dict) -> str:
+    if report["stage"] == "prefill":
+        lines = _header(report, "Prefill, batch 1") + [
+            "Static cache, bf16 weights, the forward captured in a CUDA graph. Ideal: model FLOPs over the measured "
+            "matmul ceiling.", "",
+            "| pair | tokens | SwitchHead ms | dense ms | SwitchHead / dense | target | x ideal (SwitchHead / dense) "
+            "| graph = eager (argmax) |", "|---|---|---|---|---|---|---|---|"]
+        for row in report.get("prefill", []):
+            if "error" in row:
+                lines.append(f"| {row['pair']} | {row['tokens']} | {row['error']} | | | | | |")
+                continue
+            moe, dense = row["switchhead"], row["dense"]
+            ideal = " / ".join(f"{c['over_ideal']:.1f}" if "over_ideal" in c else "-" for c in (moe, dense))
+            same = " / ".join({True: "yes", False: "no", None: "-"}[c.get("graph_argmax_equals_eager")]
+                              for c in (moe, dense))
+            lines.append(f"| {row['pair']} | {row['tokens']} | {moe['seconds'] * 1e3:.2f} | "
+                         f"{dense['seconds'] * 1e3:.2f} | {row['time_ratio']:.2f} | "
+                         f"{verdict(row['time_ratio'], PREFILL_TARGETS.get((row['pair'], row['tokens'])))} | "
+                         f"{ideal} | {same} |")
+        return "\n".join(lines) + "\n"
+    lines = _header(report, f"Training step, {report['tokens_per_step']:,} tokens") + [
+        f"AdamW (fused), fp32 weights, bf16 autocast, attention {report['attn']}; medians of {report['reps']} "
+        f"interleaved repetitions of {report['steps']} steps. Predicted: the ratio of model FLOPs "
+        "(benchmarks/roofline.py), what the step would take if time followed FLOPs. Ideal: model FLOPs over the "
+        "measured matmul ceiling.", "",
+        "| group (batch) | model | experts | ms | peak GiB | TFLOP/s | x ideal | time / dense | predicted | "
+        "measured / predicted | memory / dense | time target | memory target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for group in report["groups"]:
+        kind = "xl" if "-xl@" in group["group"] else "rope"
+        for label, entry in group["members"].items():
+            if "seconds" not in entry:
+                continue
+            ratio, memory, predicted = (entry.get(k) for k in ("time_ratio", "memory_ratio", "flop_ratio"))
+            switchhead = label.startswith("switchhead")
+            cells = [f"{group['group']} ({group['batch']})", label,
+                     entry.get("experts_implementation", "-") if switchhead else "-",
+                     f"{entry['seconds'] * 1e3:.1f}",
+                     f"{entry['peak_bytes'] / 2 ** 30:.2f}" if entry.get("peak_bytes") else "-",
+                     f"{entry['tflops']:.0f}" if "tflops" in entry else "-",
+                     f"{entry['over_ideal']:.1f}" if "over_ideal" in entry else "-",
+                     f"{ratio:.3f}" if ratio else "-", f"{predicted:.3f}" if ratio else "-",
+                     f"{ratio / predicted:.2f}" if ratio else "-", f"{memory:.3f}" if memory else "-",
+                     verdict(ratio, TRAIN_TARGETS.get(group["group"])) if switchhead else "",
+                     verdict(memory, MEMORY_TARGETS[kind]) if switchhead else ""]
+            lines.append("| " + " | ".join(cells) + " |")
+        for where, error in group["errors"].items():
+            lines.append(f"| {group['group']} | {where} | {error} | | | | | | | | | | |")
+    if report.get("not_run"):
+        lines += ["", f"Not run (time budget): {', '.join(report['not_run'])}."]
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ driver

@@ -91,6 +91,25 @@ def profile_one(kind, preset, overrides, experts, batch, length, device, smoke, 
     return table
 
 
+def markdown(report: dict, top: int = 6) -> str:
+    env = report["environment"]
+    lines = [f"# Kernel tables ({'CPU smoke' if report['smoke'] else env['device']})", "",
+             f"Device: {env['device']}; torch {env['torch']}; triton {env['triton']}; transformers "
+             f"{env['transformers']}. One step each under `torch.profiler` (training: bf16 autocast; decoding: bf16 "
+             "weights, the eager step). Launches: every device kernel and copy the step ran.", "",
+             "| step | model | experts | launches | device ms | top kernels (count, ms) |", "|---|---|---|---|---|---|"]
+    for entry in report["profiles"]:
+        if "error" in entry:
+            lines.append(f"| {entry['kind']} {entry['name']} | {entry['label']} | | {entry['error']} | | |")
+            continue
+        kernels = "; ".join(f"`{r['name'][:60]}` x{r['count']}, {r['us'] / 1e3:.2f}" for r in entry["top"][:top])
+        device_ms = f"{entry['device_us'] / 1e3:.2f}" if entry.get("device_us") else "-"
+        experts = entry.get("experts_implementation", "-") if entry["label"].startswith("switchhead") else "-"
+        lines.append(f"| {entry['kind']} {entry['name']} | {entry['label']} | {experts} | {entry['kernels']} | "
+                     f"{device_ms} | {kernels} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true")

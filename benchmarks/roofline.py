@@ -67,14 +67,13 @@ def layer_cost(config, context: int) -> LayerCost:
 
 def training_flops(config, batch: int, context: int) -> float:
     """Model FLOPs of one training step (forward + backward = 3x forward) over batch x context tokens."""
-    per_token = config.num_hidden_layers * layer_cost(config, context).total + 2 * config.hidden_size * config.vocab_size
-    return 3.0 * per_token * batch * context
+    return 3.0 * forward_flops(config, batch, context)
 
 
 def forward_flops(config, batch: int, context: int) -> float:
     """Model FLOPs of a forward pass (a prefill) over batch x context tokens."""
-    per_token = config.num_hidden_layers * layer_cost(config, context).total + 2 * config.hidden_size * config.vocab_size
-    return per_token * batch * context
+    per_token = config.num_hidden_layers * layer_cost(config, context).total
+    return (per_token + 2 * config.hidden_size * config.vocab_size) * batch * context
 
 
 def kv_heads(config) -> int:

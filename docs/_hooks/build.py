@@ -8,8 +8,8 @@ from the benchmark results at build time, so that no page keeps a copy of either
   of SwitchHeadConfig: type, default, the rule `_FIELD_RULES` holds for it, its docstring entry),
   `config-checks` (the cross-field checks), `presets` (every preset, its shape and parameter count), `cli` (the
   `--help` of every `switchhead` subcommand, from the real parser).
-- `<!-- include: benchmarks/results/NAME.md -->` is replaced by that results file: its title dropped, its section
-  headings as bold lines (out of the page's table of contents), its images pointing at the site's copy.
+- `<!-- include: benchmarks/results/[FOLDER/]NAME.md -->` is replaced by that results file: its title dropped, its
+  section headings as bold lines (out of the page's table of contents), its images pointing at the site's copy.
 - `<!-- ratio-table ... -->` is replaced by a table of SwitchHead / dense ratios read from the results' JSON files
   (one row per line: `label | file | RoPE values | XL values | text...`; values are dotted paths into the JSON,
   several joined by ` / `, `FILE:path` for another file; a number indexes a list, as in `pairs.0.ratios`).
@@ -210,12 +210,13 @@ def _generate(name: str) -> str:
 
 def _include(target: str, page_uri: str) -> str:
     path = (REPO / target).resolve()
-    if path.parent != RESULTS or path.suffix != ".md" or not path.is_file():
-        raise ValueError(f"include: {target!r} is not a file of benchmarks/results/*.md")
+    if RESULTS not in path.parents or path.suffix != ".md" or not path.is_file():
+        raise ValueError(f"include: {target!r} is not a Markdown file under benchmarks/results/")
     text = path.read_text(encoding="utf-8")
     text = re.sub(r"^# .*\n", "", text, count=1, flags=re.M)  # the file's title: the page introduces it
     text = re.sub(r"^#{2,6} (.*)$", r"**\1**", text, flags=re.M)  # its sections: bold lines, not page headings
-    results = posixpath.relpath("results", posixpath.dirname(page_uri) or ".")
+    folder = posixpath.join("results", path.parent.relative_to(RESULTS).as_posix()).rstrip("/.")
+    results = posixpath.relpath(folder, posixpath.dirname(page_uri) or ".")
     return re.sub(r"\]\(([\w.-]+\.(?:png|md))\)", lambda m: f"]({results}/{m.group(1)})", text)
 
 

@@ -25,7 +25,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 STAGE_FILES = {"check": "gpu_check.json", "cvmm": "cvmm.json", "e2e": "e2e.json", "e2e_compiled": "e2e_compiled.json",
-               "e2e_eager": "e2e_eager.json", "e2e_262m": "e2e_262m.json", "compile": "gpu_check_compile.json"}
+               "e2e_eager": "e2e_eager.json", "e2e_262m": "e2e_262m.json", "compile": "gpu_check_compile.json",
+               "check_model": "gpu_check_model.json", "long_train": "long_train.json",
+               "decode_floor": "decode_floor.json", "profiles": "profiles.json", "prefill": "prefill.json"}
+MATRICES = {"long_train": "Training at long context", "decode_floor": "Decoding against its HBM floor",
+            "prefill": "Prefill at batch 1", "profiles": "Kernel tables"}
 # the targets, for the record: (measure, sign, bound)
 KERNEL_TARGET = 0.8  # forward+backward throughput as a fraction of the same-FLOP dense matmul
 E2E_TARGETS = {"train_time": ("<=", 0.7), "train_peak_memory": ("<=", 0.7), "decode_tok_s@b32": (">=", 1.3)}
@@ -99,8 +103,11 @@ def e2e_lines(reports: list[dict]) -> list[str]:
 
 def render(folder: Path, out_dir: Path) -> Path:
     import bench_cvmm
+    import bench_decode_floor
     import bench_e2e
+    import bench_long_context
     import gpu_check
+    import profile_steps
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in folder.iterdir():
@@ -111,13 +118,16 @@ def render(folder: Path, out_dir: Path) -> Path:
     files.update({p.stem: p.name for p in sorted(folder.glob("e2e*.json")) if p.name not in STAGE_FILES.values()})
     reports = {stage: load(folder, name) for stage, name in files.items()}
     renderers = {"check": gpu_check.markdown, "compile": gpu_check.markdown, "cvmm": bench_cvmm.markdown,
-                 **{k: bench_e2e.markdown for k in reports if k.startswith("e2e")}}
+                 "check_model": gpu_check.markdown, "long_train": bench_long_context.markdown,
+                 "prefill": bench_long_context.markdown, "decode_floor": bench_decode_floor.markdown,
+                 "profiles": profile_steps.markdown, **{k: bench_e2e.markdown for k in reports if k.startswith("e2e")}}
+    checks = reports["check"] or reports["check_model"]  # the whole-model checks, with the op sections or alone
     withheld = {}  # end-to-end file -> its pairs whose whole-model checks did not pass
     for stage, report in reports.items():
         if report is None:
             continue
         if stage.startswith("e2e"):
-            verdicts = {p["pair"]: correctness(reports["check"], ("model",), PAIR_VARIANT.get(p["pair"], "?"))
+            verdicts = {p["pair"]: correctness(checks, ("model",), PAIR_VARIANT.get(p["pair"], "?"))
                         for p in report["pairs"]}
             withheld[stage] = {pair: why for pair, (ok, why) in verdicts.items() if not ok}
             report = dict(report, pairs=[p for p in report["pairs"] if p["pair"] not in withheld[stage]])
@@ -126,9 +136,9 @@ def render(folder: Path, out_dir: Path) -> Path:
         if withheld.get(stage):
             text += "".join(f"\nWithheld: {pair} ({why}).\n" for pair, why in withheld[stage].items())
         (out_dir / files[stage]).with_suffix(".md").write_text(text)
-    passed, why = correctness(reports["check"])
+    passed, why = correctness(checks)
     ops_passed, ops_why = correctness(reports["check"], ("paper", "sweep"))
-    env = next((r["environment"] for r in (reports["check"], reports["e2e"], reports["compile"]) if r), {})
+    env = next((r["environment"] for r in reports.values() if r), {})
     lines = ["# GPU session", "", f"Device: {env.get('device', '?')}; driver {env.get('driver')}; CUDA "
              f"{env.get('cuda')}; torch {env.get('torch')}; triton {env.get('triton')}; transformers "
              f"{env.get('transformers')}. Budget {summary.get('budget_s')} s, {summary.get('elapsed_s')} s used.", "",
@@ -137,8 +147,8 @@ def render(folder: Path, out_dir: Path) -> Path:
         lines.append(f"| {entry['stage']} | {entry['status']} | {entry.get('seconds', '-')} | "
                      f"{entry.get('budget_s', '-')} |")
     lines += ["", f"Correctness: {'every check passed' if passed else 'FAILED: ' + why}.", ""]
-    if reports["check"] is not None:
-        failed = [r for r in reports["check"]["results"] if r["status"] in ("mismatch", "error")]
+    if checks is not None:
+        failed = [r for r in checks["results"] if r["status"] in ("mismatch", "error")]
         lines += [f"- failed: {r['section']} / {r['name']}" for r in failed] + ([""] if failed else [])
     if reports["cvmm"] is not None:
         lines += ["## Kernel: forward+backward as a fraction of a same-FLOP dense matmul (bf16)", ""]
@@ -149,6 +159,11 @@ def render(folder: Path, out_dir: Path) -> Path:
         lines += ["## End to end: SwitchHead / parameter-matched dense", ""]
         lines += [f"- {pair}: not reported ({why})." for pairs in withheld.values() for pair, why in pairs.items()]
         lines += ["", *e2e_lines(e2e), ""]
+    matrices = [stage for stage in MATRICES if reports.get(stage) is not None]
+    if matrices:
+        lines += ["## Long context, decoding, prefill, kernel tables", ""]
+        lines += [f"- {MATRICES[stage]}: [{files[stage][:-5]}.md]({files[stage][:-5]}.md)" for stage in matrices]
+        lines.append("")
     path = out_dir / "session.md"
     path.write_text("\n".join(lines) + "\n")
     return path
