@@ -20,9 +20,11 @@ and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`.
   backward that keeps no per-slot tensor (`_GroupedExperts`);
 - "cvmm": the Triton kernels of `switchhead.kernels` (the custom op `switchhead::cvmm_forward`) where they run (CUDA
   tensors, or CPU tensors under `TRITON_INTERPRET=1`), elsewhere the PyTorch formulation the "auto" rule picks (the
-  kernels' twin on devices they do not run on).
+  kernels' twin on devices they do not run on);
+- "switchhead_auto" (the default): per call, what an H100 measured faster: "eager"'s rule for grouped routing
+  (SwitchHead's per-head projections), "cvmm" for any other routing (sigma-MoE's MLP, other MoE models).
 
-Only "eager" and "cvmm" choose by size; the other names are one formulation each.
+Only "eager", "cvmm" and "switchhead_auto" choose by size; the other names are one formulation each.
 
 The formulations "eager" chooses among besides those two: `_all_experts` (every expert in dense matmuls, no weight
 copy: without gates every row times every expert, then each slot's result picked; with gates, the gates scattered
@@ -279,6 +281,17 @@ def _cvmm(inputs, expert_index, weight, gates, out_groups, grouped_routing=False
     return formulation(inputs, expert_index, weight, gates, out_groups)
 
 
+def _auto(inputs, expert_index, weight, gates, out_groups, grouped_routing=False):
+    # The default, from what an H100 measured (benchmarks/results/gpu/matrices/long_train.md, decode_floor.md):
+    # SwitchHead's per-head projections (grouped routing) train and decode faster on the PyTorch formulation than on
+    # the Triton kernel at every shape timed (e.g. 0.836 against 0.974 of dense's step at 47M, 0.858 against 1.271
+    # at 262M), so they run "eager"'s rule; any other routing (sigma-MoE's MLP, other MoE models) runs "cvmm", whose
+    # kernel was faster on the largest sigma-MoE shape timed.
+    if grouped_routing:
+        return _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing)
+    return _cvmm(inputs, expert_index, weight, gates, out_groups, grouped_routing)
+
+
 # The one table, keyed by the values of `config.experts_implementation`: every entry takes (inputs, expert_index,
 # weight, gates, out_groups, grouped_routing=False). Our names differ from Transformers' "batched_mm" / "grouped_mm"
 # (its MLP-only experts functions): a name means one function, and `experts_integration.register` puts every entry
@@ -288,14 +301,15 @@ EXPERTS_IMPLEMENTATIONS: dict[str, Callable] = {
     "cvmm": _cvmm,
     "switchhead_batched": _batched,
     "switchhead_grouped": _grouped,
+    "switchhead_auto": _auto,
 }
-DEFAULT_EXPERTS_IMPLEMENTATION = "cvmm"
+DEFAULT_EXPERTS_IMPLEMENTATION = "switchhead_auto"
 
 
 def default_experts_implementation(registered) -> str:
-    """The experts implementation a model runs unless told otherwise: "cvmm" (our kernels where they run, else the
-    formulations "eager" picks) once it is registered in `registered` (Transformers' `ALL_EXPERTS_FUNCTIONS`: the
-    model file registers it on import), else "eager"."""
+    """The experts implementation a model runs unless told otherwise: "switchhead_auto" (per call, "eager"'s rule
+    for SwitchHead's per-head projections and "cvmm" for any other routing) once it is registered in `registered`
+    (Transformers' `ALL_EXPERTS_FUNCTIONS`: the model file registers it on import), else "eager"."""
     return DEFAULT_EXPERTS_IMPLEMENTATION if DEFAULT_EXPERTS_IMPLEMENTATION in registered else "eager"
 
 

@@ -41,11 +41,40 @@ def _assert_same(got_out, want_out, got_grads, want_grads, dtype):
 
 def test_the_table_is_keyed_by_the_experts_implementations():
     # one naming scheme: the values of `config.experts_implementation`; ours are not Transformers' names
-    assert set(EXPERTS_IMPLEMENTATIONS) == {"eager", "switchhead_batched", "switchhead_grouped", "cvmm"}
+    assert set(EXPERTS_IMPLEMENTATIONS) == {"eager", "switchhead_batched", "switchhead_grouped", "cvmm",
+                                            "switchhead_auto"}
     assert EXPERTS_IMPLEMENTATIONS["switchhead_batched"] is expert_ops._batched
     assert EXPERTS_IMPLEMENTATIONS["switchhead_grouped"] is expert_ops._grouped
-    assert expert_ops.default_experts_implementation({"cvmm": None}) == "cvmm"
+    assert expert_ops.default_experts_implementation({"switchhead_auto": None}) == "switchhead_auto"
+    assert expert_ops.default_experts_implementation({"cvmm": None}) == "eager"
     assert expert_ops.default_experts_implementation({}) == "eager"
+
+
+@pytest.mark.parametrize("grouped_routing, kernel_calls", [(True, 0), (False, 1)])
+def test_the_default_runs_the_kernel_only_where_it_was_measured_faster(monkeypatch, grouped_routing, kernel_calls):
+    """"switchhead_auto": where the Triton kernels run, SwitchHead's per-head projections (grouped routing) take the
+    PyTorch formulation ("eager"'s rule) and any other routing takes the kernel; the result is the naive twin's."""
+    calls = []
+
+    class FakeKernels:  # the kernels "run" here; what they compute is the PyTorch formulation's result
+        @staticmethod
+        def triton_runs(device, dtype):
+            return True
+
+        @staticmethod
+        def cvmm(inputs, expert_index, weight, gates, out_groups):
+            calls.append(1)
+            return expert_ops.naive(inputs, expert_index, weight, gates, out_groups)
+
+    monkeypatch.setattr(expert_ops, "_kernels", FakeKernels)
+    torch.manual_seed(0)
+    heads, experts, k, n = 2, 3, 2, 5
+    inputs, weight = torch.randn(n, 1, 8), torch.randn(heads * experts, 8, 4)
+    index = torch.stack([torch.randint(0, experts, (n, k)) + h * experts for h in range(heads)], 1).view(n, -1)
+    gates = torch.rand(n, heads * k)
+    got = EXPERTS_IMPLEMENTATIONS["switchhead_auto"](inputs, index, weight, gates, heads, grouped_routing)
+    assert len(calls) == kernel_calls
+    torch.testing.assert_close(got, expert_ops.naive(inputs, index, weight, gates, heads))
     for name in ("batched_mm", "grouped_mm", "another-registered-experts-function"):
         with pytest.raises(ValueError, match="switchhead_batched"):
             expert_ops.lookup(name)

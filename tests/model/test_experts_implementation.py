@@ -32,7 +32,7 @@ import switchhead.experts_integration as integration
 import switchhead.modeling_switchhead as modeling
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 
-IMPLEMENTATIONS = ["eager", "switchhead_batched", "switchhead_grouped", "cvmm"]
+IMPLEMENTATIONS = ["eager", "switchhead_batched", "switchhead_grouped", "cvmm", "switchhead_auto"]
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -113,7 +113,7 @@ def test_transformers_mlp_only_functions_are_refused_for_switchhead_attention():
             model.set_experts_implementation(name)
         with pytest.raises(ValueError, match="experts_implementation"):
             SwitchHeadForCausalLM(_switchall(experts_implementation=name))
-    assert model.config._experts_implementation == "cvmm"
+    assert model.config._experts_implementation == "switchhead_auto"
     model.config._experts_implementation = "batched_mm"  # set around the check: the attention still refuses it
     with pytest.raises(ValueError, match="has no expert projection"):
         model(torch.tensor([[1, 2, 3]]))
@@ -175,14 +175,15 @@ def test_choosing_through_config_and_from_pretrained(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = SwitchHeadForCausalLM.from_pretrained(tmp_path, experts_implementation="switchhead_grouped")
     assert loaded.config._experts_implementation == "switchhead_grouped"
-    assert SwitchHeadForCausalLM.from_pretrained(tmp_path).config._experts_implementation == "cvmm"
+    assert SwitchHeadForCausalLM.from_pretrained(tmp_path).config._experts_implementation == "switchhead_auto"
     with pytest.raises((ValueError, KeyError), match="experts_implementation"):
         model.set_experts_implementation("no_such_kernel")
 
 
-def test_default_is_cvmm_with_the_package_and_eager_without():
-    assert SwitchHeadForCausalLM(_switchall()).config._experts_implementation == "cvmm"
-    without = {name: fn for name, fn in moe.ALL_EXPERTS_FUNCTIONS._global_mapping.items() if name != "cvmm"}
+def test_default_is_switchhead_auto_with_the_package_and_eager_without():
+    assert SwitchHeadForCausalLM(_switchall()).config._experts_implementation == "switchhead_auto"
+    without = {name: fn for name, fn in moe.ALL_EXPERTS_FUNCTIONS._global_mapping.items()
+               if name != "switchhead_auto"}
     with unittest.mock.patch.dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping, without, clear=True):
         assert SwitchHeadForCausalLM(_switchall()).config._experts_implementation == "eager"
 
