@@ -35,6 +35,7 @@ from .transformers_compat import (  # first: it checks the installed Transformer
     incompatible_release,
     model_cache,
     output_cache,
+    sdpa_head_padding,
     transformers_cache,
     update_cache,
 )
@@ -233,6 +234,10 @@ class SwitchHeadAttentionBase(nn.Module):
         if paged_distance is None and self.position_encoding == "xl":
             check_xl_attention(self.config._attn_implementation, attention_interface)
             extra["position_bias"] = xl_position_bias(self, query, key.shape[2], query_offset)
+        pad = sdpa_head_padding(self.config._attn_implementation, query,
+                                attention_mask is not None or "position_bias" in extra)
+        if pad:  # to a width sdpa's fused kernels take with a mask (exact: see sdpa_head_padding)
+            query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
         attended, probs = attention_interface(
             self,
             query,
@@ -243,7 +248,9 @@ class SwitchHeadAttentionBase(nn.Module):
             scaling=self.scaling,
             **extra,
             **kwargs,
-        )  # attended: [B, T, H, dh]
+        )  # attended: [B, T, H, dh (+ pad)]
+        if pad:
+            attended = attended[..., : self.head_dim]
         # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's CPU kernel (whose
         # transposed output is contiguous already, so `.contiguous()` recorded nothing) by one whose output is not
         if torch.compiler.is_exporting():

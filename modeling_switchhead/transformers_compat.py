@@ -156,3 +156,19 @@ def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, 
     if isinstance(past_length, torch.Tensor):
         past_length = past_length.clone()
     return CacheStep(*cache.update(key, value, layer_idx), past_length, False)
+
+
+# Devices where sdpa's fused kernels refuse a masked call whose head width is not a multiple of 8 (16 bytes of bf16):
+# CUDA's cuDNN and memory-efficient kernels do, and flash takes no mask, so PyTorch falls back to its math kernel,
+# which casts the keys and values to fp32 and materialises the scores: on an H100 that was 24 of SwitchHead 262M's
+# (heads of 100) 28 ms decoding step at batch 32 over an 8k static cache (benchmarks/results/gpu/matrices/).
+SDPA_PADDED_DEVICES = ("cuda",)
+
+
+def sdpa_head_padding(implementation: str | None, query: torch.Tensor, masked: bool) -> int:
+    """Zero columns to append to each head of q, k and v before a masked sdpa call so that its fused kernels take
+    it; 0 where none are needed. Exact: zero columns add nothing to q . k (the scale is passed explicitly, from the
+    true width) and give zero output columns, which the caller drops."""
+    if implementation != "sdpa" or not masked or query.device.type not in SDPA_PADDED_DEVICES:
+        return 0
+    return -query.shape[-1] % 8

@@ -63,6 +63,7 @@ def chat(server, content: str, stream: bool = False) -> str:
                    server.client.chat.completions.create(stream=True, **args) if chunk.choices)
 
 
+@pytest.mark.integration  # serves a model
 def test_completions_and_chat_equal_generate(served):
     server, model, tokenizer = served
     for prompt in PROMPTS[:3]:
@@ -74,6 +75,7 @@ def test_completions_and_chat_equal_generate(served):
         assert chat(server, prompt, stream=True) == want_chat, prompt
 
 
+@pytest.mark.integration  # serves a model
 def test_sixteen_concurrent_requests(served):
     server, model, tokenizer = served
     jobs = [(kind, PROMPTS[i % len(PROMPTS)], i % 4 == 1) for i, kind in
@@ -86,6 +88,7 @@ def test_sixteen_concurrent_requests(served):
         assert answer == expected_text(model, tokenizer, ids), (kind, prompt)
 
 
+@pytest.mark.integration  # serves a model
 def test_bad_requests_get_4xx_and_server_keeps_serving(served):
     server, model, tokenizer = served
     context = model.config.max_position_embeddings
