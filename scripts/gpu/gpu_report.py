@@ -2,12 +2,12 @@
 
     python scripts/gpu/gpu_report.py RETURNED_FOLDER [--out-dir benchmarks/results/gpu]
 
-The session sends JSON only (the device tool returns at most 8 files); this writes, beside copies of them in
+A run writes JSON only (few files, each complete as soon as its stage ends); this writes, beside copies of them in
 `--out-dir`, each stage's Markdown (the stage script's own `markdown()`) and `session.md`: the machine and
 versions, each stage's status and seconds, and the headline ratios against their targets. Each timing is reported
 only where the checks it rests on passed: the kernel timings on the op checks (paper shapes and random problems),
 an end-to-end pair on its SwitchHead variant's whole-model checks; otherwise session.md says which check failed.
-A folder may hold more end-to-end files than the session's (`e2e*.json`, e.g. a pair rerun on the warm machine).
+A folder may hold more end-to-end files than the run's (`e2e*.json`, e.g. a pair rerun afterwards).
 """
 
 from __future__ import annotations
