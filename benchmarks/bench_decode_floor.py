@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
 from bench_e2e import Clock  # noqa: E402
 from bench_long_context import DENSE_47M, DENSE_262M, ROPE, SH_47M, SH_262M, build, capture, make_config  # noqa: E402
-from machine import describe  # noqa: E402
+from machine import describe, gpu_or_smoke, result_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MARGIN = 128  # cache positions beyond the filled length: the steps run while checking and timing
@@ -219,15 +219,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_decode_floor: error: no CUDA device; run with --cpu-smoke for the small CPU run",
-              file=sys.stderr)
+    device = gpu_or_smoke("bench_decode_floor", args.cpu_smoke)
+    if device is None:
         return 2
     env = describe(device)
-    slug = "".join(c if c.isalnum() else "-" for c in env["device"].lower()).strip("-")[:40]
-    path = args.out or RESULTS / f"decode_floor_{'smoke_' if args.cpu_smoke else ''}{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = result_path(args.out, RESULTS, "decode_floor", env, args.cpu_smoke)
     ceilings = roofline.measure_ceilings(device)
     cells = [(2, 16), (1, 8)] if args.cpu_smoke else list(CELLS)
     report = dict(environment=env, smoke=args.cpu_smoke, precision="bf16 weights", cache="StaticCache",

@@ -44,7 +44,7 @@ from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
 from bench_e2e import Clock, Trainer  # noqa: E402
-from machine import describe  # noqa: E402
+from machine import describe, gpu_or_smoke, result_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS = 65536
@@ -362,14 +362,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_long_context: error: no CUDA device; run with --cpu-smoke for the small CPU run", file=sys.stderr)
+    device = gpu_or_smoke("bench_long_context", args.cpu_smoke)
+    if device is None:
         return 2
     env = describe(device)
-    slug = "".join(c if c.isalnum() else "-" for c in env["device"].lower()).strip("-")[:40]
-    path = args.out or RESULTS / f"long_context_{args.stage}_{'smoke_' if args.cpu_smoke else ''}{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = result_path(args.out, RESULTS, f"long_context_{args.stage}", env, args.cpu_smoke)
     ceilings = roofline.measure_ceilings(device)
     report = dict(environment=env, smoke=args.cpu_smoke, stage=args.stage, tokens_per_step=TOKENS, reps=args.reps,
                   steps=args.steps, attn=args.attn, ceilings=ceilings, precision="bf16 autocast, fp32 weights"

@@ -59,3 +59,25 @@ def save_results(path: Path, report: dict, markdown: str) -> None:
     path.with_suffix(".md").write_text(markdown)
     print(markdown)
     print(f"saved {path} and {path.with_suffix('.md')}")
+
+
+def gpu_or_smoke(script: str, cpu_smoke: bool):
+    """The device a GPU benchmark runs on: CUDA, or the CPU for its `--cpu-smoke` run; None (after one line on
+    stderr) where CUDA is asked for and absent."""
+    import sys
+
+    import torch
+
+    if cpu_smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"{script}: error: no CUDA device; run with --cpu-smoke for the small CPU run", file=sys.stderr)
+        return None
+    return torch.device("cuda")
+
+
+def result_path(out: Path | None, results: Path, stem: str, environment: dict, smoke: bool) -> Path:
+    """`out`, else `results/<stem>_[smoke_]<device>.json`; its folder created."""
+    path = out or results / f"{stem}_{'smoke_' if smoke else ''}{file_slug(environment['device'])}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path

@@ -26,7 +26,7 @@ import roofline  # noqa: E402
 from bench_decode_floor import MARGIN, DecodeStep  # noqa: E402
 from bench_e2e import Trainer  # noqa: E402
 from bench_long_context import DENSE_47M, DENSE_262M, ROPE, SH_47M, SH_262M, build, make_config  # noqa: E402
-from machine import describe  # noqa: E402
+from machine import describe, gpu_or_smoke, result_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -116,14 +116,11 @@ def main(argv=None) -> int:
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("profile_steps: error: no CUDA device; run with --cpu-smoke for the small CPU run", file=sys.stderr)
+    device = gpu_or_smoke("profile_steps", args.cpu_smoke)
+    if device is None:
         return 2
     env = describe(device)
-    slug = "".join(c if c.isalnum() else "-" for c in env["device"].lower()).strip("-")[:40]
-    path = args.out or RESULTS / f"profiles_{'smoke_' if args.cpu_smoke else ''}{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = result_path(args.out, RESULTS, "profiles", env, args.cpu_smoke)
     report = dict(environment=env, smoke=args.cpu_smoke, profiles=[])
     for kind, name, label, preset, overrides, experts, batch, length in plan(args.cpu_smoke):
         entry = dict(kind=kind, name=name, label=label, preset=preset, batch=batch, length=length)

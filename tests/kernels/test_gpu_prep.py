@@ -313,7 +313,7 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
     assert [p["pair"] for p in json.loads((out / "e2e_262m.json").read_text())["pairs"]] == ["262m-rope"]
     eager = json.loads((out / "e2e_eager.json").read_text())
     assert eager["experts_implementation"] == "eager" and eager["pairs"][0]["experts_implementation"] == "eager"
-    assert e2e["pairs"][0]["experts_implementation"] != "eager"  # the automatic choice: the kernel where it runs
+    assert e2e["pairs"][0]["experts_implementation"] == "switchhead_auto"  # the default
     check = json.loads((out / "gpu_check.json").read_text())
     assert check["sweep_precisions"] == "rotate"
     [compiled] = json.loads((out / "e2e_compiled.json").read_text())["pairs"]
@@ -333,6 +333,30 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
     assert "decode_tok_s@b1 (compiled, static cache)" in session
     for name in ("gpu_check.md", "e2e.md", "e2e_compiled.md", "e2e_eager.md", "e2e_262m.md", "gpu_check_compile.md"):
         assert (tmp_path / "rendered" / name).is_file()
+
+
+@pytest.mark.integration
+def test_gpu_run_sh_smoke_runs_the_matrices_stages_and_the_report_links_them(tmp_path):
+    """The long-context, decoding-floor, profile, prefill and model-check stages, as `--stages` names them, on the
+    CPU; gpu_report.py renders each and links them from session.md."""
+    out = tmp_path / "out"
+    stages = "long_train,decode_floor,profiles,prefill,check_model"
+    result = _session(out, "smoke", "--stages", stages, "--time-budget", "900")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["stage"] for s in summary["stages"]] == stages.split(",")
+    assert all(s["status"] == "ok" for s in summary["stages"]), summary
+    assert sorted(p.name for p in out.iterdir()) == ["decode_floor.json", "gpu_check_model.json", "log.txt",
+                                                     "long_train.json", "prefill.json", "profiles.json",
+                                                     "summary.json"]
+    import gpu_report
+
+    session = gpu_report.render(out, tmp_path / "rendered").read_text()
+    assert "Correctness: every check passed." in session
+    for name in ("long_train", "decode_floor", "prefill", "profiles", "gpu_check_model"):
+        assert (tmp_path / "rendered" / f"{name}.md").is_file()
+    for name in ("long_train", "decode_floor", "prefill", "profiles"):
+        assert f"({name}.md)" in session
 
 
 def test_sweep_rotation_checks_fp32_and_every_other_precision_across_configs():
