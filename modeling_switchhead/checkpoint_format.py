@@ -18,6 +18,8 @@ the checkpoint names of tensors renamed since.
 Part of the Hub-ready model: this file imports only transformers (and the standard library); the model imports it.
 """
 
+from collections import OrderedDict
+
 # Renamed tensors of the sigma-MoE MLP (SwitchAll), relative to the MLP: name in a checkpoint (the one every release
 # wrote, and `save_pretrained` writes) -> parameter name. `keys` / `values` could not be parameter names: torch
 # parametrizations (PEFT's LoRA on `target_parameters`) keep a `ModuleDict`, whose `keys()` / `values()` methods
@@ -75,8 +77,17 @@ def rename_old_keys(state_dict: dict, prefix: str = "") -> None:
 
 
 class SavedFolderMixin:
-    """`save_pretrained` with every Auto class of `AUTO_MAP` in the config's `auto_map`."""
+    """`save_pretrained` with every Auto class of `AUTO_MAP` in the config's `auto_map`; `load_state_dict` taking the
+    tensor names of earlier releases too (`rename_old_keys`)."""
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        metadata = getattr(state_dict, "_metadata", None)
+        state_dict = OrderedDict(state_dict)  # a copy (with torch's `_metadata`), renamed in place
+        if metadata is not None:
+            state_dict._metadata = metadata
+        rename_old_keys(state_dict)
+        return super().load_state_dict(state_dict, *args, **kwargs)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from .expert_ops import EXPERTS_IMPLEMENTATIONS
+from .expert_ops import EXPERTS_IMPLEMENTATIONS, default_experts_implementation, lookup
 
 
 def local_routes(module: torch.nn.Module, index: torch.Tensor, weights: torch.Tensor) -> tuple:
@@ -95,3 +95,17 @@ def register() -> None:
 
 
 __all__ = ["experts_forward", "local_routes", "register"]
+
+
+class ExpertsChoiceMixin:
+    """For the model classes: which experts implementation a model runs, as Transformers decides it, with our default
+    ("switchhead_auto", rather than Transformers' "grouped_mm") and a refusal of names SwitchHead attention has no
+    expert projection for (Transformers' MLP-only "batched_mm" / "grouped_mm"): a name runs one function, for the
+    attention and the MLP alike."""
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        if requested_experts is None:
+            requested_experts = default_experts_implementation(ALL_EXPERTS_FUNCTIONS)
+        if self.config.attention_type == "switchhead" and requested_experts not in EXPERTS_IMPLEMENTATIONS:
+            lookup(requested_experts)  # the ValueError that lists the table
+        return super().get_correct_experts_implementation(requested_experts)

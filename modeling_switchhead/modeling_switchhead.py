@@ -15,14 +15,13 @@ also replaces the feed-forward block by a sigma-MoE. `attention_type="dense"` gi
 multi-head baseline.
 
 The file is Hub-ready: it imports only torch, transformers and its sibling files, which a saved folder carries too
-(the expert projections and their Transformers registration, the routers and MLPs, positions, parallel styles,
+(the expert projections and their Transformers registration, the routers, positions, parallel styles,
 checkpoint names, and what differs between Transformers releases).
 """
 
 # No `from __future__ import annotations` here: Transformers reads the `**kwargs: Unpack[TransformersKwargs]`
 # annotations at run time (e.g. to know that forward accepts output_attentions), which needs real objects.
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +44,7 @@ try:
     from transformers import initialization as init
     from transformers.cache_utils import Cache
     from transformers.generation import GenerationMixin
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.integrations.moe import use_experts_implementation
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
     from transformers.modeling_layers import GenericForTokenClassification, GradientCheckpointingLayer
@@ -58,18 +57,11 @@ try:
 except ImportError as error:  # a release too old (or too new) for this file: say which to install
     raise incompatible_release(error) from error
 
-from .checkpoint_format import SavedFolderMixin, register_renamed_keys, rename_old_keys
+from .checkpoint_format import SavedFolderMixin, register_renamed_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .expert_ops import EXPERTS_IMPLEMENTATIONS, default_experts_implementation, lookup
-from .experts_integration import register as register_experts_functions
-from .moe_layers import (  # noqa: F401 - SwitchHeadMLP, SigmaMoeExperts: part of this module's names, as before
-    MLP_CLASSES,
-    ExpertSelection,
-    SigmaMoeExperts,
-    SigmaMoeMLP,
-    SwitchHeadMLP,
-    sigma_moe_entropy_loss,
-)
+from .expert_ops import EXPERTS_IMPLEMENTATIONS, lookup, relu
+from .experts_integration import ExpertsChoiceMixin, local_routes, register as register_experts_functions
+from .routing import ExpertSelection, sigma_moe_entropy_loss
 from .tensor_parallel import ParallelPlansMixin, register_styles
 from .positions import (
     SwitchHeadRotaryEmbedding,
@@ -305,6 +297,95 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
 ATTENTION_CLASSES = {"switchhead": SwitchHeadAttention, "dense": MultiHeadAttention}
 
 
+# ============================================================================================= MLPs
+class SwitchHeadMLP(nn.Module):
+    """The paper's dense feed-forward block: Linear (bias) -> ReLU -> Linear (bias)."""
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(hidden_states)))
+
+
+@use_experts_implementation(has_gate=False, is_transposed=True, has_bias=False)
+class SigmaMoeExperts(nn.Module):
+    """The sigma-MoE experts as a Transformers experts module: `act(x keys_e) values_e`, gated and summed.
+
+    `config._experts_implementation` picks how they run (`from_pretrained(..., experts_implementation=...)`,
+    `model.set_experts_implementation(...)`): "eager" is this forward (the "eager" entry of
+    `expert_ops.EXPERTS_IMPLEMENTATIONS`), any other name the function Transformers registered under it: "cvmm",
+    "switchhead_batched", "switchhead_grouped" the same entries of that table as SwitchHead attention runs
+    (`experts_integration.py`), "batched_mm" / "grouped_mm" Transformers' own (with dense attention only: SwitchHead
+    attention has no such function). The flags say what those functions need to know: no gated (GLU) projection, no
+    biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is their up projection,
+    `expert_values` `[E, S, d]` their down projection. Checkpoints name them `mlp.keys` / `mlp.values`, as every
+    release has (`checkpoint_format.py`).
+
+    Under expert parallelism (`base_model_ep_plan`) the module holds `num_experts` local experts, and a route to another
+    process's expert arrives as the id `num_experts` with gate 0 (Transformers' sentinel): it adds nothing and receives
+    no gradient.
+    """
+
+    is_transposed = True  # expert_keys [E, d, S] and expert_values [E, S, d] are [experts, in, out]
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__()
+        d, experts, size = config.hidden_size, config.num_mlp_experts, config.mlp_expert_size
+        self.num_experts = experts
+        self.expert_keys = nn.Parameter(torch.empty(experts, d, size))  # [E, d, S]
+        self.expert_values = nn.Parameter(torch.empty(experts, size, d))  # [E, S, d]
+        self.act_fn = _ACTIVATIONS[config.hidden_act]
+
+    @property
+    def up_proj(self) -> torch.Tensor:  # the name Transformers' experts functions read
+        return self.expert_keys
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self.expert_values
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        """hidden_states `[N, d]`, top_k_index `[N, k]` (experts), top_k_weights `[N, k]` (gates) -> `[N, d]`."""
+        index, weights = local_routes(self, top_k_index.long(), top_k_weights)  # expert parallelism's sentinels
+        eager = EXPERTS_IMPLEMENTATIONS["eager"]
+        inner = self.act_fn(eager(hidden_states.unsqueeze(1), index, self.expert_keys, None, 1))
+        return eager(inner, index, self.expert_values, weights, 1).view(hidden_states.shape)
+
+
+class SigmaMoeMLP(nn.Module):
+    """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T).
+
+    The router (`gate`, an `ExpertSelection`) picks each token's experts; the experts (`experts`, a
+    `SigmaMoeExperts`) run them, as in Transformers' MoE blocks (Mixtral's `gate` / `experts`), which is the
+    structure its tensor- and expert-parallel styles expect. Checkpoints keep the names `mlp.keys`,
+    `mlp.values` and `mlp.expert_selection.weight` (`checkpoint_format.py`).
+    """
+
+    def __init__(self, config: SwitchHeadConfig):
+        super().__init__()
+        self.top_k = config.num_mlp_experts_per_tok
+        # experts first: their weights are drawn before the router's (`_init_weights` visits children in order)
+        self.experts = SigmaMoeExperts(config)
+        self.gate = ExpertSelection(config.hidden_size, 1, config.num_mlp_experts, self.top_k,
+                                    config.mlp_expert_dropout, True)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states `[..., d]` -> `[..., d]`."""
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])  # [N, d]
+        _, gates, index = self.gate(tokens)  # [N, k] each
+        return self.experts(tokens, index, gates).view(shape)
+
+
+_ACTIVATIONS = {"relu": relu, "gelu": F.gelu, "silu": F.silu}
+MLP_CLASSES = {"dense": SwitchHeadMLP, "sigma_moe": SigmaMoeMLP}
+
+
 # =========================================================================================== blocks
 class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
     """Pre-LayerNorm block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))).
@@ -342,9 +423,10 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
-class SwitchHeadPreTrainedModel(SavedFolderMixin, ParallelPlansMixin, PreTrainedModel):
-    """`save_pretrained` lists every Auto class in `auto_map` (`checkpoint_format.py`); parallel plans are checked
-    (`tensor_parallel.py`); `load_state_dict` also takes the tensor names of earlier releases."""
+class SwitchHeadPreTrainedModel(SavedFolderMixin, ParallelPlansMixin, ExpertsChoiceMixin, PreTrainedModel):
+    """`save_pretrained` lists every Auto class in `auto_map` and `load_state_dict` also takes the tensor names of
+    earlier releases (`checkpoint_format.py`); parallel plans are checked (`tensor_parallel.py`); the experts
+    implementation defaults to ours and refuses MLP-only names (`experts_integration.py`)."""
 
     config_class = SwitchHeadConfig
     config: SwitchHeadConfig
@@ -362,31 +444,6 @@ class SwitchHeadPreTrainedModel(SavedFolderMixin, ParallelPlansMixin, PreTrained
         "hidden_states": SwitchHeadDecoderLayer,
         "attentions": [OutputRecorder(SwitchHeadAttention, index=1), OutputRecorder(MultiHeadAttention, index=1)],
     }
-
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        # Transformers decides whether `set_experts_implementation` may change the config by looking for
-        # "@use_experts_implementation" in the source of the model class's file; our experts module is in
-        # moe_layers.py, and every expert projection of this model reads the config at call time, so it may
-        return True
-
-    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        """Transformers' check, with our default ("switchhead_auto", rather than Transformers' "grouped_mm"), refusing a name
-        SwitchHead attention has no expert projection for (Transformers' MLP-only "batched_mm" / "grouped_mm"): a
-        name runs one function, for the attention and the MLP alike."""
-        if requested_experts is None:
-            requested_experts = default_experts_implementation(ALL_EXPERTS_FUNCTIONS)
-        if self.config.attention_type == "switchhead" and requested_experts not in EXPERTS_IMPLEMENTATIONS:
-            lookup(requested_experts)  # the ValueError that lists the table
-        return super().get_correct_experts_implementation(requested_experts)
-
-    def load_state_dict(self, state_dict, *args, **kwargs):
-        metadata = getattr(state_dict, "_metadata", None)
-        state_dict = OrderedDict(state_dict)  # a copy (with torch's `_metadata`), renamed in place
-        if metadata is not None:
-            state_dict._metadata = metadata
-        rename_old_keys(state_dict)
-        return super().load_state_dict(state_dict, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

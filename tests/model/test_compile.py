@@ -12,7 +12,6 @@ from transformers import StaticCache
 from switchhead import expert_ops
 from switchhead import positions as position_ops
 from switchhead import modeling_switchhead as modeling
-from switchhead import moe_layers
 
 from helpers.decoding import next_step, prefill, variant_model
 from helpers.padding import left_padded_batch, positions_from_mask
@@ -91,7 +90,7 @@ def test_compiled_relu_gradient_and_what_its_forward_saves():
                            partition_fn=min_cut_rematerialization_partition,  # inductor's partitioner
                            decompositions=select_decomp_table())  # and decompositions
     inputs = torch.randn(2, 8, 16, requires_grad=True)  # [B, T, d], as in the model
-    for activation in (moe_layers._ACTIVATIONS["relu"], torch.nn.functional.relu):
+    for activation in (modeling._ACTIVATIONS["relu"], torch.nn.functional.relu):
         torch._dynamo.reset()
         compiled = torch.compile(lambda t: down(activation(up(t))), backend=backend, fullgraph=True)
         (got,) = torch.autograd.grad(compiled(inputs).sum(), inputs)
