@@ -37,7 +37,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
 from bench_e2e import Clock  # noqa: E402
-from bench_long_context import DENSE_47M, DENSE_262M, ROPE, SH_47M, SH_262M, build, capture, make_config  # noqa: E402
+from bench_long_context import (  # noqa: E402
+    DENSE_47M, DENSE_262M, ROPE, SH_47M, SH_262M, build, capture, header, make_config)
 from machine import describe, gpu_or_smoke, result_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -152,19 +153,14 @@ FLOOR_TARGET = 0.5  # at batch 32 after 8k tokens, both models at >= 50% of thei
 
 
 def markdown(report: dict) -> str:
-    env, ceil = report["environment"], report.get("ceilings") or {}
-    measured = (f"measured copy bandwidth {ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + written)"
-                if ceil.get("copy_bytes_per_s") else "no ceilings (CPU)")
-    lines = [f"# Decoding step against its HBM floor ({'CPU smoke' if report['smoke'] else env['device']})", "",
-             f"Device: {env['device']}; driver {env.get('driver')}; CUDA {env.get('cuda')}; torch {env['torch']}; "
-             f"triton {env['triton']}; transformers {env['transformers']}; bf16 weights, Transformers' StaticCache "
-             f"filled with random keys and values; {measured}.", "",
-             "One greedy step (forward, argmax, next position) captured in a CUDA graph, median of "
-             f"{report['reps']} x {report['steps']} replays; eager: the same step without the graph (Python and "
-             "launches included). Floor: the weights (bf16) and the whole allocated cache, read once, over the copy "
-             "bandwidth. Speed-up: dense step time over this model's (tokens/s ratio).", "",
-             "| pair | batch @ tokens | model | experts | graph ms | floor ms | of floor | eager ms | speed-up "
-             "(graph) | speed-up (eager) | target | graph = eager |", "|---" * 12 + "|"]
+    lines = header(report, "Decoding step against its HBM floor") + [
+        "Transformers' StaticCache filled with random keys and values. One greedy step (forward, argmax, next "
+        "position) captured in a CUDA graph, median of "
+        f"{report['reps']} x {report['steps']} replays; eager: the same step without the graph (Python and launches "
+        "included). Floor: the weights (bf16) and the whole allocated cache, read once, over the copy bandwidth. "
+        "Speed-up: dense step time over this model's (tokens/s ratio).", "",
+        "| pair | batch @ tokens | model | experts | graph ms | floor ms | of floor | eager ms | speed-up (graph) | "
+        "speed-up (eager) | target | graph = eager |", "|---" * 12 + "|"]
     for row in report["rows"]:
         cell = f"| {row['pair']} | {row['batch']} @ {row['length']} | {row['label']} |"
         if "step_seconds" not in row:

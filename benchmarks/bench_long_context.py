@@ -279,7 +279,7 @@ def verdict(value, bound) -> str:
     return "" if value is None or bound is None else f"<= {bound}: {'met' if value <= bound else 'missed'}"
 
 
-def _header(report: dict, what: str) -> list[str]:
+def header(report: dict, what: str) -> list[str]:
     env, ceil = report["environment"], report.get("ceilings") or {}
     measured = (f"measured ceilings: bf16 matmul {ceil['matmul_flops'] / 1e12:.0f} TFLOP/s, copy "
                 f"{ceil['copy_bytes_per_s'] / 1e9:.0f} GB/s" if ceil.get("matmul_flops") else "no ceilings (CPU)")
@@ -290,7 +290,7 @@ def _header(report: dict, what: str) -> list[str]:
 
 def markdown(report: dict) -> str:
     if report["stage"] == "prefill":
-        lines = _header(report, "Prefill, batch 1") + [
+        lines = header(report, "Prefill, batch 1") + [
             "Static cache, bf16 weights, the forward captured in a CUDA graph. Ideal: model FLOPs over the measured "
             "matmul ceiling.", "",
             "| pair | tokens | SwitchHead ms | dense ms | SwitchHead / dense | target | x ideal (SwitchHead / dense) "
@@ -308,7 +308,7 @@ def markdown(report: dict) -> str:
                          f"{verdict(row['time_ratio'], PREFILL_TARGETS.get((row['pair'], row['tokens'])))} | "
                          f"{ideal} | {same} |")
         return "\n".join(lines) + "\n"
-    lines = _header(report, f"Training step, {report['tokens_per_step']:,} tokens") + [
+    lines = header(report, f"Training step, {report['tokens_per_step']:,} tokens") + [
         f"AdamW (fused), fp32 weights, bf16 autocast, attention {report['attn']}; medians of {report['reps']} "
         f"interleaved repetitions of {report['steps']} steps. Predicted: the ratio of model FLOPs "
         "(benchmarks/roofline.py), what the step would take if time followed FLOPs. Ideal: model FLOPs over the "

@@ -79,8 +79,9 @@ def profile_one(kind, preset, overrides, experts, batch, length, device, smoke, 
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    table = roofline.kernel_table(prof)
-    if device.type != "cuda":  # the CPU smoke: operators stand in for kernels
+    if device.type == "cuda":
+        table = roofline.kernel_table(prof)
+    else:  # the CPU smoke: operators stand in for kernels
         ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
         table = dict(kernels=sum(e.count for e in ops), device_us=None,
                      top=[dict(name=e.key[:120], count=e.count, us=e.self_cpu_time_total) for e in ops[:25]])

@@ -94,9 +94,6 @@ def register() -> None:
             ALL_EXPERTS_FUNCTIONS.register(name, functools.partial(experts_forward, project=project))
 
 
-__all__ = ["experts_forward", "local_routes", "register"]
-
-
 class ExpertsChoiceMixin:
     """For the model classes: which experts implementation a model runs, as Transformers decides it, with our default
     ("switchhead_auto", rather than Transformers' "grouped_mm") and a refusal of names SwitchHead attention has no
@@ -109,3 +106,6 @@ class ExpertsChoiceMixin:
         if self.config.attention_type == "switchhead" and requested_experts not in EXPERTS_IMPLEMENTATIONS:
             lookup(requested_experts)  # the ValueError that lists the table
         return super().get_correct_experts_implementation(requested_experts)
+
+
+__all__ = ["ExpertsChoiceMixin", "experts_forward", "local_routes", "register"]
