@@ -32,6 +32,7 @@ from torch import nn
 from .transformers_compat import (  # first: it checks the installed Transformers release
     accepts_past_key_values,
     incompatible_release,
+    install_output_hooks,
     model_cache,
     output_cache,
     sdpa_head_padding,
@@ -51,7 +52,7 @@ try:
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
     from transformers.processing_utils import Unpack
-    from transformers.utils import TransformersKwargs, can_return_tuple, output_capturing
+    from transformers.utils import TransformersKwargs, can_return_tuple
     from transformers.utils.generic import merge_with_config_defaults
     from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 except ImportError as error:  # a release too old (or too new) for this file: say which to install
@@ -59,6 +60,7 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys
 from .configuration_switchhead import SwitchHeadConfig
+from .model_inputs import check_inputs, embed_tokens
 from .expert_ops import EXPERTS_IMPLEMENTATIONS, lookup, relu
 from .experts_integration import ExpertsChoiceMixin, local_routes, register as register_experts_functions
 from .routing import ExpertSelection, sigma_moe_entropy_loss
@@ -535,31 +537,13 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
         self.gradient_checkpointing = False
         self.post_init()
-        # a training step that records router logits (SwitchAll's entropy loss) would install Transformers' output hooks
-        # on its first call, under a lock torch.compile(fullgraph=True) cannot enter: install them now
-        install_hooks = getattr(output_capturing, "maybe_install_capturing_hooks", None)
-        records = config.mlp_type == "sigma_moe" and config.entropy_reg_coef > 0
-        if install_hooks is not None and (records or config.output_router_logits):
-            install_hooks(self)
+        install_output_hooks(self, config)
 
     def get_input_embeddings(self):
         return self.embed_tokens
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
-
-    def _embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """The token embeddings; on the CPU an id outside the vocabulary is a ValueError naming its size. On CUDA
-        and under torch.compile nothing is checked (a check would sync with the host every step)."""
-        if input_ids.device.type != "cpu" or torch.compiler.is_compiling():
-            return self.embed_tokens(input_ids)
-        try:
-            return self.embed_tokens(input_ids)
-        except IndexError:
-            raise ValueError(
-                f"input_ids holds token ids outside the vocabulary: every id must be in [0, vocab_size="
-                f"{self.config.vocab_size}) (min {int(input_ids.min())}, max {int(input_ids.max())})"
-            ) from None
 
     @accepts_past_key_values
     @merge_with_config_defaults
@@ -585,17 +569,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
             relative positions continue across the boundary. Only for `position_encoding="xl"` and
             without a KV cache (`use_cache=False`).
         """
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        given = input_ids if input_ids is not None else inputs_embeds
-        name, layout, dims = ("input_ids", "[batch, length]", 2) if input_ids is not None else (
-            "inputs_embeds", "[batch, length, hidden_size]", 3)
-        if given.dim() != dims:  # shape checks only: no host sync
-            hint = f" (one sequence: add a batch dimension, {name}[None])" if given.dim() == dims - 1 else ""
-            raise ValueError(f"{name} must be shaped {layout}, got shape {tuple(given.shape)}{hint}")
-        if given.shape[0] == 0 or given.shape[1] == 0:
-            raise ValueError(f"{name} is empty (shape {tuple(given.shape)}): give at least one token per sequence, "
-                             f"shaped {layout}")
+        check_inputs(input_ids, inputs_embeds)
         if xl_memory is not None:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             check_xl_memory(self.config, xl_memory, batch, use_cache, cache)
@@ -606,7 +580,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         keep_memory = (self.config.position_encoding == "xl" and self.config.xl_memory_length > 0 and cache is None
                        and not packed)
         if inputs_embeds is None:
-            inputs_embeds = self._embed(input_ids)
+            inputs_embeds = embed_tokens(self.embed_tokens, input_ids)
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None and not packed else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]

@@ -172,3 +172,15 @@ def sdpa_head_padding(implementation: str | None, query: torch.Tensor, masked: b
     if implementation != "sdpa" or not masked or query.device.type not in SDPA_PADDED_DEVICES:
         return 0
     return -query.shape[-1] % 8
+
+
+def install_output_hooks(model: torch.nn.Module, config) -> None:
+    """Install Transformers' output-recording hooks at construction where the model will record router logits (the
+    sigma-MoE's entropy loss, or `output_router_logits`): installed on the first call instead, they are installed
+    under a lock that torch.compile(fullgraph=True) cannot enter. Releases without the function install none."""
+    from transformers.utils import output_capturing
+
+    install = getattr(output_capturing, "maybe_install_capturing_hooks", None)
+    records = config.mlp_type == "sigma_moe" and config.entropy_reg_coef > 0
+    if install is not None and (records or config.output_router_logits):
+        install(model)
