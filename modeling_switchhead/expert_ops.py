@@ -24,7 +24,14 @@ and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`.
 - "switchhead_auto" (the default): per call, what an H100 measured faster: "eager"'s rule for grouped routing
   (SwitchHead's per-head projections), "cvmm" for any other routing (sigma-MoE's MLP, other MoE models).
 
-Only "eager", "cvmm" and "switchhead_auto" choose by size; the other names are one formulation each.
+- "switchhead_fused": SwitchHead's attention block with dense's kernel count: q, k, every expert's values and both
+  routers from one GEMM, values mixed with a backward that recomputes rather than stores every expert's values, the
+  output one GEMM over `H * E * dh` that keeps only its arguments (the attention layer does the fusing, see
+  "fused" below); alone, a per-head projection runs `_per_head` with those backwards (under autocast too), and
+  any other call "eager"'s rule.
+
+Only "eager", "cvmm", "switchhead_auto" and "switchhead_fused" choose by size; the other names are one formulation
+each.
 
 The formulations "eager" chooses among besides those two: `_all_experts` (every expert in dense matmuls, no weight
 copy: without gates every row times every expert, then each slot's result picked; with gates, the gates scattered
@@ -292,6 +299,76 @@ def _auto(inputs, expert_index, weight, gates, out_groups, grouped_routing=False
     return _cvmm(inputs, expert_index, weight, gates, out_groups, grouped_routing)
 
 
+# ---------------------------------------------------------------------------------------------------- fused
+# "switchhead_fused": SwitchHead's attention block with dense's kernel count. The attention layer makes q, k, every
+# expert's values and both routers' logits in one GEMM over one concatenated weight (`fused_input_weight`); the value
+# mix (`mix_values_recomputed`) keeps no per-expert tensor for its backward, which recomputes every expert's values
+# from the GEMM's own saved operands; the output is `head_expert_output`'s one GEMM over H * E * dh, which keeps only
+# its arguments. Under autocast the operands are cast once, before the GEMM (`autocast_operands`), so the hand-written
+# backwards see the dtypes the forward used and share the casts the GEMM's autograd keeps.
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in the autocast dtype of their device where autocast is on there (floating ones only), else as
+    they are."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def fused_input_weight(parts: list[torch.Tensor], value_experts: torch.Tensor) -> torch.Tensor:
+    """One linear weight `[rows, d]`: the dense `[rows_i, d]` weights of `parts` around every expert's value weight
+    (`value_experts` `[H * E, d, dh]`, as rows `h * E * dh + e * dh + j`), in the order (q, k, values, routers):
+    `parts[:2] + [values] + parts[2:]`."""
+    values = value_experts.transpose(1, 2).reshape(-1, value_experts.shape[1])  # [H * E * dh, d]
+    return torch.cat([*parts[:2], values, *parts[2:]])
+
+
+class _MixRecomputed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, every, gates, inputs, weight):
+        n, heads, experts = gates.shape
+        ctx.save_for_backward(gates, inputs, weight)  # inputs and weight: the GEMM's own operands, kept anyway
+        return (every.view(n, heads, experts, -1) * gates.unsqueeze(-1)).sum(2)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [N, H, dh]
+        gates, inputs, weight = ctx.saved_tensors
+        n, heads, experts = gates.shape
+        grad_every = grad_gates = None
+        if ctx.needs_input_grad[0]:
+            grad_every = (gates.unsqueeze(-1) * grad.unsqueeze(2)).view(n, heads * experts * grad.shape[-1])
+        if ctx.needs_input_grad[1]:  # d gate[n, h, e] = <dy[n, h], x_n W_he>, W_he's values recomputed
+            every = F.linear(inputs, weight).view(n, heads, experts, -1)
+            grad_gates = (every * grad.unsqueeze(2)).sum(-1)
+        return grad_every, grad_gates, None, None
+
+
+def mix_values_recomputed(every: torch.Tensor, gates: torch.Tensor, inputs: torch.Tensor,
+                          weight: torch.Tensor) -> torch.Tensor:
+    """Every expert's values `every` `[N, H * E * dh]` (= `F.linear(inputs, weight)`, computed by the caller, maybe
+    as a slice of a wider GEMM) mixed by dense gates `[N, H, E]` -> `[N, H, dh]`. Its backward keeps `inputs` and
+    `weight` (which the caller's GEMM keeps too) instead of `every`, and recomputes `every` for the gates' gradient."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (every, gates)):
+        return _MixRecomputed.apply(every, gates, inputs, weight)
+    n, heads, experts = gates.shape
+    return (every.view(n, heads, experts, -1) * gates.unsqueeze(-1)).sum(2)
+
+
+def _fused(inputs, expert_index, weight, gates, out_groups, grouped_routing=False):
+    # One projection alone (the MLP, other MoE models, or an attention side the layer does not fuse): for SwitchHead's
+    # per-head sides `_per_head` with its lean backwards, under autocast too; otherwise "eager"'s rule.
+    if grouped_routing and gates is not None and min(inputs.shape[1], out_groups) == 1 and expert_index.shape[0]:
+        inputs, gates, weight = autocast_operands(inputs, gates, weight)
+        heads = max(inputs.shape[1], out_groups)
+        dense = dense_head_gates(expert_index, gates, heads, weight.shape[0] // heads, inputs.dtype)
+        if inputs.shape[1] == 1:
+            linear = weight.transpose(1, 2).reshape(-1, weight.shape[1])  # [H * E * dh, d]
+            return mix_values_recomputed(F.linear(inputs[:, 0], linear), dense, inputs[:, 0], linear)
+        return head_expert_output(inputs, dense, weight, lean=True).unsqueeze(1)
+    return _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing)
+
+
 # The one table, keyed by the values of `config.experts_implementation`: every entry takes (inputs, expert_index,
 # weight, gates, out_groups, grouped_routing=False). Our names differ from Transformers' "batched_mm" / "grouped_mm"
 # (its MLP-only experts functions): a name means one function, and `experts_integration.register` puts every entry
@@ -302,6 +379,7 @@ EXPERTS_IMPLEMENTATIONS: dict[str, Callable] = {
     "switchhead_batched": _batched,
     "switchhead_grouped": _grouped,
     "switchhead_auto": _auto,
+    "switchhead_fused": _fused,
 }
 DEFAULT_EXPERTS_IMPLEMENTATION = "switchhead_auto"
 
@@ -447,10 +525,13 @@ def head_expert_values(inputs: torch.Tensor, gates: torch.Tensor, weight: torch.
     return _mix_values(_every_expert_values(inputs, weight), gates)
 
 
-def head_expert_output(rows: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def head_expert_output(rows: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor, lean: bool = False
+                       ) -> torch.Tensor:
     """Per-head expert outputs summed over heads: rows `[N, H, dh]`, dense gates `[N, H, E]`, weight
-    `[H * E, dh, d]` -> `[N, d]`, out[n] = sum_{h, e} gates[n, h, e] * rows[n, h] @ weight[h * E + e]."""
-    if _lean_autograd(rows, gates, weight):
+    `[H * E, dh, d]` -> `[N, d]`, out[n] = sum_{h, e} gates[n, h, e] * rows[n, h] @ weight[h * E + e].
+    `lean`: the operands are in one dtype (`autocast_operands`), so the lean backward runs under autocast too."""
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, gates, weight))
+    if (lean and grads) or _lean_autograd(rows, gates, weight):
         return _HeadExpertOutput.apply(rows, gates, weight)
     return _head_output_mixed(rows, gates) @ weight.reshape(-1, weight.shape[2])
 

@@ -61,7 +61,8 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys
 from .configuration_switchhead import SwitchHeadConfig
 from .model_inputs import check_inputs, embed_tokens
-from .expert_ops import EXPERTS_IMPLEMENTATIONS, lookup, relu
+from .expert_ops import EXPERTS_IMPLEMENTATIONS, autocast_operands, dense_head_gates, fused_input_weight
+from .expert_ops import lookup, mix_values_recomputed, relu
 from .experts_integration import ExpertsChoiceMixin, local_routes, register as register_experts_functions
 from .routing import ExpertSelection, sigma_moe_entropy_loss
 from .tensor_parallel import ParallelPlansMixin, register_styles
@@ -141,11 +142,19 @@ class SwitchHeadAttentionBase(nn.Module):
             # W_pk: projects the sinusoidal encoding of the relative position into each head's key space.
             self.position_key_proj = nn.Linear(config.hidden_size, inner, bias=False)
 
+    def project_inputs(self, hidden_states: torch.Tensor, sources: torch.Tensor) -> tuple:
+        """hidden_states `[B, T, d]`, sources `[B, M + T, d]` -> query `[B, T, H, dh]`, key and value
+        `[B, M + T, H, dh]`, and what `project_output` takes besides (here None)."""
+        batch, length, _ = hidden_states.shape
+        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim)
+        key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim)
+        return query, key, self.project_values(sources), None
+
     def project_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states `[B, T, d]` -> values `[B, T, H, dh]`."""
         raise NotImplementedError
 
-    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor, routing=None) -> torch.Tensor:
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
 
@@ -168,9 +177,8 @@ class SwitchHeadAttentionBase(nn.Module):
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, -1, self.head_dim)  # -1: this process's heads under tensor parallelism
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
-        query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)  # [B, H, T, dh]
-        key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim).transpose(1, 2)  # [B, H, M+T, dh]
-        value = self.project_values(sources).transpose(1, 2)  # [B, H, M+T, dh], expert-mixed
+        query, key, value, routing = self.project_inputs(hidden_states, sources)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, H, T or M+T, dh]
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
@@ -214,7 +222,7 @@ class SwitchHeadAttentionBase(nn.Module):
         # transposed output is contiguous already, so `.contiguous()` recorded nothing) by one whose output is not
         if torch.compiler.is_exporting():
             attended = attended.clone(memory_format=torch.contiguous_format)
-        return self.project_output(attended.reshape(heads_shape), hidden_states), probs
+        return self.project_output(attended.reshape(heads_shape), hidden_states, routing), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
@@ -249,6 +257,27 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         else:
             self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
 
+    def project_inputs(self, hidden_states, sources):
+        """"switchhead_fused" (both sides experts, no XL memory): q, k, every expert's values and both routers' logits
+        from one GEMM (`expert_ops.fused_input_weight`), the values mixed with a recomputing backward; the output
+        router's logits go on to `project_output`. Otherwise one projection at a time."""
+        if (self.config._experts_implementation != "switchhead_fused" or sources is not hidden_states
+                or not (self.expert_values and self.expert_output)):
+            return super().project_inputs(hidden_states, sources)
+        batch, length, d = hidden_states.shape
+        routers = (self.value_selection.weight, self.output_selection.weight)
+        weight = fused_input_weight([self.q_proj.weight, self.k_proj.weight, *routers], self.value_experts)
+        tokens, weight = autocast_operands(hidden_states.reshape(-1, d), weight)
+        sizes = [self.q_proj.weight.shape[0], self.k_proj.weight.shape[0],
+                 self.value_experts.shape[0] * self.head_dim, *(router.shape[0] for router in routers)]
+        query, key, every, value_logits, output_logits = F.linear(tokens, weight).split(sizes, dim=-1)
+        _, gates, index = self.value_selection(tokens, logits=value_logits)
+        heads = self.value_experts.shape[0] // self.num_experts  # this process's heads
+        dense_gates = dense_head_gates(index, gates, heads, self.num_experts, every.dtype)
+        values = mix_values_recomputed(every, dense_gates, tokens, weight[sizes[0] + sizes[1]: sum(sizes[:3])])
+        shape = (batch, length, -1, self.head_dim)
+        return query.view(shape), key.view(shape), values.view(shape), output_logits
+
     # Each projection reads the configured implementation and calls the table's function, as Transformers' experts
     # decorator does for the MLP, told that routing is per head (grouped_routing=True).
     def project_values(self, hidden_states):
@@ -261,12 +290,12 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         values = project(rows, index, self.value_experts, gates, self.num_heads, True)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
-    def project_output(self, attended, hidden_states):
+    def project_output(self, attended, hidden_states, routing=None):  # routing: the output router's logits, if made
         batch, length, d = hidden_states.shape
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
         rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
-        _, gates, index = self.output_selection(hidden_states.reshape(-1, d))
+        _, gates, index = self.output_selection(hidden_states.reshape(-1, d), logits=routing)
         project = lookup(self.config._experts_implementation)
         return project(rows, index, self.output_experts, gates, 1, True).view(batch, length, -1)
 
@@ -290,7 +319,7 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
     def project_values(self, hidden_states):
         return self.v_proj(hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim)
 
-    def project_output(self, attended, hidden_states):
+    def project_output(self, attended, hidden_states, routing=None):
         if self.output_gate is not None:
             attended = attended * torch.sigmoid(F.linear(hidden_states, self.output_gate)).unsqueeze(-1)  # [B,T,H,dh]
         return self.o_proj(attended.flatten(2))

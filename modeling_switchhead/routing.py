@@ -31,9 +31,11 @@ class ExpertSelection(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_groups * num_experts, hidden_size))
         self.register_buffer("group_offsets", torch.arange(num_groups) * num_experts, persistent=False)
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`)."""
-        logits, gates, index = self.select(F.linear(hidden_states, self.weight))
+    def forward(self, hidden_states: torch.Tensor, logits: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states `[N, d]` -> (logits `[N, G*E]` float32, gates `[N, G*k]`, global expert index `[N, G*k]`).
+        `logits`: `F.linear(hidden_states, self.weight)` where the caller made it already (in a fused GEMM)."""
+        logits, gates, index = self.select(F.linear(hidden_states, self.weight) if logits is None else logits)
         index = index + self.group_offsets.unsqueeze(-1)  # group g's experts are g * E .. g * E + E - 1
         return logits, gates.flatten(1), index.flatten(1)
 

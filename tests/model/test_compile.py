@@ -101,11 +101,15 @@ def test_compiled_relu_gradient_and_what_its_forward_saves():
     assert torch.bool in aten_relu  # what the test guards against: F.relu's mask saved by the forward
 
 
-@pytest.mark.parametrize("variant", ["switchhead-rope", "switchall-xl", "dense-rope"])
-def test_compile_fullgraph_training_step_on_a_fresh_model(variant):
+@pytest.mark.parametrize("variant, implementation", [("switchhead-rope", None), ("switchall-xl", None),
+                                                     ("dense-rope", None), ("switchhead-rope", "switchhead_fused")])
+def test_compile_fullgraph_training_step_on_a_fresh_model(variant, implementation):
     # a fresh model in training mode: SwitchAll records its router logits (entropy loss) through Transformers'
-    # output hooks, which used to be installed inside the first compiled call under a lock dynamo cannot enter
+    # output hooks, which used to be installed inside the first compiled call under a lock dynamo cannot enter;
+    # the fused attention block's hand-written backward traces too
     model = variant_model(variant).train()
+    if implementation is not None:
+        model.set_experts_implementation(implementation)
     model.config.hidden_dropout = 0.0
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):

@@ -42,7 +42,7 @@ def _assert_same(got_out, want_out, got_grads, want_grads, dtype):
 def test_the_table_is_keyed_by_the_experts_implementations():
     # one naming scheme: the values of `config.experts_implementation`; ours are not Transformers' names
     assert set(EXPERTS_IMPLEMENTATIONS) == {"eager", "switchhead_batched", "switchhead_grouped", "cvmm",
-                                            "switchhead_auto"}
+                                            "switchhead_auto", "switchhead_fused"}
     assert EXPERTS_IMPLEMENTATIONS["switchhead_batched"] is expert_ops._batched
     assert EXPERTS_IMPLEMENTATIONS["switchhead_grouped"] is expert_ops._grouped
     assert expert_ops.default_experts_implementation({"switchhead_auto": None}) == "switchhead_auto"
@@ -293,8 +293,11 @@ def _per_head_case(generator, use, tokens, heads, experts, k, d_in, d_out, dtype
     return case
 
 
-def _per_head(case, use, heads, experts):
-    """SwitchHead's per-head formulation on a CVMM case: dense gates, then head_expert_values / _output."""
+def _per_head(case, use, heads, experts, via="per_head"):
+    """SwitchHead's per-head formulation on a CVMM case: dense gates, then head_expert_values / _output; or the
+    "switchhead_fused" entry for one per-head projection (the recomputing value mix, the lean output)."""
+    if via == "fused":
+        return EXPERTS_IMPLEMENTATIONS["switchhead_fused"](*case.args(), grouped_routing=True)
     dense = expert_ops.dense_head_gates(case.expert_index, case.gates, heads, experts, case.inputs.dtype)
     if use == "value":
         return expert_ops.head_expert_values(case.inputs[:, 0], dense, case.weight)  # [N, H, d_out]
@@ -304,7 +307,8 @@ def _per_head(case, use, heads, experts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("use", ["value", "output"])
 @pytest.mark.parametrize("repeats", [False, True], ids=["distinct", "repeated-ids"])
-def test_per_head_formulation_matches_the_twin(use, repeats, dtype):
+@pytest.mark.parametrize("via", ["per_head", "fused"])
+def test_per_head_formulation_matches_the_twin(use, repeats, dtype, via):
     # outputs and gradients w.r.t. inputs, weight and the router's gates, through the custom autograd functions
     # (grad mode) and the plain forward (no grad); no token, one token (every expert selected, or not) and more
     generator = torch.Generator().manual_seed(21 + repeats)
@@ -315,10 +319,10 @@ def test_per_head_formulation_matches_the_twin(use, repeats, dtype):
             local = case.expert_index.view(tokens, heads, k)
             assert (local[..., :1] == local[..., 1:2]).any()  # repeats really occur
         want = _twin(case)
-        got = _per_head(case, use, heads, experts)
+        got = _per_head(case, use, heads, experts, via)
         _assert_same(got, want, _grads(got, case.leaves()), _grads(want, case.leaves()), dtype)
         with torch.no_grad():
-            _assert_same(_per_head(case, use, heads, experts), want, [], [], dtype)
+            _assert_same(_per_head(case, use, heads, experts, via), want, [], [], dtype)
 
 
 @pytest.mark.integration
