@@ -13,7 +13,8 @@ eagerly gives the host-bound figure beside it. Before timing, the graph's tokens
 step's from the same state (the step itself is checked token for token against `generate` on the CPU in
 tests/benchmarks/test_gpu_matrices.py).
 
-Cells: {47M, 262M} x {dense, SwitchHead (its default experts path, and the PyTorch "eager" path)} at batch 1 @ 1k,
+Cells: {47M, 262M} x {dense, SwitchHead (its default experts path, the PyTorch "eager" path and the fused
+block "switchhead_fused")} at batch 1 @ 1k,
 32 @ 1k, 32 @ 8k, 128 @ 8k, bf16 weights, a static cache (Transformers' `StaticCache`, the cache `generate` compiles
 with) of the length plus 128. A cell whose cache and weights would take more than 60% of the free memory is
 skipped with its estimate. Each figure is printed beside its floor: bytes over the measured copy bandwidth.
@@ -241,7 +242,8 @@ def main(argv=None) -> int:
             rows = {}
             for label, preset, overrides, experts in (("dense", dense, dense_over, None),
                                                       ("switchhead", sh, sh_over, None),
-                                                      ("switchhead/eager", sh, sh_over, "eager")):
+                                                      ("switchhead/eager", sh, sh_over, "eager"),
+                                                      ("switchhead/fused", sh, sh_over, "switchhead_fused")):
                 try:
                     rows[label] = cell(preset, overrides, experts, batch, length, args, device, ceilings)
                 except Exception as error:  # noqa: BLE001 (recorded; the other cells go on)

@@ -8,8 +8,8 @@ batch 1.
 
 Training matrix (each group is one context; its models run interleaved, medians over the repetitions): the 47M RoPE
 pair at T = 512, 4k, 16k and the 262M RoPE pair at T = 1k, 8k, 16k, batch = 65,536 / T; SwitchHead with its
-experts on the PyTorch all-experts path ("eager") at every context and on the sparse Triton kernel ("cvmm") at the
-paper contexts only; the 47M Transformer-XL pair at the paper's batch and context (64 x 256); and an alignment
+experts on the PyTorch all-experts path ("eager") and as the fused block ("switchhead_fused") at every context,
+and on the sparse Triton kernel ("cvmm") at the paper contexts only; the 47M Transformer-XL pair at the paper's batch and context (64 x 256); and an alignment
 control, the dense 47M with d_head and d_ff rounded to multiples of 64 (a control of the dense baseline's unaligned
 shapes, not a SwitchHead figure). AdamW (fused), fp32 weights, bf16 autocast, sdpa attention (flash where it runs).
 Each model reports its step time (CUDA events), peak memory (weights, gradients and optimizer state, plus the rise
@@ -61,7 +61,8 @@ def groups(smoke: bool) -> list[dict]:
 
     def pair(name, sh, dense, context, kernels, batch=None, extra=()):
         members = [member("dense", dense, dict(ROPE, max_position_embeddings=context)),
-                   member("switchhead/eager", sh, dict(max_position_embeddings=context), "eager")]
+                   member("switchhead/eager", sh, dict(max_position_embeddings=context), "eager"),
+                   member("switchhead/fused", sh, dict(max_position_embeddings=context), "switchhead_fused")]
         if kernels:
             members.append(member("switchhead/cvmm", sh, dict(max_position_embeddings=context), "cvmm"))
         members += list(extra)
@@ -70,8 +71,9 @@ def groups(smoke: bool) -> list[dict]:
     if smoke:  # the same code paths on tiny presets
         return [pair("tiny-rope", "tiny-switchhead", "tiny-dense", 64, True, batch=2),
                 dict(name="tiny-xl@32", context=32, batch=2,
-                     members=[member("dense", "tiny-dense-xl", {}), member("switchhead/eager", "tiny-switchhead-xl",
-                                                                          {}, "eager")])]
+                     members=[member("dense", "tiny-dense-xl", {}),
+                              member("switchhead/eager", "tiny-switchhead-xl", {}, "eager"),
+                              member("switchhead/fused", "tiny-switchhead-xl", {}, "switchhead_fused")])]
     aligned = member("dense/aligned-64", DENSE_47M, dict(ALIGNED_47M, max_position_embeddings=512))
     return [
         pair("47m-rope", SH_47M, DENSE_47M, 4096, False),
@@ -83,6 +85,7 @@ def groups(smoke: bool) -> list[dict]:
         dict(name="47m-xl@256", context=256, batch=64,
              members=[member("dense", DENSE_47M, {}),
                       member("switchhead/eager", "wt103-47m-switchhead-xl", {}, "eager"),
+                      member("switchhead/fused", "wt103-47m-switchhead-xl", {}, "switchhead_fused"),
                       member("switchhead/cvmm", "wt103-47m-switchhead-xl", {}, "cvmm")]),
     ]
 

@@ -4,8 +4,8 @@ step of each model of the GPU matrices, as a kernel table (launches, device time
     python benchmarks/profile_steps.py               # CUDA
     python benchmarks/profile_steps.py --cpu-smoke   # anywhere: tiny models, CPU activities (checks that it runs)
 
-Training: the 47M RoPE pair at T=512 (batch 128; SwitchHead on its "eager" and "cvmm" experts paths) and the 262M
-pair at T=8192 (batch 8), bf16 autocast, after two warm-up steps. Decoding: one eager step (not graph-captured, so
+Training: the 47M RoPE pair at T=512 (batch 128; SwitchHead on its "eager", "switchhead_fused" and "cvmm" experts
+paths) and the 262M pair at T=8192 (batch 8; "eager" and "switchhead_fused"), bf16 autocast, after two warm-up steps. Decoding: one eager step (not graph-captured, so
 that every launch shows) at batch 32 after 1,024 (47M) and 8,192 (262M) random cache positions, bf16 weights.
 """
 
@@ -36,16 +36,20 @@ def plan(smoke: bool):
     if smoke:
         return [("train", "tiny@32", "dense", "tiny-dense", ROPE, None, 2, 32),
                 ("train", "tiny@32", "switchhead/eager", "tiny-switchhead", {}, "eager", 2, 32),
+                ("train", "tiny@32", "switchhead/fused", "tiny-switchhead", {}, "switchhead_fused", 2, 32),
                 ("decode", "tiny b2@16", "dense", "tiny-dense", ROPE, None, 2, 16),
                 ("decode", "tiny b2@16", "switchhead", "tiny-switchhead", {}, None, 2, 16)]
     return [("train", "47m-rope@512", "dense", DENSE_47M, ROPE, None, 128, 512),
             ("train", "47m-rope@512", "switchhead/eager", SH_47M, {}, "eager", 128, 512),
             ("train", "47m-rope@512", "switchhead/cvmm", SH_47M, {}, "cvmm", 128, 512),
+            ("train", "47m-rope@512", "switchhead/fused", SH_47M, {}, "switchhead_fused", 128, 512),
             ("decode", "47m-rope b32@1024", "dense", DENSE_47M, ROPE, None, 32, 1024),
             ("decode", "47m-rope b32@1024", "switchhead", SH_47M, {}, None, 32, 1024),
             ("decode", "47m-rope b32@1024", "switchhead/eager", SH_47M, {}, "eager", 32, 1024),
+            ("decode", "47m-rope b32@1024", "switchhead/fused", SH_47M, {}, "switchhead_fused", 32, 1024),
             ("train", "262m-rope@8192", "dense", DENSE_262M, ROPE, None, 8, 8192),
             ("train", "262m-rope@8192", "switchhead/eager", SH_262M, {}, "eager", 8, 8192),
+            ("train", "262m-rope@8192", "switchhead/fused", SH_262M, {}, "switchhead_fused", 8, 8192),
             ("decode", "262m-rope b32@8192", "dense", DENSE_262M, ROPE, None, 32, 8192),
             ("decode", "262m-rope b32@8192", "switchhead", SH_262M, {}, None, 32, 8192)]
 

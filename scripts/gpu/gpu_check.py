@@ -347,8 +347,9 @@ def loss_and_grads(model, ids, autocast_dtype=None):
 BF16_FACTOR, BF16_FLOOR = 1.5, 1e-3
 
 
-def bf16_row(variant, preset, triton_run, torch_run, fp32_run, **extra) -> dict:
-    """The record of one bf16 model check: each bf16 run against the fp32 reference, tensor by tensor."""
+def bf16_row(variant, preset, triton_run, torch_run, fp32_run, fast="triton", **extra) -> dict:
+    """The record of one bf16 model check: each bf16 run against the fp32 reference, tensor by tensor (`fast`: the
+    path checked against the PyTorch one, "triton" or "fused")."""
     (logits, grads), (torch_logits, torch_grads), (want_logits, want_grads) = triton_run, torch_run, fp32_run
     pairs = {"logits": (relative_error(logits, want_logits), relative_error(torch_logits, want_logits))}
     for name in want_grads:
@@ -357,14 +358,14 @@ def bf16_row(variant, preset, triton_run, torch_run, fp32_run, **extra) -> dict:
                            relative_error(torch_grads[name], want_grads[name]))
     ratios = {name: fast / (BF16_FACTOR * ref + BF16_FLOOR) for name, (fast, ref) in pairs.items()}
     worst = max(ratios, key=ratios.get)
-    errors = {"logits vs fp32 (triton)": pairs["logits"][0], "logits vs fp32 (torch)": pairs["logits"][1],
-              f"worst tensor {worst} vs fp32 (triton)": pairs[worst][0],
+    errors = {f"logits vs fp32 ({fast})": pairs["logits"][0], "logits vs fp32 (torch)": pairs["logits"][1],
+              f"worst tensor {worst} vs fp32 ({fast})": pairs[worst][0],
               f"worst tensor {worst} vs fp32 (torch)": pairs[worst][1]}
-    row = record("model", f"{variant} triton vs torch bf16 (each against fp32)", errors, math.inf, preset=preset,
+    row = record("model", f"{variant} {fast} vs torch bf16 (each against fp32)", errors, math.inf, preset=preset,
                  **extra)
-    # worst_error / tolerance is the worst ratio of the Triton path's distance to the allowed distance
+    # worst_error / tolerance is the worst ratio of the checked path's distance to the allowed distance
     row.update(worst_error=ratios[worst], tolerance=1.0, status="ok" if ratios[worst] <= 1.0 else "mismatch",
-               rule=f"triton error <= {BF16_FACTOR} x torch error + {BF16_FLOOR}, per tensor")
+               rule=f"{fast} error <= {BF16_FACTOR} x torch error + {BF16_FLOOR}, per tensor")
     missing = sorted(set(want_grads) ^ set(grads))
     if missing:
         row.update(status="mismatch", missing_gradients=missing)
@@ -487,7 +488,8 @@ def model_section(smoke: bool, device, log) -> list[dict]:
                     if autocast is not None and device.type != "cuda":
                         continue  # the interpreter has no bf16 dot
                     # the PyTorch path first: in fp32 its ReLU decisions are replayed in the Triton run
-                    for backend, implementation in (("torch", "eager"), ("triton", "cvmm")):
+                    for backend, implementation in (("torch", "eager"), ("triton", "cvmm"),
+                                                    ("fused", "switchhead_fused")):
                         model.set_experts_implementation(implementation)
                         held = (decisions.record() if backend == "torch" else decisions.replay()) \
                             if label == "fp32" else contextlib.nullcontext()
@@ -510,9 +512,18 @@ def model_section(smoke: bool, device, log) -> list[dict]:
             if row["status"] != "ok":
                 rows.append(diagnose_fp32_mismatch(variant, model, ids, (logits, grads), (want_logits, want_grads),
                                                    row["worst_parameter"], decisions))
-            if ("bf16", "triton") in runs:
-                rows.append(bf16_row(variant, preset, runs["bf16", "triton"], runs["bf16", "torch"],
-                                     runs["fp32", "torch"], batch=batch, length=length))
+            # the fused attention block (one input GEMM, recomputing value mix): fp32 against the PyTorch path
+            fused_logits, fused_grads = runs["fp32", "fused"]
+            fused_errors = {"logits": relative_error(fused_logits, want_logits), "gradients (worst parameter)": max(
+                (relative_error(fused_grads[n], want_grads[n]) for n in want_grads if n in fused_grads), default=0.0)}
+            rows.append(record("model", f"{variant} fused vs torch fp32", fused_errors, MODEL_TOLERANCE["fp32"],
+                               preset=preset, batch=batch, length=length))
+            if set(fused_grads) != set(want_grads):
+                rows[-1].update(status="mismatch", missing_gradients=sorted(set(want_grads) ^ set(fused_grads)))
+            for fast in ("triton", "fused"):
+                if ("bf16", fast) in runs:
+                    rows.append(bf16_row(variant, preset, runs["bf16", fast], runs["bf16", "torch"],
+                                         runs["fp32", "torch"], fast=fast, batch=batch, length=length))
             rows.append(cached_decoding_row(variant, preset, model, device, smoke))
         except Exception as error:  # noqa: BLE001
             rows.append(error_record("model", variant, error, preset=preset))

@@ -107,9 +107,10 @@ def test_long_context_benchmark_cpu_smoke(tmp_path, stage):
     if stage == "train":
         assert [g["group"] for g in report["groups"]] == ["tiny-rope@64", "tiny-xl@32"]
         rope = report["groups"][0]["members"]
-        assert set(rope) == {"dense", "switchhead/eager", "switchhead/cvmm"}
-        assert rope["switchhead/eager"]["time_ratio"] > 0 and rope["switchhead/eager"]["flop_ratio"] < 1
-        assert rope["switchhead/eager"]["experts_implementation"] == "eager"
+        assert set(rope) == {"dense", "switchhead/eager", "switchhead/fused", "switchhead/cvmm"}
+        for label, implementation in (("switchhead/eager", "eager"), ("switchhead/fused", "switchhead_fused")):
+            assert rope[label]["time_ratio"] > 0 and rope[label]["flop_ratio"] < 1
+            assert rope[label]["experts_implementation"] == implementation
     else:
         assert {(r["pair"], r["tokens"]) for r in report["prefill"]} == {("tiny", 16), ("tiny", 32)}
         assert all(r["time_ratio"] > 0 for r in report["prefill"])
@@ -120,7 +121,8 @@ def test_decode_floor_benchmark_cpu_smoke(tmp_path):
     assert bench_decode_floor.main(["--cpu-smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     labels = {(r["label"], r["batch"], r["length"]) for r in report["rows"]}
-    assert labels == {(k, b, n) for k in ("dense", "switchhead", "switchhead/eager") for b, n in ((2, 16), (1, 8))}
+    assert labels == {(k, b, n) for k in ("dense", "switchhead", "switchhead/eager",
+                                                                   "switchhead/fused") for b, n in ((2, 16), (1, 8))}
     assert all(r["step_seconds"] > 0 and r["kv_bytes"] > 0 for r in report["rows"])
     dense = {r["batch"]: r["kv_bytes"] for r in report["rows"] if r["label"] == "dense"}
     moe = {r["batch"]: r["kv_bytes"] for r in report["rows"] if r["label"] == "switchhead"}
