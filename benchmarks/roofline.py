@@ -5,6 +5,9 @@ ideal these give; on its own it prints the predicted table on any machine:
     python benchmarks/roofline.py                    # predicted SwitchHead / dense ratios for the GPU matrices
     python benchmarks/roofline.py --json out.json    # the same, as JSON
 
+It also counts the aten ops (each at least one kernel launch in eager PyTorch) of one attention block, dense and
+SwitchHead, forward and backward (`attention_ops`, on the meta device).
+
 The model (all counts per token, forward; a training step is 3x forward, the usual model-FLOPs convention, which
 leaves out flash attention's recomputation in its backward):
 - Q and K: 2 x 2 * d * H * dh; values and output: dense 2 x 2 * d * H * dh, SwitchHead's useful work
@@ -167,6 +170,71 @@ TRAIN_MATRIX = {  # pair -> contexts (65,536 tokens a step)
     "47m-rope": (512, 4096, 16384),
     "262m-rope": (1024, 8192, 16384),
 }
+# aten ops that only re-describe memory (no kernel runs for them)
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "slice", "select", "split",
+             "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "alias", "detach", "unbind", "narrow",
+             "_reshape_alias", "lift_fresh"}
+
+
+def attention_ops(config, implementation: str | None, tokens: int = 4096, batch: int = 1) -> dict:
+    """The aten ops one attention block runs (a layer's `self_attn`, sdpa, RoPE where the config has it) on
+    `batch` x `tokens` tokens in bf16 on the meta device, forward and backward, views left out: each is at least
+    one kernel launch in eager PyTorch, the count that "switchhead_fused" brings towards dense's. Returns
+    {"forward": n, "backward": n, "forward_ops": {name: count}, "backward_ops": {name: count}}."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from switchhead import SwitchHeadForCausalLM
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in _VIEW_OPS:
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    config = type(config).from_dict(config.to_dict())
+    config.num_hidden_layers, config.hidden_dropout = 1, 0.0
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = SwitchHeadForCausalLM(config).to(torch.bfloat16).train()
+        if implementation is not None:
+            model.set_experts_implementation(implementation)
+        hidden = torch.randn(batch, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        positions = torch.arange(tokens)[None].expand(batch, -1)
+    rotary = model.model.rotary_emb
+    embeddings = rotary(hidden, positions) if rotary is not None else None
+    attention = model.model.layers[0].self_attn
+    forward, backward = Count(), Count()
+    with forward:
+        out, _ = attention(hidden, position_embeddings=embeddings, attention_mask=None)
+    with backward:
+        out.backward(torch.ones_like(out))
+    return dict(forward=sum(forward.ops.values()), backward=sum(backward.ops.values()),
+                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops))
+
+
+def attention_op_table(tokens: int = 4096) -> list[dict]:
+    """`attention_ops` of each pair's dense and SwitchHead attention blocks (per-projection "eager", fused)."""
+    rows = []
+    for pair in PAIR_PRESETS:
+        moe, dense = rope_configs(pair, tokens)
+        for label, config, implementation in (("dense", dense, None), ("switchhead/eager", moe, "eager"),
+                                              ("switchhead/fused", moe, "switchhead_fused")):
+            counts = attention_ops(config, implementation, tokens)
+            matmuls = sum(counts[f"{side}_ops"].get(op, 0) for side in ("forward", "backward")
+                          for op in ("mm", "bmm", "addmm", "matmul"))
+            rows.append(dict(pair=pair, label=label, forward=counts["forward"], backward=counts["backward"],
+                             matmuls=matmuls))
+    return rows
+
+
 DECODE_MATRIX = ((1, 1024), (32, 1024), (32, 8192), (128, 8192))  # (batch, tokens in the cache)
 PAIR_PRESETS = {"47m-rope": ("wt103-45m-switchhead-rope", "wt103-47m-dense-xl"),
                 "262m-rope": ("wt103-243m-switchhead-rope", "wt103-262m-dense-xl")}
@@ -218,6 +286,11 @@ def main(argv=None) -> int:
     for row in table["decode"]:
         print(f"  {row['pair']:>9} batch {row['batch']:>3} @ {row['cache_length']:>5}: {row['ratio']:.2f} "
               f"({row['switchhead_bytes'] / 2 ** 20:.0f} / {row['dense_bytes'] / 2 ** 20:.0f} MiB)")
+    table["attention_ops"] = attention_op_table()
+    print("one attention block, batch 1 x 4,096 tokens, bf16: aten ops (views left out) forward + backward, of them "
+          "matrix products")
+    for row in table["attention_ops"]:
+        print(f"  {row['pair']:>9} {row['label']:<17}: {row['forward']} + {row['backward']}, {row['matmuls']}")
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
     return 0

@@ -306,13 +306,18 @@ def _auto(inputs, expert_index, weight, gates, out_groups, grouped_routing=False
 # from the GEMM's own saved operands; the output is `head_expert_output`'s one GEMM over H * E * dh, which keeps only
 # its arguments. Under autocast the operands are cast once, before the GEMM (`autocast_operands`), so the hand-written
 # backwards see the dtypes the forward used and share the casts the GEMM's autograd keeps.
+def _autocast_on(tensor: torch.Tensor) -> bool:
+    """Whether autocast is on for the tensor's device (devices autocast has no mode for, such as meta: never)."""
+    device = tensor.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
 def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors in the autocast dtype of their device where autocast is on there (floating ones only), else as
     they are."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
+    if not _autocast_on(tensors[0]):
         return tensors
-    dtype = torch.get_autocast_dtype(device)
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
@@ -512,8 +517,7 @@ class _HeadExpertOutput(torch.autograd.Function):
 def _lean_autograd(*tensors: torch.Tensor) -> bool:
     """Whether to run the custom functions above: autograd records the call, and no autocast (whose casts the
     hand-written backwards do not replay; under autocast the plain ops run, and autograd saves what they need)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors) \
-        and not torch.is_autocast_enabled(tensors[0].device.type)
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not _autocast_on(tensors[0])
 
 
 def head_expert_values(inputs: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
