@@ -6,7 +6,7 @@ ideal these give; on its own it prints the predicted table on any machine:
     python benchmarks/roofline.py --json out.json    # the same, as JSON
 
 It also counts the aten ops (each at least one kernel launch in eager PyTorch) of one attention block, dense and
-SwitchHead, forward and backward (`attention_ops`, on the meta device).
+SwitchHead, forward and backward, and the bytes its backward keeps (`attention_ops`, on the CPU under autocast).
 
 The model (all counts per token, forward; a training step is 3x forward, the usual model-FLOPs convention, which
 leaves out flash attention's recomputation in its backward):
@@ -176,11 +176,13 @@ _VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "ex
              "_reshape_alias", "lift_fresh"}
 
 
-def attention_ops(config, implementation: str | None, tokens: int = 4096, batch: int = 1) -> dict:
-    """The aten ops one attention block runs (a layer's `self_attn`, sdpa, RoPE where the config has it) on
-    `batch` x `tokens` tokens in bf16 on the meta device, forward and backward, views left out: each is at least
-    one kernel launch in eager PyTorch, the count that "switchhead_fused" brings towards dense's. Returns
-    {"forward": n, "backward": n, "forward_ops": {name: count}, "backward_ops": {name: count}}."""
+def attention_ops(config, implementation: str | None, tokens: int = 1024, batch: int = 1) -> dict:
+    """One attention block (a layer's `self_attn`: projections, RoPE where the config has it, sdpa) as a training
+    step runs it, fp32 weights under bf16 autocast, on the CPU, over `batch` x `tokens` tokens, forward and backward:
+    the aten ops it dispatches (views left out; each is at least one kernel launch in eager PyTorch, the count that
+    "switchhead_fused" brings towards dense's) and the bytes its backward keeps, parameters and the attention
+    core's `[T, T]` tensors left out (the CPU's sdpa keeps its probabilities; flash on a GPU keeps none). Returns
+    {"forward": n, "backward": n, "forward_ops": {name: count}, "backward_ops": {name: count}, "saved_bytes": n}."""
     import collections
 
     import torch
@@ -202,25 +204,35 @@ def attention_ops(config, implementation: str | None, tokens: int = 4096, batch:
     config = type(config).from_dict(config.to_dict())
     config.num_hidden_layers, config.hidden_dropout = 1, 0.0
     config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = SwitchHeadForCausalLM(config).to(torch.bfloat16).train()
-        if implementation is not None:
-            model.set_experts_implementation(implementation)
-        hidden = torch.randn(batch, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        positions = torch.arange(tokens)[None].expand(batch, -1)
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(config).train()
+    if implementation is not None:
+        model.set_experts_implementation(implementation)
+    hidden = torch.randn(batch, tokens, config.hidden_size, requires_grad=True)
+    positions = torch.arange(tokens)[None].expand(batch, -1)
     rotary = model.model.rotary_emb
     embeddings = rotary(hidden, positions) if rotary is not None else None
     attention = model.model.layers[0].self_attn
+    parameters = {p.untyped_storage()._cdata for p in attention.parameters()}
     forward, backward = Count(), Count()
-    with forward:
-        out, _ = attention(hidden, position_embeddings=embeddings, attention_mask=None)
+    saved = {}
+
+    def pack(tensor):  # each storage once (a view shares its base's)
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters and tuple(tensor.shape[-2:]) != (tokens, tokens):
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out, _ = attention(hidden, position_embeddings=embeddings, attention_mask=None)
     with backward:
-        out.backward(torch.ones_like(out))
+        out.float().backward(torch.ones(out.shape))
     return dict(forward=sum(forward.ops.values()), backward=sum(backward.ops.values()),
-                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops))
+                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=sum(saved.values()))
 
 
-def attention_op_table(tokens: int = 4096) -> list[dict]:
+def attention_op_table(tokens: int = 1024) -> list[dict]:
     """`attention_ops` of each pair's dense and SwitchHead attention blocks (per-projection "eager", fused)."""
     rows = []
     for pair in PAIR_PRESETS:
@@ -228,10 +240,13 @@ def attention_op_table(tokens: int = 4096) -> list[dict]:
         for label, config, implementation in (("dense", dense, None), ("switchhead/eager", moe, "eager"),
                                               ("switchhead/fused", moe, "switchhead_fused")):
             counts = attention_ops(config, implementation, tokens)
+            # per token: what the backward keeps grows with the tokens; the weights' bf16 copies do not
+            per_token = (attention_ops(config, implementation, 2 * tokens)["saved_bytes"] - counts["saved_bytes"]) \
+                / tokens
             matmuls = sum(counts[f"{side}_ops"].get(op, 0) for side in ("forward", "backward")
                           for op in ("mm", "bmm", "addmm", "matmul"))
             rows.append(dict(pair=pair, label=label, forward=counts["forward"], backward=counts["backward"],
-                             matmuls=matmuls))
+                             matmuls=matmuls, saved_bytes_per_token=per_token))
     return rows
 
 
@@ -287,10 +302,11 @@ def main(argv=None) -> int:
         print(f"  {row['pair']:>9} batch {row['batch']:>3} @ {row['cache_length']:>5}: {row['ratio']:.2f} "
               f"({row['switchhead_bytes'] / 2 ** 20:.0f} / {row['dense_bytes'] / 2 ** 20:.0f} MiB)")
     table["attention_ops"] = attention_op_table()
-    print("one attention block, batch 1 x 4,096 tokens, bf16: aten ops (views left out) forward + backward, of them "
-          "matrix products")
+    print("one attention block, batch 1 x 1,024 tokens, bf16 autocast: aten ops (views left out) forward + backward, "
+          "of them matrix products; bytes its backward keeps per token")
     for row in table["attention_ops"]:
-        print(f"  {row['pair']:>9} {row['label']:<17}: {row['forward']} + {row['backward']}, {row['matmuls']}")
+        print(f"  {row['pair']:>9} {row['label']:<17}: {row['forward']} + {row['backward']}, {row['matmuls']}; "
+              f"{row['saved_bytes_per_token']:,.0f} B")
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
     return 0
