@@ -7,11 +7,12 @@ batch 1.
     python benchmarks/bench_long_context.py train --cpu-smoke   # anywhere: 2-layer models, tiny shapes
 
 Training matrix (each group is one context; its models run interleaved, medians over the repetitions): the 47M RoPE
-pair at T = 512, 4k, 16k and the 262M RoPE pair at T = 1k, 8k, 16k, batch = 65,536 / T; SwitchHead with its
-experts on the PyTorch all-experts path ("eager") and as the fused block ("switchhead_fused") at every context,
-and on the sparse Triton kernel ("cvmm") at the paper contexts only; the 47M Transformer-XL pair at the paper's batch and context (64 x 256); and an alignment
-control, the dense 47M with d_head and d_ff rounded to multiples of 64 (a control of the dense baseline's unaligned
-shapes, not a SwitchHead figure). AdamW (fused), fp32 weights, bf16 autocast, sdpa attention (flash where it runs).
+pair at T = 512, 4k, 16k and the 262M RoPE pair at T = 1k, 8k, 16k, batch = 65,536 / T; SwitchHead with its experts
+on the PyTorch all-experts path ("eager") and as the fused block ("switchhead_fused") at every context, and on the
+sparse Triton kernel ("cvmm") at the paper contexts only; the 47M Transformer-XL pair at the paper's batch and
+context (64 x 256); and an alignment control, the dense 47M with d_head and d_ff rounded to multiples of 64 (a
+control of the dense baseline's unaligned shapes, not a SwitchHead figure). AdamW (fused), fp32 weights, bf16
+autocast, sdpa attention (flash where it runs).
 Each model reports its step time (CUDA events), peak memory (weights, gradients and optimizer state, plus the rise
 of the allocator's peak during a step), its model FLOPs (benchmarks/roofline.py) and the time those FLOPs take at
 the measured bf16 matmul ceiling, i.e. measured over ideal. Ratios are SwitchHead / dense of the same group.

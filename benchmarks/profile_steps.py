@@ -5,8 +5,9 @@ step of each model of the GPU matrices, as a kernel table (launches, device time
     python benchmarks/profile_steps.py --cpu-smoke   # anywhere: tiny models, CPU activities (checks that it runs)
 
 Training: the 47M RoPE pair at T=512 (batch 128; SwitchHead on its "eager", "switchhead_fused" and "cvmm" experts
-paths) and the 262M pair at T=8192 (batch 8; "eager" and "switchhead_fused"), bf16 autocast, after two warm-up steps. Decoding: one eager step (not graph-captured, so
-that every launch shows) at batch 32 after 1,024 (47M) and 8,192 (262M) random cache positions, bf16 weights.
+paths) and the 262M pair at T=8192 (batch 8; "eager" and "switchhead_fused"), bf16 autocast, after two warm-up steps.
+Decoding: one eager step (not graph-captured, so that every launch shows) at batch 32 after 1,024 (47M) and 8,192
+(262M) random cache positions, bf16 weights.
 """
 
 from __future__ import annotations
