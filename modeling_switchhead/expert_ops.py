@@ -329,6 +329,24 @@ def fused_input_weight(parts: list[torch.Tensor], value_experts: torch.Tensor) -
     return torch.cat([*parts[:2], values, *parts[2:]])
 
 
+def fused_attention_inputs(tokens: torch.Tensor, dense_weights: list[torch.Tensor], value_experts: torch.Tensor,
+                           value_router: Callable, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """SwitchHead's q, k, values and output-router logits from one GEMM: tokens `[N, d]`, `dense_weights` the
+    linear weights (q, k, value router, output router), `value_experts` `[H * E, d, dh]`, `value_router(tokens,
+    logits=...)` the value side's `ExpertSelection` (called, so that its logits are recorded) -> query, key
+    `[N, H * dh]`, values `[N, H, dh]` (mixed by `mix_values_recomputed`), output-router logits `[N, H * E]`."""
+    weight = fused_input_weight(dense_weights, value_experts)
+    tokens, weight = autocast_operands(tokens, weight)
+    sizes = [dense_weights[0].shape[0], dense_weights[1].shape[0], value_experts.shape[0] * value_experts.shape[2],
+             dense_weights[2].shape[0], dense_weights[3].shape[0]]
+    query, key, every, value_logits, output_logits = F.linear(tokens, weight).split(sizes, dim=-1)
+    _, gates, index = value_router(tokens, logits=value_logits)
+    heads = value_experts.shape[0] // num_experts
+    dense_gates = dense_head_gates(index, gates, heads, num_experts, every.dtype)
+    values = mix_values_recomputed(every, dense_gates, tokens, weight[sizes[0] + sizes[1]: sum(sizes[:3])])
+    return query, key, values, output_logits
+
+
 class _MixRecomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, every, gates, inputs, weight):

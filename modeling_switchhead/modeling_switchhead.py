@@ -23,7 +23,6 @@ checkpoint names, and what differs between Transformers releases).
 # annotations at run time (e.g. to know that forward accepts output_attentions), which needs real objects.
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +48,6 @@ try:
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
     from transformers.modeling_layers import GenericForTokenClassification, GradientCheckpointingLayer
-    from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
     from transformers.processing_utils import Unpack
     from transformers.utils import TransformersKwargs, can_return_tuple
@@ -60,9 +58,8 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys
 from .configuration_switchhead import SwitchHeadConfig
-from .model_inputs import check_inputs, embed_tokens
-from .expert_ops import EXPERTS_IMPLEMENTATIONS, autocast_operands, dense_head_gates, fused_input_weight
-from .expert_ops import lookup, mix_values_recomputed, relu
+from .model_io import SwitchHeadCausalLMOutputWithPast, SwitchHeadModelOutputWithPast, check_inputs, embed_tokens
+from .expert_ops import EXPERTS_IMPLEMENTATIONS, fused_attention_inputs, lookup, relu
 from .experts_integration import ExpertsChoiceMixin, local_routes, register as register_experts_functions
 from .routing import ExpertSelection, sigma_moe_entropy_loss
 from .tensor_parallel import ParallelPlansMixin, register_styles
@@ -110,18 +107,14 @@ def eager_attention_forward(
 
 class SwitchHeadAttentionBase(nn.Module):
     """What SwitchHead and dense attention share: dense per-head Q/K, positions, cache and attention backend.
+    Subclasses say how values are made (`project_values`, or all inputs at once: `project_inputs`) and how the heads'
+    results become the output (`project_output`).
 
-    Subclasses say how values are made from the source tokens (`project_values`) and how the per-head attention results
-    become the layer output (`project_output`).
-
-    Backends: `config._attn_implementation` picks eager (`eager_attention_forward`, the reference), sdpa or flex. With
-    XL positions the relative-position term (`positions.xl_position_bias`, `[B, H, Tq, Tk]`) is passed as
-    `position_bias` (eager adds it to the scores, sdpa folds it into a float mask, flex into its score_mod); keys are
-    indexed cache or XL memory first, then the current tokens (query t at key index `query_offset + t`).
-
-    Deviations from the authors' code, on purpose: attention dropout acts on the probabilities (theirs drops entries of
-    k and of the projected positions; the paper's runs use 0), and the dense XL baseline has no u/v biases and a fixed
-    1/sqrt(dh) scale (their `preln_relative` baseline layer learns both).
+    `config._attn_implementation` picks eager (`eager_attention_forward`, the reference), sdpa or flex. XL's
+    relative-position term (`positions.xl_position_bias`, `[B, H, Tq, Tk]`) goes in as `position_bias`; keys are cache
+    or XL memory first, then the current tokens (query t at key index `query_offset + t`). On purpose unlike the
+    authors' code: attention dropout acts on the probabilities (the paper's runs use 0), and the dense XL baseline
+    has no u/v biases and a fixed 1/sqrt(dh) scale.
     """
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
@@ -259,22 +252,15 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
 
     def project_inputs(self, hidden_states, sources):
         """"switchhead_fused" (both sides experts, no XL memory): q, k, every expert's values and both routers' logits
-        from one GEMM (`expert_ops.fused_input_weight`), the values mixed with a recomputing backward; the output
+        from one GEMM (`expert_ops.fused_attention_inputs`), the values mixed with a recomputing backward; the output
         router's logits go on to `project_output`. Otherwise one projection at a time."""
         if (self.config._experts_implementation != "switchhead_fused" or sources is not hidden_states
                 or not (self.expert_values and self.expert_output)):
             return super().project_inputs(hidden_states, sources)
         batch, length, d = hidden_states.shape
-        routers = (self.value_selection.weight, self.output_selection.weight)
-        weight = fused_input_weight([self.q_proj.weight, self.k_proj.weight, *routers], self.value_experts)
-        tokens, weight = autocast_operands(hidden_states.reshape(-1, d), weight)
-        sizes = [self.q_proj.weight.shape[0], self.k_proj.weight.shape[0],
-                 self.value_experts.shape[0] * self.head_dim, *(router.shape[0] for router in routers)]
-        query, key, every, value_logits, output_logits = F.linear(tokens, weight).split(sizes, dim=-1)
-        _, gates, index = self.value_selection(tokens, logits=value_logits)
-        heads = self.value_experts.shape[0] // self.num_experts  # this process's heads
-        dense_gates = dense_head_gates(index, gates, heads, self.num_experts, every.dtype)
-        values = mix_values_recomputed(every, dense_gates, tokens, weight[sizes[0] + sizes[1]: sum(sizes[:3])])
+        weights = [self.q_proj.weight, self.k_proj.weight, self.value_selection.weight, self.output_selection.weight]
+        query, key, values, output_logits = fused_attention_inputs(
+            hidden_states.reshape(-1, d), weights, self.value_experts, self.value_selection, self.num_experts)
         shape = (batch, length, -1, self.head_dim)
         return query.view(shape), key.view(shape), values.view(shape), output_logits
 
@@ -346,19 +332,13 @@ class SwitchHeadMLP(nn.Module):
 class SigmaMoeExperts(nn.Module):
     """The sigma-MoE experts as a Transformers experts module: `act(x keys_e) values_e`, gated and summed.
 
-    `config._experts_implementation` picks how they run (`from_pretrained(..., experts_implementation=...)`,
-    `model.set_experts_implementation(...)`): "eager" is this forward (the "eager" entry of
-    `expert_ops.EXPERTS_IMPLEMENTATIONS`), any other name the function Transformers registered under it: "cvmm",
-    "switchhead_batched", "switchhead_grouped" the same entries of that table as SwitchHead attention runs
-    (`experts_integration.py`), "batched_mm" / "grouped_mm" Transformers' own (with dense attention only: SwitchHead
-    attention has no such function). The flags say what those functions need to know: no gated (GLU) projection, no
-    biases, and weights stored `[experts, in, out]` (is_transposed): `expert_keys` `[E, d, S]` is their up projection,
-    `expert_values` `[E, S, d]` their down projection. Checkpoints name them `mlp.keys` / `mlp.values`, as every
-    release has (`checkpoint_format.py`).
-
-    Under expert parallelism (`base_model_ep_plan`) the module holds `num_experts` local experts, and a route to another
-    process's expert arrives as the id `num_experts` with gate 0 (Transformers' sentinel): it adds nothing and receives
-    no gradient.
+    `config._experts_implementation` picks how they run: "eager" is this forward (the table's "eager" entry), any
+    other name the function Transformers registered under it: ours (`experts_integration.py`, the same entries of
+    `expert_ops.EXPERTS_IMPLEMENTATIONS` that SwitchHead attention runs) or, with dense attention only, Transformers'
+    "batched_mm" / "grouped_mm". The flags: no gated (GLU) projection, no biases, weights `[experts, in, out]`
+    (`expert_keys` `[E, d, S]` up, `expert_values` `[E, S, d]` down; checkpoints say `mlp.keys` / `mlp.values`).
+    Under expert parallelism a route to another process's expert arrives as the id `num_experts` with gate 0
+    (Transformers' sentinel): it adds nothing and receives no gradient.
     """
 
     is_transposed = True  # expert_keys [E, d, S] and expert_values [E, S, d] are [experts, in, out]
@@ -389,13 +369,9 @@ class SigmaMoeExperts(nn.Module):
 
 
 class SigmaMoeMLP(nn.Module):
-    """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T).
-
-    The router (`gate`, an `ExpertSelection`) picks each token's experts; the experts (`experts`, a
-    `SigmaMoeExperts`) run them, as in Transformers' MoE blocks (Mixtral's `gate` / `experts`), which is the
-    structure its tensor- and expert-parallel styles expect. Checkpoints keep the names `mlp.keys`,
-    `mlp.values` and `mlp.expert_selection.weight` (`checkpoint_format.py`).
-    """
+    """SwitchAll's sigma-MoE: y = sum_{e in topk(s)} s_e * act(x keys_e) values_e, s = sigmoid(x W_sel^T): a router
+    `gate` and `experts`, as Transformers' MoE blocks (and their parallel styles) have them; checkpoints say
+    `mlp.keys`, `mlp.values`, `mlp.expert_selection.weight` (`checkpoint_format.py`)."""
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
@@ -522,29 +498,6 @@ def _init_selection(weight: torch.Tensor, std: float) -> None:
     weight.div_(weight.norm(dim=-1, keepdim=True)).mul_(drawn_std / weight.std())
 
 
-@dataclass
-class SwitchHeadModelOutputWithPast(MoeModelOutputWithPast):
-    r"""
-    xl_memory (`list[torch.Tensor]`, *optional*):
-        One detached `[B, M, d]` tensor per layer: the last `config.xl_memory_length` positions of
-        that layer's input hidden states (previous memory, then this segment). Pass it as
-        `xl_memory=` with the next segment. Returned for XL models with `xl_memory_length > 0` when
-        called without a KV cache (`use_cache=False`).
-    """
-
-    xl_memory: list[torch.Tensor] | None = None
-
-
-@dataclass
-class SwitchHeadCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
-    r"""
-    xl_memory (`list[torch.Tensor]`, *optional*):
-        The XL memory for the next segment; see `SwitchHeadModelOutputWithPast.xl_memory`.
-    """
-
-    xl_memory: list[torch.Tensor] | None = None
-
-
 class SwitchHeadModel(SwitchHeadPreTrainedModel):
     """The decoder stack: token embedding, `num_hidden_layers` pre-LN blocks, final LayerNorm."""
 
@@ -590,13 +543,11 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
     ) -> SwitchHeadModelOutputWithPast:
         r"""
         cache (`Cache`, *optional*):
-            The key-value cache (also accepted as `past_key_values`, its name before Transformers
-            5.24).
+            The key-value cache (also accepted as `past_key_values`, its name before Transformers 5.24).
         xl_memory (`list[torch.Tensor]`, *optional*):
-            Transformer-XL memory: one `[B, M, d]` tensor per layer, the `xl_memory` of the previous
-            segment's output. Every query of this segment attends to all M memory positions, and
-            relative positions continue across the boundary. Only for `position_encoding="xl"` and
-            without a KV cache (`use_cache=False`).
+            Transformer-XL memory: one `[B, M, d]` tensor per layer, the previous segment's `xl_memory`. Every query
+            attends to all M memory positions, relative positions continue across the boundary. Only for
+            `position_encoding="xl"` and without a KV cache (`use_cache=False`).
         """
         check_inputs(input_ids, inputs_embeds)
         if xl_memory is not None:
@@ -699,22 +650,17 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
     ) -> SwitchHeadCausalLMOutputWithPast:
         r"""
         cache (`Cache`, *optional*):
-            The key-value cache (also accepted as `past_key_values`, its name before Transformers
-            5.24).
+            The key-value cache (also accepted as `past_key_values`, its name before Transformers 5.24).
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            Token ids for the language-modelling loss (shifted inside; -100 is ignored). In
-            training, the sigma-MoE entropy regulariser times `config.entropy_reg_coef` is added to
-            the loss.
+            Token ids for the language-modelling loss (shifted inside; -100 is ignored). In training, the sigma-MoE
+            entropy regulariser times `config.entropy_reg_coef` is added to the loss.
         output_router_logits (`bool`, *optional*):
-            Return the logits of every expert router (value, output and sigma-MoE selections) and
-            `aux_loss`.
+            Return the logits of every expert router (value, output and sigma-MoE selections) and `aux_loss`.
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
-            Compute logits only for the last `logits_to_keep` positions (or the given indices); 0
-            keeps all.
+            Compute logits only for the last `logits_to_keep` positions (or the given indices); 0 keeps all.
         xl_memory (`list[torch.Tensor]`, *optional*):
-            Transformer-XL memory from the previous segment's output (`out.xl_memory`), with
-            `use_cache=False`: `out = model(input_ids=seg, labels=seg, xl_memory=mem,
-            use_cache=False); mem = out.xl_memory`.
+            Transformer-XL memory from the previous segment's output, with `use_cache=False`:
+            `out = model(input_ids=seg, labels=seg, xl_memory=mem, use_cache=False); mem = out.xl_memory`.
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits

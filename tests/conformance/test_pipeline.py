@@ -91,7 +91,8 @@ def test_folder_is_push_to_hub_ready(hub_folder):
     package = Path(switchhead.__file__).parent
     copied = sorted(path.name for path in folder.glob("*.py"))  # the model, its configuration and their siblings
     assert {"modeling_switchhead.py", "configuration_switchhead.py", "expert_ops.py", "positions.py",
-            "tensor_parallel.py", "checkpoint_format.py", "transformers_compat.py", "routing.py"} <= set(copied)
+            "tensor_parallel.py", "checkpoint_format.py", "transformers_compat.py", "routing.py",
+            "model_io.py"} <= set(copied)
     for name in copied:
         assert (folder / name).read_text() == (package / name).read_text()
         tree = ast.parse((folder / name).read_text())

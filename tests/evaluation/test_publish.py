@@ -12,7 +12,7 @@ from switchhead.cli import main
 # Code that `from_pretrained(..., trust_remote_code=True)` imports from a saved folder
 CODE_FILES = {"configuration_switchhead.py", "modeling_switchhead.py", "expert_ops.py", "positions.py",
               "tensor_parallel.py", "checkpoint_format.py", "transformers_compat.py", "experts_integration.py",
-              "routing.py"}
+              "routing.py", "model_io.py"}
 ALLOWED = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
            "README.md", *CODE_FILES}
 FORBIDDEN_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz")

@@ -1,11 +1,15 @@
-"""Checks of what a caller hands the decoder stack, with errors that say what to change.
+"""What goes into the decoder stack and what comes out: checks of the caller's inputs, with errors that say what to
+change, and the output classes (Transformers' MoE outputs with the XL memory added).
 
 Shape checks only, and the vocabulary check on the CPU only: nothing here syncs with the host on an accelerator or
-under torch.compile. Part of the Hub-ready model: it imports only torch.
+under torch.compile. Part of the Hub-ready model: it imports only torch and transformers.
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 
 def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
@@ -35,3 +39,26 @@ def embed_tokens(embedding: nn.Embedding, input_ids: torch.Tensor) -> torch.Tens
             f"input_ids holds token ids outside the vocabulary: every id must be in [0, vocab_size="
             f"{embedding.num_embeddings}) (min {int(input_ids.min())}, max {int(input_ids.max())})"
         ) from None
+
+
+@dataclass
+class SwitchHeadModelOutputWithPast(MoeModelOutputWithPast):
+    r"""
+    xl_memory (`list[torch.Tensor]`, *optional*):
+        One detached `[B, M, d]` tensor per layer: the last `config.xl_memory_length` positions of
+        that layer's input hidden states (previous memory, then this segment). Pass it as
+        `xl_memory=` with the next segment. Returned for XL models with `xl_memory_length > 0` when
+        called without a KV cache (`use_cache=False`).
+    """
+
+    xl_memory: list[torch.Tensor] | None = None
+
+
+@dataclass
+class SwitchHeadCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    r"""
+    xl_memory (`list[torch.Tensor]`, *optional*):
+        The XL memory for the next segment; see `SwitchHeadModelOutputWithPast.xl_memory`.
+    """
+
+    xl_memory: list[torch.Tensor] | None = None
