@@ -215,7 +215,7 @@ class SwitchHeadAttentionBase(nn.Module):
         # transposed output is contiguous already, so `.contiguous()` recorded nothing) by one whose output is not
         if torch.compiler.is_exporting():
             attended = attended.clone(memory_format=torch.contiguous_format)
-        return self.project_output(attended.reshape(heads_shape), hidden_states, routing), probs
+        return self.project_output(attended.reshape(heads_shape), hidden_states, routing=routing), probs
 
 
 class SwitchHeadAttention(SwitchHeadAttentionBase):
@@ -251,11 +251,12 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
 
     def project_inputs(self, hidden_states, sources):
-        """"switchhead_fused" (both sides experts, no XL memory): q, k, every expert's values and both routers' logits
-        from one GEMM (`expert_ops.fused_attention_inputs`), the values mixed with a recomputing backward; the output
-        router's logits go on to `project_output`. Otherwise one projection at a time."""
+        """"switchhead_fused" (both sides experts, no XL memory, not split by tensor parallelism): q, k, every expert's
+        values and both routers' logits from one GEMM (`expert_ops.fused_attention_inputs`), the values mixed with a
+        recomputing backward; the output router's logits go on to `project_output`. Otherwise one projection at a
+        time (under tensor parallelism each projection's own style moves its sharded weight)."""
         if (self.config._experts_implementation != "switchhead_fused" or sources is not hidden_states
-                or not (self.expert_values and self.expert_output)):
+                or not (self.expert_values and self.expert_output) or hasattr(self.q_proj.weight, "device_mesh")):
             return super().project_inputs(hidden_states, sources)
         batch, length, d = hidden_states.shape
         weights = [self.q_proj.weight, self.k_proj.weight, self.value_selection.weight, self.output_selection.weight]

@@ -29,6 +29,8 @@ import switchhead
 from switchhead import SwitchHeadForCausalLM
 folder = sys.argv[1]
 model = SwitchHeadForCausalLM.from_pretrained(folder, tp_plan="auto").eval()
+if os.environ.get("EXPERTS_IMPLEMENTATION"):
+    model.set_experts_implementation(os.environ["EXPERTS_IMPLEMENTATION"])
 ids = torch.load(os.path.join(folder, "ids.pt"))
 with torch.no_grad():
     logits = model(input_ids=ids).logits
@@ -56,6 +58,7 @@ CASES = {
     "tiny-switchall": {},
     "tiny-switchhead-value": {"attention_expert_projections": "value"},  # expert V, dense o_proj (rowwise)
     "tiny-switchhead-output": {"attention_expert_projections": "output"},  # dense v_proj (colwise), expert O
+    "tiny-switchhead-fused": {},  # experts_implementation="switchhead_fused" on the processes: one projection a time
 }
 
 
@@ -94,7 +97,7 @@ def expected_shards(config: SwitchHeadConfig) -> dict[str, list[int]]:
 @pytest.mark.integration
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_plan_auto_on_two_cpu_processes(tmp_path, case):
-    preset = case.removesuffix("-gate").removesuffix("-value").removesuffix("-output")
+    preset = case.removesuffix("-gate").removesuffix("-value").removesuffix("-output").removesuffix("-fused")
     config = SwitchHeadConfig.from_preset(preset, hidden_dropout=0.0, **CASES[case])
     torch.manual_seed(0)
     model = SwitchHeadForCausalLM(config).eval()
@@ -107,7 +110,8 @@ def test_tp_plan_auto_on_two_cpu_processes(tmp_path, case):
     model(input_ids=ids, labels=ids).loss.backward()
     torch.save({name: p.grad for name, p in model.named_parameters()}, tmp_path / "reference_grads.pt")
     (tmp_path / "worker.py").write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "EXPERTS_IMPLEMENTATION": "switchhead_fused" if case.endswith("-fused") else ""}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), str(tmp_path / "worker.py"), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)
