@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_attention_block  # noqa: E402
 import bench_decode_floor  # noqa: E402
 import bench_long_context  # noqa: E402
 import roofline  # noqa: E402
@@ -151,3 +152,13 @@ def test_fused_block_runs_fewer_matrix_products_and_keeps_less_than_the_per_proj
     per_token = {label: doubled[label]["saved_bytes"] - counts[label]["saved_bytes"] for label in counts}
     assert per_token["fused"] < per_token["eager"]
     assert per_token["fused"] < per_token["dense"]
+
+
+def test_attention_block_benchmark_cpu_smoke(tmp_path):
+    out = tmp_path / "block.json"
+    assert bench_attention_block.main(["--cpu-smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [row["label"] for row in report["rows"]] == ["dense", "switchhead/eager", "switchhead/fused"]
+    assert all(row["seconds"] > 0 and row["aten_ops"] > 0 for row in report["rows"])
+    assert report["rows"][0]["ratio_to_dense"] == 1.0
+    assert out.with_suffix(".md").read_text().startswith("# One attention block")
