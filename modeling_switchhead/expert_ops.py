@@ -22,16 +22,15 @@ and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`.
   tensors, or CPU tensors under `TRITON_INTERPRET=1`), elsewhere the PyTorch formulation the "auto" rule picks (the
   kernels' twin on devices they do not run on);
 - "switchhead_auto" (the default): per call, what an H100 measured faster: "eager"'s rule for grouped routing
-  (SwitchHead's per-head projections), "cvmm" for any other routing (sigma-MoE's MLP, other MoE models).
-
+  (SwitchHead's per-head projections), "cvmm" for any other routing (sigma-MoE's MLP, other MoE models);
 - "switchhead_fused": SwitchHead's attention block with dense's kernel count: q, k, every expert's values and both
   routers from one GEMM, values mixed with a backward that recomputes rather than stores every expert's values, the
   output one GEMM over `H * E * dh` that keeps only its arguments (the attention layer does the fusing, see
   "fused" below); alone, a per-head projection runs `_per_head` with those backwards (under autocast too), and
   any other call "eager"'s rule.
 
-Only "eager", "cvmm", "switchhead_auto" and "switchhead_fused" choose by size; the other names are one formulation
-each.
+Only "eager", "cvmm", "switchhead_auto" and "switchhead_fused" (outside the attention layer) choose by size; the
+other names are one formulation each.
 
 The formulations "eager" chooses among besides those two: `_all_experts` (every expert in dense matmuls, no weight
 copy: without gates every row times every expert, then each slot's result picked; with gates, the gates scattered
@@ -325,8 +324,12 @@ def fused_input_weight(parts: list[torch.Tensor], value_experts: torch.Tensor) -
     """One linear weight `[rows, d]`: the dense `[rows_i, d]` weights of `parts` around every expert's value weight
     (`value_experts` `[H * E, d, dh]`, as rows `h * E * dh + e * dh + j`), in the order (q, k, values, routers):
     `parts[:2] + [values] + parts[2:]`."""
-    values = value_experts.transpose(1, 2).reshape(-1, value_experts.shape[1])  # [H * E * dh, d]
-    return torch.cat([*parts[:2], values, *parts[2:]])
+    return torch.cat([*parts[:2], _as_linear_weight(value_experts), *parts[2:]])
+
+
+def _as_linear_weight(value_experts: torch.Tensor) -> torch.Tensor:
+    """Expert value weights `[H * E, d, dh]` as one linear weight `[H * E * dh, d]` (a copy)."""
+    return value_experts.transpose(1, 2).reshape(-1, value_experts.shape[1])
 
 
 def fused_attention_inputs(tokens: torch.Tensor, dense_weights: list[torch.Tensor], value_experts: torch.Tensor,
@@ -386,7 +389,7 @@ def _fused(inputs, expert_index, weight, gates, out_groups, grouped_routing=Fals
         heads = max(inputs.shape[1], out_groups)
         dense = dense_head_gates(expert_index, gates, heads, weight.shape[0] // heads, inputs.dtype)
         if inputs.shape[1] == 1:
-            linear = weight.transpose(1, 2).reshape(-1, weight.shape[1])  # [H * E * dh, d]
+            linear = _as_linear_weight(weight)
             return mix_values_recomputed(F.linear(inputs[:, 0], linear), dense, inputs[:, 0], linear)
         return head_expert_output(inputs, dense, weight, lean=True).unsqueeze(1)
     return _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing)
