@@ -61,18 +61,10 @@ from .configuration_switchhead import SwitchHeadConfig
 from .model_io import SwitchHeadCausalLMOutputWithPast, SwitchHeadModelOutputWithPast, check_inputs, embed_tokens
 from .expert_ops import EXPERTS_IMPLEMENTATIONS, fused_attention_inputs, lookup, relu
 from .experts_integration import ExpertsChoiceMixin, local_routes, register as register_experts_functions
-from .routing import ExpertSelection, sigma_moe_entropy_loss
+from .routing import ExpertSelection, mlp_router_logits, sigma_moe_entropy_loss
 from .tensor_parallel import ParallelPlansMixin, register_styles
-from .positions import (
-    SwitchHeadRotaryEmbedding,
-    apply_partial_rotary,
-    check_xl_attention,
-    check_xl_memory,
-    create_xl_memory_mask,
-    paged_key_distances,
-    xl_paged_attention_mask,
-    xl_position_bias,
-)
+from .positions import (SwitchHeadRotaryEmbedding, apply_partial_rotary, check_xl_memory, create_xl_memory_mask,
+                        rotary_embedding, xl_attention_inputs)
 
 
 # ======================================================================================== attention
@@ -180,20 +172,11 @@ class SwitchHeadAttentionBase(nn.Module):
         # index of the first query among the keys: what the cache held before, else the memory length
         query_offset = sources.shape[1] - length if past_length is None else past_length
 
-        extra = {}
-        paged_distance = None
-        if self.position_encoding == "xl" and attention_mask is not None:
-            paged_distance = paged_key_distances(kwargs, query.shape[2], attention_mask.shape[-1], query.device,
-                                                 paged=packed)
-        if paged_distance is not None:  # continuous batching: requests packed, keys read from the paged cache
-            attention_mask = xl_paged_attention_mask(self, query, attention_mask, paged_distance)
-
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        if paged_distance is None and self.position_encoding == "xl":
-            check_xl_attention(self.config._attn_implementation, attention_interface)
-            extra["position_bias"] = xl_position_bias(self, query, key.shape[2], query_offset)
+        attention_mask, extra = xl_attention_inputs(self, query, key.shape[2], attention_mask, query_offset, packed,
+                                                    kwargs, attention_interface)  # XL's position term, if any
         pad = sdpa_head_padding(self.config._attn_implementation, query,
                                 attention_mask is not None or "position_bias" in extra)
         if pad:  # to a width sdpa's fused kernels take with a mask (exact: see sdpa_head_padding)
@@ -511,13 +494,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
             [SwitchHeadDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-        if config.position_encoding != "rope" and rope_type != "default":
-            raise ValueError(
-                f"rope_parameters['rope_type']={rope_type!r} needs position_encoding='rope'; this model uses "
-                f"{config.position_encoding!r} positions (no RoPE to scale): drop the RoPE scaling"
-            )
-        self.rotary_emb = SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
+        self.rotary_emb = rotary_embedding(config)  # None with XL positions
         self.gradient_checkpointing = False
         self.post_init()
         install_output_hooks(self, config)
@@ -626,13 +603,6 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
-    def mlp_router_logits(self, router_logits: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The sigma-MoE routers among all recorded ones (each block records value, output, then MLP router)."""
-        if self.config.mlp_type != "sigma_moe" or not router_logits:
-            return ()
-        per_layer = self.config.routers_per_layer
-        return tuple(router_logits[per_layer - 1 :: per_layer])
-
     @accepts_past_key_values
     @can_return_tuple
     def forward(
@@ -686,7 +656,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
 
         aux_loss = None
-        mlp_logits = self.mlp_router_logits(outputs.router_logits or ())
+        mlp_logits = mlp_router_logits(outputs.router_logits, self.config)
         if mlp_logits:
             aux_loss = sigma_moe_entropy_loss(mlp_logits, attention_mask)
             if loss is not None and regularise:

@@ -310,6 +310,37 @@ def xl_paged_attention_mask(attention: nn.Module, query: torch.Tensor, attention
     return bias + attention_mask.to(bias.dtype)
 
 
+def xl_attention_inputs(attention: nn.Module, query: torch.Tensor, key_length: int,
+                        attention_mask: torch.Tensor | None, query_offset: int, packed: bool, kwargs: dict,
+                        attention_function) -> tuple[torch.Tensor | None, dict]:
+    """What XL positions add to an attention call: (the mask, extra keyword arguments for the attention function).
+
+    A continuous-batching call (packed requests, keys from the paged cache) folds the bias into its mask
+    (`xl_paged_attention_mask`); any other call passes it as `position_bias` (`xl_position_bias`), to an attention
+    function that adds it (`check_xl_attention`). Attention without XL positions: the mask unchanged, no extras.
+    """
+    if attention.position_encoding != "xl":
+        return attention_mask, {}
+    if attention_mask is not None:
+        distance = paged_key_distances(kwargs, query.shape[2], attention_mask.shape[-1], query.device, paged=packed)
+        if distance is not None:
+            return xl_paged_attention_mask(attention, query, attention_mask, distance), {}
+    check_xl_attention(attention.config._attn_implementation, attention_function)
+    return attention_mask, {"position_bias": xl_position_bias(attention, query, key_length, query_offset)}
+
+
+def rotary_embedding(config) -> SwitchHeadRotaryEmbedding | None:
+    """The model's RoPE module (None with XL positions, which refuse RoPE scaling: there is no RoPE to scale).
+    Checked here as well as in the config, which can be edited after it was validated."""
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if config.position_encoding != "rope" and rope_type != "default":
+        raise ValueError(
+            f"rope_parameters['rope_type']={rope_type!r} needs position_encoding='rope'; this model uses "
+            f"{config.position_encoding!r} positions (no RoPE to scale): drop the RoPE scaling"
+        )
+    return SwitchHeadRotaryEmbedding(config) if config.position_encoding == "rope" else None
+
+
 def create_xl_memory_mask(
     config,
     inputs_embeds: torch.Tensor,

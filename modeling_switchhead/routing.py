@@ -56,6 +56,14 @@ class ExpertSelection(nn.Module):
         return logits, scores.gather(-1, index), index
 
 
+def mlp_router_logits(router_logits: tuple[torch.Tensor, ...], config) -> tuple[torch.Tensor, ...]:
+    """The sigma-MoE routers' logits among a model's recorded ones (each block records its attention routers, then
+    the MLP's: `config.routers_per_layer` per block); () when the MLP is dense."""
+    if config.mlp_type != "sigma_moe" or not router_logits:
+        return ()
+    return tuple(router_logits[config.routers_per_layer - 1 :: config.routers_per_layer])
+
+
 def sigma_moe_entropy_loss(
     mlp_router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM, SwitchHeadModel
 from switchhead.evaluation.accounting import attention_macs, attention_memory, cost_report
 from switchhead.modeling_switchhead import SwitchHeadAttention
+from switchhead.routing import mlp_router_logits
 from helpers.padding import generate_cached_and_uncached, left_padded_batch
 
 SIDES = ["value_output", "value", "output"]
@@ -198,7 +199,7 @@ def test_router_logits_count_only_the_expert_sides(sides, routers):
     out = model(torch.randint(0, 64, (1, 5)), output_router_logits=True)
     assert len(out.router_logits) == SMALL["num_hidden_layers"] * (routers + 1)
     # the sigma-MoE routers are still the ones picked out for the entropy term: E = 4 columns
-    assert all(logits.shape[-1] == 4 for logits in model.mlp_router_logits(out.router_logits))
+    assert all(logits.shape[-1] == 4 for logits in mlp_router_logits(out.router_logits, model.config))
     from switchhead.evaluation.analysis import router_layout
 
     names = [name for name, _, _ in router_layout(model.config)]
