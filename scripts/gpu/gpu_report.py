@@ -27,9 +27,11 @@ sys.path.insert(0, str(BENCHMARKS))
 STAGE_FILES = {"check": "gpu_check.json", "cvmm": "cvmm.json", "e2e": "e2e.json", "e2e_compiled": "e2e_compiled.json",
                "e2e_eager": "e2e_eager.json", "e2e_262m": "e2e_262m.json", "compile": "gpu_check_compile.json",
                "check_model": "gpu_check_model.json", "long_train": "long_train.json",
-               "decode_floor": "decode_floor.json", "profiles": "profiles.json", "prefill": "prefill.json"}
+               "decode_floor": "decode_floor.json", "profiles": "profiles.json", "prefill": "prefill.json",
+               "generate_host": "generate_host.json"}
 MATRICES = {"long_train": "Training at long context", "decode_floor": "Decoding against its HBM floor",
-            "prefill": "Prefill at batch 1", "profiles": "Kernel tables"}
+            "prefill": "Prefill at batch 1", "profiles": "Kernel tables",
+            "generate_host": "A step of compiled generate on the host"}
 # the targets, for the record: (measure, sign, bound)
 KERNEL_TARGET = 0.8  # forward+backward throughput as a fraction of the same-FLOP dense matmul
 E2E_TARGETS = {"train_time": ("<=", 0.7), "train_peak_memory": ("<=", 0.7), "decode_tok_s@b32": (">=", 1.3)}
@@ -105,6 +107,7 @@ def render(folder: Path, out_dir: Path) -> Path:
     import bench_cvmm
     import bench_decode_floor
     import bench_e2e
+    import bench_generate_host
     import bench_long_context
     import gpu_check
     import profile_steps
@@ -120,7 +123,8 @@ def render(folder: Path, out_dir: Path) -> Path:
     renderers = {"check": gpu_check.markdown, "compile": gpu_check.markdown, "cvmm": bench_cvmm.markdown,
                  "check_model": gpu_check.markdown, "long_train": bench_long_context.markdown,
                  "prefill": bench_long_context.markdown, "decode_floor": bench_decode_floor.markdown,
-                 "profiles": profile_steps.markdown, **{k: bench_e2e.markdown for k in reports if k.startswith("e2e")}}
+                 "profiles": profile_steps.markdown, "generate_host": bench_generate_host.markdown,
+                 **{k: bench_e2e.markdown for k in reports if k.startswith("e2e")}}
     checks = reports["check"] or reports["check_model"]  # the whole-model checks, with the op sections or alone
     withheld = {}  # end-to-end file -> its pairs whose whole-model checks did not pass
     for stage, report in reports.items():
@@ -161,7 +165,7 @@ def render(folder: Path, out_dir: Path) -> Path:
         lines += ["", *e2e_lines(e2e), ""]
     matrices = [stage for stage in MATRICES if reports.get(stage) is not None]
     if matrices:
-        lines += ["## Long context, decoding, prefill, kernel tables", ""]
+        lines += ["## Long context, decoding, prefill, kernel tables, host cost", ""]
         lines += [f"- {MATRICES[stage]}: [{files[stage][:-5]}.md]({files[stage][:-5]}.md)" for stage in matrices]
         lines.append("")
     path = out_dir / "session.md"

@@ -75,7 +75,7 @@ single() {
 # ------------------------------------------------------------------------------------------ the whole run
 budget=540
 cvmm_only=""
-ALL_STAGES="check check_model long_train decode_floor profiles prefill e2e e2e_compiled e2e_262m e2e_eager cvmm compile"
+ALL_STAGES="check check_model long_train decode_floor profiles prefill generate_host e2e e2e_compiled e2e_262m e2e_eager cvmm compile"
 # the default: whole models checked, then timed; the kernel timings alone only when asked for (--stages)
 stages_arg=check,e2e,e2e_compiled,e2e_262m,e2e_eager,compile
 smoke=()
@@ -179,6 +179,10 @@ session() {
             # prefill at batch 1, 1k and 16k tokens, graph-captured (bench_long_context.py prefill)
             prefill) run_stage prefill 45 20 30 -- python3 benchmarks/bench_long_context.py prefill "${smoke[@]}" \
                 --out "$work/prefill.json" ;;
+            # what a step of compiled generate (static cache, CUDA graphs) costs on the host: tiny models, Transformers'
+            # Llama as the control (bench_generate_host.py)
+            generate_host) run_stage generate_host 90 30 60 -- python3 benchmarks/bench_generate_host.py "${smoke[@]}" \
+                --reps 3 --out "$work/generate_host.json" ;;
             # c. end to end, the 47M pairs: the figures the package exists for
             e2e) run_stage e2e 160 60 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
                 "${smoke[@]}" --only "$e2e_only" --name e2e --no-markdown --out-dir "$work" ;;

@@ -16,6 +16,7 @@ from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_attention_block  # noqa: E402
 import bench_decode_floor  # noqa: E402
+import bench_generate_host  # noqa: E402
 import bench_long_context  # noqa: E402
 import roofline  # noqa: E402
 
@@ -162,3 +163,19 @@ def test_attention_block_benchmark_cpu_smoke(tmp_path):
     assert all(row["seconds"] > 0 and row["aten_ops"] > 0 for row in report["rows"])
     assert report["rows"][0]["ratio_to_dense"] == 1.0
     assert out.with_suffix(".md").read_text().startswith("# One attention block")
+
+
+@pytest.mark.integration  # compiles four models with inductor
+def test_generate_host_benchmark_cpu_smoke(tmp_path):
+    """Compiled `generate` (static cache) for Llama, dense, SwitchHead and its fused block, each step timed; the
+    profile finds a compiled call for every decoding step (`generate` left uncompiled, as it is on a CPU unless
+    asked, would have none)."""
+    out = tmp_path / "host.json"
+    assert bench_generate_host.main(["--cpu-smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [row["member"] for row in report["rows"]] == list(bench_generate_host.MEMBERS)
+    assert report["rows"][0]["ratio_to_llama"] == 1.0 and report["rows"][1]["ratio_to_dense"] == 1.0
+    for row in report["rows"]:
+        assert row["compiled_calls"] >= report["steps"]
+        assert row["microseconds"]["compiled region"] > 0 and row["microseconds"]["guards"] > 0
+    assert out.with_suffix(".md").read_text().startswith("# A step of compiled `generate` on the host")
