@@ -13,8 +13,8 @@ Two kernels cover the forward and the backward:
   inputs: A = grad, W = weight^T (a strided view), out = d inputs; the same program also forms the gate gradient
   `<x_m, grad_row W_e^T>` from the tile it already holds, so d gates costs no extra matmul.
   When several slots share an output row (the gated sum over experts and heads; the input rows read by several
-  slots) the epilogue adds with fp32 atomics into a zeroed fp32 buffer; in deterministic mode it stores each slot
-  to its own row and the host sums the slots in a fixed order.
+  slots) the epilogue stores each slot to its own fp32 row and the host sums the slots in a fixed order (the
+  default, deterministic), or, with atomics asked for, adds with fp32 atomics into a zeroed fp32 buffer.
 - `_expert_weight_grad`: `dW_e = sum_{m of e} x_m^T dy_m`, one program per (expert, d_in tile, d_out tile),
   looping over that expert's contiguous block of sorted slots: no atomics, deterministic. When that grid is too
   small to fill the GPU, SPLIT programs share an expert's rows and write fp32 partial sums that the host adds in

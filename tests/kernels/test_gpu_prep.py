@@ -181,7 +181,7 @@ def test_bench_cvmm_cpu_smoke_checks_and_times_every_use(tmp_path):
     assert {r["problem"].split("/")[1] for r in checks} == {"value", "output", "mlp_keys", "mlp_values"}
     assert all(r["ok"] and r["backend"] == "triton" for r in checks)
     timed = {(r["impl"], r["mode"]) for r in report["results"] if "ms" in r}
-    for impl in ("dense_mm", "cvmm", "cvmm_deterministic", "reference", "per_expert_loop"):
+    for impl in ("dense_mm", "cvmm", "cvmm_atomic", "reference", "per_expert_loop"):
         assert (impl, "forward+backward") in timed
     assert "| problem |" in out.with_suffix(".md").read_text()
 
@@ -337,25 +337,25 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
 
 @pytest.mark.integration
 def test_gpu_run_sh_smoke_runs_the_matrices_stages_and_the_report_links_them(tmp_path):
-    """The long-context, decoding-floor, profile, prefill and model-check stages, as `--stages` names them, on the
-    CPU; gpu_report.py renders each and links them from session.md."""
+    """The long-context, decoding-floor, profile, prefill, model-check and generate-host stages, as `--stages` names
+    them, on the CPU; gpu_report.py renders each and links them from session.md."""
     out = tmp_path / "out"
-    stages = "long_train,decode_floor,profiles,prefill,check_model"
+    stages = "long_train,decode_floor,profiles,prefill,check_model,generate_host"
     result = _session(out, "smoke", "--stages", stages, "--time-budget", "900")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert [s["stage"] for s in summary["stages"]] == stages.split(",")
     assert all(s["status"] == "ok" for s in summary["stages"]), summary
-    assert sorted(p.name for p in out.iterdir()) == ["decode_floor.json", "gpu_check_model.json", "log.txt",
-                                                     "long_train.json", "prefill.json", "profiles.json",
-                                                     "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["decode_floor.json", "generate_host.json",
+                                                     "gpu_check_model.json", "log.txt", "long_train.json",
+                                                     "prefill.json", "profiles.json", "summary.json"]
     import gpu_report
 
     session = gpu_report.render(out, tmp_path / "rendered").read_text()
     assert "Correctness: every check passed." in session
-    for name in ("long_train", "decode_floor", "prefill", "profiles", "gpu_check_model"):
+    for name in ("long_train", "decode_floor", "prefill", "profiles", "gpu_check_model", "generate_host"):
         assert (tmp_path / "rendered" / f"{name}.md").is_file()
-    for name in ("long_train", "decode_floor", "prefill", "profiles"):
+    for name in ("long_train", "decode_floor", "prefill", "profiles", "generate_host"):
         assert f"({name}.md)" in session
 
 

@@ -45,15 +45,24 @@ def test_triton_runs_on_cuda_and_the_interpreter_only(monkeypatch):
 
 
 def test_deterministic_switch(monkeypatch):
+    """Slots summed in a fixed order by default; atomics only when asked for, and never under torch's flag."""
     monkeypatch.delenv(kernels.DETERMINISTIC_ENV, raising=False)
-    assert not kernels.is_deterministic()
-    monkeypatch.setenv(kernels.DETERMINISTIC_ENV, "1")
     assert kernels.is_deterministic()
+    monkeypatch.setenv(kernels.DETERMINISTIC_ENV, "0")
+    assert not kernels.is_deterministic()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert kernels.is_deterministic()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    monkeypatch.setenv(kernels.DETERMINISTIC_ENV, "1")
     kernels.set_deterministic(False)
     try:
         assert not kernels.is_deterministic()
     finally:
         kernels.set_deterministic(None)
+    assert kernels.is_deterministic()
 
 
 @pytest.mark.parametrize("call, message", [
