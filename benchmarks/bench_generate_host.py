@@ -20,6 +20,7 @@ is its step less dense's (same package, same code path) and less Llama's (anothe
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ import roofline  # noqa: E402
 from machine import describe, result_path, save_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MEMBERS = ("llama", "dense", "switchhead", "switchhead/fused")
+MEMBERS = ("llama", "switchhead", "dense", "switchhead/fused")  # in order of value, should the budget run out
 PROFILED = {"guards": "TorchDynamo Cache Lookup", "compiled region": "Torch-Compiled Region"}
 
 
@@ -119,33 +120,45 @@ def profiled_step(model, ids, new_tokens: int, device) -> dict:
 def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    models = {member: build(member, args.shape, device, dtype) for member in MEMBERS}
+    began = time.perf_counter()
+    budget = math.inf if args.time_budget is None else args.time_budget
     ids = torch.randint(0, 100, (args.batch, args.prompt), device=device)
     short, long = args.short, args.short + args.steps
-    compile_s = {}
-    for member, model in models.items():  # compiles both cache lengths (a static cache's length is in its shape)
+    models, compile_s, not_run = {}, {}, []
+    for member in MEMBERS:  # compiles both cache lengths (a static cache's length is in its shape)
+        if models and time.perf_counter() - began > budget / 2:  # the rest of the budget is for timing
+            not_run.append(member)
+            continue
+        models[member] = build(member, args.shape, device, dtype)
         start = time.perf_counter()
-        clock(model, ids, short, device)
-        clock(model, ids, long, device)
+        clock(models[member], ids, short, device)
+        clock(models[member], ids, long, device)
         compile_s[member] = time.perf_counter() - start
     steps = {member: [] for member in models}
-    for _ in range(args.reps):
+    for rep in range(args.reps):
+        if rep and time.perf_counter() - began > budget * 0.8:
+            break
         for member, model in models.items():
             steps[member].append((clock(model, ids, long, device) - clock(model, ids, short, device)) / args.steps)
     rows = []
     llama_s = statistics.median(steps["llama"])
-    dense_s = statistics.median(steps["dense"])
+    dense_s = statistics.median(steps["dense"]) if "dense" in steps else None
     for member, model in models.items():
         step = statistics.median(steps[member])
-        row = dict(member=member, step_ms=step * 1e3, ratio_to_llama=step / llama_s, ratio_to_dense=step / dense_s,
+        row = dict(member=member, step_ms=step * 1e3, ratio_to_llama=step / llama_s,
+                   ratio_to_dense=step / dense_s if dense_s else None,
                    first_calls_s=compile_s[member], parameters=sum(p.numel() for p in model.parameters()))
         row.update(profiled_step(model, ids, long, device))
         rows.append(row)
-        print(f"{member:17}: {step * 1e3:7.3f} ms a step, {step / llama_s:.3f} of Llama's, {step / dense_s:.3f} of "
-              f"dense's; profiled (us a step): " + ", ".join(f"{k} {v:.0f}" for k, v in row["microseconds"].items()))
+        print(f"{member:17}: {step * 1e3:7.3f} ms a step, {step / llama_s:.3f} of Llama's; profiled (us a step): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in row["microseconds"].items()))
     return dict(environment=describe(device), smoke=args.cpu_smoke, shape=args.shape, batch=args.batch,
-                prompt=args.prompt, steps=args.steps, reps=args.reps, dtype=str(dtype).removeprefix("torch."),
-                rows=rows)
+                prompt=args.prompt, steps=args.steps, reps=len(steps["llama"]),
+                dtype=str(dtype).removeprefix("torch."), rows=rows, not_run=not_run)
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def markdown(report: dict) -> str:
@@ -165,7 +178,10 @@ def markdown(report: dict) -> str:
     for row in report["rows"]:
         us = row["microseconds"]
         lines.append(f"| {row['member']} | {row['step_ms']:.3f} | {row['ratio_to_llama']:.3f} | "
-                     f"{row['ratio_to_dense']:.3f} | {us.get('guards', 0):.0f} | {us.get('compiled region', 0):.0f} |")
+                     f"{_ratio(row['ratio_to_dense'])} | {us.get('guards', 0):.0f} | "
+                     f"{us.get('compiled region', 0):.0f} |")
+    if report.get("not_run"):
+        lines += ["", f"Not run (time budget): {', '.join(report['not_run'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--short", type=int, default=4, help="new tokens of the shorter generate call")
     parser.add_argument("--steps", type=int, default=64, help="steps between the two generate calls")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (medians over them)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: compile no further model after half of it, start no repetition after 80%%")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/"
                         "generate_host_<device>.json)")

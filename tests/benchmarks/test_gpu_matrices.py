@@ -172,9 +172,16 @@ def test_generate_host_benchmark_cpu_smoke(tmp_path):
     asked, would have none)."""
     out = tmp_path / "host.json"
     assert bench_generate_host.main(["--cpu-smoke", "--out", str(out)]) == 0
+    assert bench_generate_host.main(["--cpu-smoke", "--time-budget", "0", "--out", str(tmp_path / "cut.json")]) == 0
+    cut = json.loads((tmp_path / "cut.json").read_text())  # a budget spent: the first model alone, still reported
+    assert [row["member"] for row in cut["rows"]] == ["llama"]
+    assert cut["not_run"] == list(bench_generate_host.MEMBERS[1:])
+    assert "Not run (time budget): switchhead" in (tmp_path / "cut.md").read_text()
     report = json.loads(out.read_text())
     assert [row["member"] for row in report["rows"]] == list(bench_generate_host.MEMBERS)
-    assert report["rows"][0]["ratio_to_llama"] == 1.0 and report["rows"][1]["ratio_to_dense"] == 1.0
+    rows = {row["member"]: row for row in report["rows"]}
+    assert rows["llama"]["ratio_to_llama"] == 1.0 and rows["dense"]["ratio_to_dense"] == 1.0
+    assert report["not_run"] == []
     for row in report["rows"]:
         assert row["compiled_calls"] >= report["steps"]
         assert row["microseconds"]["compiled region"] > 0 and row["microseconds"]["guards"] > 0
