@@ -103,6 +103,34 @@ def e2e_lines(reports: list[dict]) -> list[str]:
     return lines
 
 
+def formulation_lines(long_train: dict | None, decode_floor: dict | None) -> list[str]:
+    """The evidence "switchhead_auto"'s CUDA rule is set from: in every cell of the training and decoding matrices
+    that timed more than one SwitchHead formulation, each one's time over the fastest's (1.000: the fastest). A
+    formulation is named by the experts implementation the run recorded."""
+    cells = []  # (matrix, cell, {experts implementation: seconds})
+    for group in (long_train or {}).get("groups", []):
+        timed = {member.get("experts_implementation", label): member["seconds"]
+                 for label, member in group["members"].items()
+                 if label.startswith("switchhead") and member.get("seconds")}
+        cells.append(("training", group["group"], timed))
+    decode = {}
+    for row in (decode_floor or {}).get("rows", []):
+        if row.get("label", "").startswith("switchhead") and row.get("step_seconds"):
+            key = f"{row['pair']} {row['batch']} @ {row['length']}"
+            decode.setdefault(key, {})[row.get("experts_implementation", row["label"])] = row["step_seconds"]
+    cells += [("decoding (graph)", key, timed) for key, timed in decode.items()]
+    cells = [cell for cell in cells if len(cell[2]) > 1]
+    if not cells:
+        return []
+    names = sorted({name for _, _, timed in cells for name in timed})
+    lines = ["| matrix | cell | fastest | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+    for matrix, cell, timed in cells:
+        best = min(timed, key=timed.get)
+        ratios = [f"{timed[name] / timed[best]:.3f}" if name in timed else "-" for name in names]
+        lines.append(f"| {matrix} | {cell} | {best} | " + " | ".join(ratios) + " |")
+    return lines
+
+
 def render(folder: Path, out_dir: Path) -> Path:
     import bench_cvmm
     import bench_decode_floor
@@ -163,6 +191,13 @@ def render(folder: Path, out_dir: Path) -> Path:
         lines += ["## End to end: SwitchHead / parameter-matched dense", ""]
         lines += [f"- {pair}: not reported ({why})." for pairs in withheld.values() for pair, why in pairs.items()]
         lines += ["", *e2e_lines(e2e), ""]
+    formulations = formulation_lines(reports.get("long_train"), reports.get("decode_floor"))
+    if formulations:
+        lines += ["## SwitchHead's formulations against each other (time over the fastest's)", "",
+                  "What `\"switchhead_auto\"`'s rule on CUDA is set from; columns are the experts implementations "
+                  "the runs recorded (`eager`: the PyTorch path, `cvmm`: the Triton kernel, `switchhead_fused`: the "
+                  "fused attention block).", "",
+                  *formulations, ""]
     matrices = [stage for stage in MATRICES if reports.get(stage) is not None]
     if matrices:
         lines += ["## Long context, decoding, prefill, kernel tables, host cost", ""]

@@ -504,3 +504,28 @@ def test_bf16_model_check_compares_each_path_with_fp32():
     assert bad["status"] == "mismatch" and "worst tensor b" in " ".join(bad["errors"])
     missing = gpu_check.bf16_row("v", "p", (wrong_logits, {"a": wrong_grads["a"]}), torch_run, want)
     assert missing["status"] == "mismatch" and missing["missing_gradients"] == ["b"]
+
+
+def test_report_sets_the_formulations_side_by_side():
+    """The evidence for "switchhead_auto"'s CUDA rule: each cell that timed several SwitchHead formulations names the
+    fastest and gives every formulation's time over it; dense and single-formulation cells are left out."""
+    import gpu_report
+
+    def member(implementation, seconds):
+        return dict(experts_implementation=implementation, seconds=seconds)
+
+    long_train = {"groups": [
+        {"group": "47m-rope@4096", "members": {"dense": member("cvmm", 0.33), "switchhead/eager": member("eager", 0.24),
+                                               "switchhead/fused": member("switchhead_fused", 0.20)}},
+        {"group": "47m-xl@256", "members": {"dense": member("cvmm", 0.1), "switchhead/eager": member("eager", 0.09)}},
+    ]}
+    decode_floor = {"rows": [
+        dict(pair="262m-rope", batch=32, length=8192, label=label, experts_implementation=implementation,
+             step_seconds=seconds)
+        for label, implementation, seconds in (("dense", "cvmm", 0.008), ("switchhead/eager", "eager", 0.027),
+                                               ("switchhead/fused", "switchhead_fused", 0.030))]}
+    lines = gpu_report.formulation_lines(long_train, decode_floor)
+    assert lines[0] == "| matrix | cell | fastest | eager | switchhead_fused |"
+    assert lines[2:] == ["| training | 47m-rope@4096 | switchhead_fused | 1.200 | 1.000 |",
+                         "| decoding (graph) | 262m-rope 32 @ 8192 | eager | 1.000 | 1.111 |"]
+    assert gpu_report.formulation_lines(None, None) == []
