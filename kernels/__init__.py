@@ -3,7 +3,8 @@
 `cvmm(inputs, expert_index, weight, gates=None, out_groups=1)` is the "cvmm" entry of the model's one dispatch table
 (`switchhead.expert_ops.EXPERTS_IMPLEMENTATIONS`) where `triton_runs`; see `cvmm.py` for the contract and the switch
 `set_deterministic` / `SWITCHHEAD_CVMM_DETERMINISTIC` (slots summed in a fixed order unless atomics are asked for).
-The Transformers experts function "cvmm" that runs it for any MoE model is the model's (`switchhead.experts_integration`). Triton is imported only when a Triton kernel first runs.
+The Transformers experts function "cvmm" that runs it for any MoE model is the model's
+(`switchhead.experts_integration`). Triton is imported only when a Triton kernel first runs.
 """
 
 if __name__ == "kernels":
