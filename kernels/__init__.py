@@ -42,6 +42,8 @@ if __name__ == "kernels":
 
     del _machinery, _util, _os, _sys, _checkout, _elsewhere, _spec
 else:
-    from .cvmm import CHECK_INDEX_ENV, DETERMINISTIC_ENV, cvmm, is_deterministic, set_deterministic, triton_runs
+    from .cvmm import (CHECK_INDEX_ENV, DETERMINISTIC_ENV, SlotOrder, cvmm, is_deterministic, set_deterministic,
+                       sort_slots, triton_runs)
 
-    __all__ = ["CHECK_INDEX_ENV", "DETERMINISTIC_ENV", "cvmm", "is_deterministic", "set_deterministic", "triton_runs"]
+    __all__ = ["CHECK_INDEX_ENV", "DETERMINISTIC_ENV", "SlotOrder", "cvmm", "is_deterministic", "set_deterministic",
+               "sort_slots", "triton_runs"]

@@ -1,6 +1,7 @@
 """CVMM ("conditional vector-matrix multiplication"): the expert projection of SwitchHead and sigma-MoE.
 
     cvmm(inputs, expert_index, weight, gates=None, out_groups=1)
+    cvmm(inputs, sort_slots(expert_index), ...)     # calls that route by one index share its sort
 
 inputs `[N, R, d_in]` (R input rows per token), expert_index `[N, S]` (integer indices into weight's first
 dimension), weight `[G, d_in, d_out]`, gates `[N, S]` or None. Slot s of token n multiplies input row
@@ -15,6 +16,11 @@ use (the Triton interpreter, for tests), in float32 / float16 / bfloat16; everyw
 formulations, and `cvmm` itself raises. The op and its backward are registered with `torch.library` as
 `switchhead::cvmm_forward` / `switchhead::cvmm_backward` (custom_op + register_fake + register_autograd), so
 `torch.compile(fullgraph=True)` traces through them.
+
+The kernels read the slots sorted by expert. The sort (`sort_slots`, one `torch.sort`) runs outside the op and its
+result goes to the backward, so a call sorts once for its forward and backward; projections that route by the same
+index (sigma-MoE's keys and values: `switchhead.experts_integration`) pass one `SlotOrder` and share one sort per
+layer. SwitchHead's value and output projections have routers of their own, so theirs are two sorts.
 
 No path syncs with the host: expert ids outside `[0, G)` are not read back. Set `SWITCHHEAD_CVMM_CHECK_INDEX=1` for
 an explicit host-side range check before every call (a sync; for debugging, as an out-of-range id in a kernel is
@@ -32,7 +38,7 @@ slot, and were faster at four of the seven other shapes timed (by 0.01-0.03 of t
 # no `from __future__ import annotations` here: torch.library reads the op signatures' annotations at run time
 import importlib.util
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -86,35 +92,45 @@ def _triton_module():
 
 
 # ---------------------------------------------------------------------------------------------------- the ops
-def sort_slots(expert_index: Tensor) -> tuple[Tensor, Tensor]:
-    """Flat slots sorted by expert: (expert of each sorted slot `[M]`, slot id of each sorted slot `[M]`).
+class SlotOrder(NamedTuple):
+    """An expert index with its slots sorted by expert, made once by `sort_slots` and passed to every `cvmm` call that
+    routes by that index (sigma-MoE's keys and values): their forwards and backwards then share one sort.
+
+    expert_index `[N, S]` (int64), sorted_expert `[N * S]` (the expert of each sorted slot), order `[N * S]` (the flat
+    slot id of each sorted slot)."""
+
+    expert_index: Tensor
+    sorted_expert: Tensor
+    order: Tensor
+
+
+def sort_slots(expert_index: Tensor) -> SlotOrder:
+    """The flat slots of `expert_index` `[N, S]` sorted by expert.
 
     The sort is stable, so the rows of one expert keep token order and every reduction order is fixed.
     """
-    return torch.sort(expert_index.reshape(-1), stable=True)
+    expert_index = expert_index.long()
+    sorted_expert, order = torch.sort(expert_index.reshape(-1), stable=True)
+    return SlotOrder(expert_index, sorted_expert, order)
 
 
 @torch.library.custom_op("switchhead::cvmm_forward", mutates_args=())
 def cvmm_forward(
-    inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Optional[Tensor], out_groups: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The CVMM op: returns (output, sorted experts `[M]`, sorted slot ids `[M]`); the latter two feed the backward."""
-    n, slots = expert_index.shape
-    sorted_expert, order = sort_slots(expert_index)
+    inputs: Tensor, weight: Tensor, gates: Optional[Tensor], sorted_expert: Tensor, order: Tensor, slots: int,
+    out_groups: int,
+) -> Tensor:
+    """The CVMM op on slots already sorted by expert (`sort_slots`): `[N, groups, d_out]`."""
     groups = out_groups if gates is not None else slots
-    if n == 0:
-        return inputs.new_zeros(0, groups, weight.shape[2]), sorted_expert, order
-    out = _triton_module().cvmm_forward_triton(inputs, weight, gates, sorted_expert, order, out_groups,
-                                               is_deterministic())
-    return out, sorted_expert, order
+    if inputs.shape[0] == 0:
+        return inputs.new_zeros(0, groups, weight.shape[2])
+    return _triton_module().cvmm_forward_triton(inputs, weight, gates, sorted_expert, order, out_groups,
+                                                is_deterministic())
 
 
 @cvmm_forward.register_fake
-def _cvmm_forward_fake(inputs, expert_index, weight, gates, out_groups):
-    n, slots = expert_index.shape
+def _cvmm_forward_fake(inputs, weight, gates, sorted_expert, order, slots, out_groups):
     groups = out_groups if gates is not None else slots
-    flat = expert_index.new_empty(n * slots)
-    return inputs.new_empty(n, groups, weight.shape[2]), flat, flat.new_empty(n * slots)
+    return inputs.new_empty(inputs.shape[0], groups, weight.shape[2])
 
 
 @torch.library.custom_op("switchhead::cvmm_backward", mutates_args=())
@@ -144,20 +160,18 @@ def _cvmm_backward_fake(grad, inputs, weight, gates, sorted_expert, order, out_g
 
 
 def _setup_context(ctx, inputs, output):
-    x, _, weight, gates, out_groups = inputs
-    _, sorted_expert, order = output
+    x, weight, gates, sorted_expert, order, _, out_groups = inputs
     ctx.save_for_backward(x, weight, gates, sorted_expert, order)
     ctx.out_groups = out_groups
-    ctx.mark_non_differentiable(sorted_expert, order)
 
 
-def _backward(ctx, grad, _sorted_expert_grad, _order_grad):
+def _backward(ctx, grad):
     x, weight, gates, sorted_expert, order = ctx.saved_tensors
-    need_inputs, _, need_weight, need_gates, _ = ctx.needs_input_grad
+    need_inputs, need_weight, need_gates = ctx.needs_input_grad[:3]
     d_inputs, d_weight, d_gates = cvmm_backward(grad, x, weight, gates, sorted_expert, order, ctx.out_groups,
                                                 need_inputs, need_weight)
-    return (d_inputs if need_inputs else None, None, d_weight if need_weight else None,
-            d_gates if need_gates else None, None)
+    return (d_inputs if need_inputs else None, d_weight if need_weight else None,
+            d_gates if need_gates else None, None, None, None, None)
 
 
 cvmm_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -191,14 +205,15 @@ def _range_error(expert_index: Tensor, num_experts: int) -> ValueError:
                       f"got values in [{int(expert_index.min())}, {int(expert_index.max())}]")
 
 
-def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | None = None,
+def cvmm(inputs: Tensor, expert_index: Tensor | SlotOrder, weight: Tensor, gates: Tensor | None = None,
          out_groups: int = 1) -> Tensor:
     """Rows times their selected expert's matrix, with an optional gate-weighted sum, on the Triton kernels (see the
     module docstring; where `triton_runs` is false this raises: the model's dispatch runs PyTorch there).
 
     Args:
         inputs: `[N, R, d_in]`.
-        expert_index: `[N, S]` integers in `[0, G)`.
+        expert_index: `[N, S]` integers in `[0, G)`, or `sort_slots(expert_index)`: calls that route by one index
+            then share its sort (it carries its index, so a sort cannot be paired with another index).
         weight: `[G, d_in, d_out]`.
         gates: `[N, S]` or None.
         out_groups: output rows per token when `gates` is given.
@@ -207,6 +222,9 @@ def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | N
         `[N, S, d_out]` without gates, `[N, out_groups, d_out]` with them, in the inputs' dtype (the autocast dtype
         under autocast). Differentiable w.r.t. inputs, weight and gates.
     """
+    slot_order = expert_index if isinstance(expert_index, SlotOrder) else None
+    if slot_order is not None:
+        expert_index = slot_order.expert_index
     _check_arguments(inputs, expert_index, weight, gates, out_groups)
     device_type = inputs.device.type
     if torch.is_autocast_enabled(device_type):  # as a matmul would: compute in the autocast dtype
@@ -226,5 +244,7 @@ def cvmm(inputs: Tensor, expert_index: Tensor, weight: Tensor, gates: Tensor | N
             f"installed, CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors) and one of "
             f"{[str(t) for t in TRITON_DTYPES]}; switchhead.expert_ops.expert_projection runs PyTorch elsewhere"
         )
-    out, _, _ = cvmm_forward(inputs, expert_index, weight, gates, out_groups)
-    return out
+    if slot_order is None:
+        slot_order = sort_slots(expert_index)
+    return cvmm_forward(inputs, weight, gates, slot_order.sorted_expert, slot_order.order, expert_index.shape[1],
+                        out_groups)

@@ -298,6 +298,27 @@ def _auto(inputs, expert_index, weight, gates, out_groups, grouped_routing=False
     return _cvmm(inputs, expert_index, weight, gates, out_groups, grouped_routing)
 
 
+_KERNELS_SORT_ONCE = _kernels is not None and hasattr(_kernels, "sort_slots")  # older kernels sort in each call
+
+
+def sorting_once(project: Callable, inputs: torch.Tensor, expert_index: torch.Tensor) -> Callable:
+    """`project` for the projections of one layer that all route by `expert_index` (sigma-MoE's keys, then its values),
+    the first reading `inputs`: where `project` runs the Triton kernels on them ("cvmm", or "switchhead_auto" outside
+    grouped routing), the slots are sorted once here and every call with this index reads that sort, forward and
+    backward alike, instead of sorting per call; any other call, or another index, runs `project` itself."""
+    if (not _KERNELS_SORT_ONCE or project not in (_cvmm, _auto)
+            or not _kernels.triton_runs(inputs.device, inputs.dtype)):
+        return project
+    slot_order = _kernels.sort_slots(expert_index)
+
+    def run(inputs, index, weight, gates, out_groups, grouped_routing=False):
+        if grouped_routing or index is not expert_index or not _kernels.triton_runs(inputs.device, inputs.dtype):
+            return project(inputs, index, weight, gates, out_groups, grouped_routing)
+        return _kernels.cvmm(inputs, slot_order, weight, gates, out_groups)
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------------- fused
 # "switchhead_fused": SwitchHead's attention block with dense's kernel count. The attention layer makes q, k, every
 # expert's values and both routers' logits in one GEMM over one concatenated weight (`fused_input_weight`); the value

@@ -115,7 +115,68 @@ def test_deterministic_mode_is_bitwise_reproducible_is_the_default_and_agrees_wi
 def test_opcheck_on_triton_path(use):
     case = random_case(torch.Generator().manual_seed(1), use, tokens=5, heads=2, experts=3, k=2, d_in=9, d_out=7,
                        dtype=torch.float32)
-    torch.library.opcheck(torch.ops.switchhead.cvmm_forward.default, case.args())
+    torch.library.opcheck(torch.ops.switchhead.cvmm_forward.default, _op_args(case))
+
+
+def _op_args(case: Case) -> tuple:
+    """`switchhead::cvmm_forward`'s arguments for a case: its slots sorted by expert outside the op."""
+    slot_order = kernels.sort_slots(case.expert_index)
+    return (case.inputs, case.weight, case.gates, slot_order.sorted_expert, slot_order.order,
+            case.expert_index.shape[1], case.out_groups)
+
+
+@pytest.mark.parametrize("use", sorted(USES))
+def test_a_shared_sort_gives_what_a_sort_per_call_gives(use):
+    """`cvmm(inputs, sort_slots(index), ...)`, the call that reuses a sort, is bitwise the call that sorts itself,
+    forward and every gradient."""
+    case = random_case(torch.Generator().manual_seed(6), use, tokens=9, heads=2, experts=3, k=2, d_in=11, d_out=13,
+                       dtype=torch.float32)
+    results = []
+    for index in (case.expert_index, kernels.sort_slots(case.expert_index)):
+        out = kernels.cvmm(case.inputs, index, case.weight, case.gates, case.out_groups)
+        results.append([out, *torch.autograd.grad(out, case.leaves(), torch.ones_like(out))])
+    for own, shared in zip(*results):
+        assert torch.equal(own, shared)
+
+
+def _sort_count(run) -> int:
+    """How many `torch.sort` calls reach the dispatcher while `run()` runs (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountSorts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.sort:
+                CountSorts.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with CountSorts():
+        run()
+    return CountSorts.count
+
+
+@pytest.mark.parametrize("implementation", ["cvmm", "switchhead_auto"])
+def test_sigma_moe_sorts_once_per_layer_and_equals_its_reference(implementation):
+    """SwitchAll's MLP on the kernels: its keys and values route by one index and share one sort for the forward and
+    backward of both (a sort per projection would count 2), with the loss and every gradient of "eager"."""
+    torch.manual_seed(0)
+    config = SwitchHeadConfig.from_preset("tiny-switchall")
+    model = SwitchHeadForCausalLM(config).eval()
+    mlp = model.model.layers[0].mlp
+    tokens = torch.randn(2, 7, config.hidden_size, requires_grad=True)
+    results = {}
+    for name in ("eager", implementation):
+        model.set_experts_implementation(name)
+
+        def step():
+            out = mlp(tokens)
+            results[name] = (out, *torch.autograd.grad(out.square().sum(), [tokens, *mlp.parameters()]))
+
+        sorts = _sort_count(step)
+        assert sorts == (0 if name == "eager" else 1), (name, sorts)
+    for got, want in zip(results[implementation], results["eager"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchhead-xl"])
@@ -154,14 +215,14 @@ def test_stride_zero_upstream_gradient_from_sum():
 def test_opcheck_forward_and_backward_ops(with_gates):
     case = random_case(torch.Generator().manual_seed(5), "value" if with_gates else "mlp_keys", tokens=4, heads=2,
                        experts=3, k=2, d_in=5, d_out=3, dtype=torch.float32)
-    args = (case.inputs, case.expert_index, case.weight, case.gates, case.out_groups)
+    args = _op_args(case)
     torch.library.opcheck(torch.ops.switchhead.cvmm_forward.default, args)
-    out, sorted_expert, order = torch.ops.switchhead.cvmm_forward(*args)
+    out = torch.ops.switchhead.cvmm_forward(*args)
     grad = torch.randn_like(out)
     torch.library.opcheck(torch.ops.switchhead.cvmm_backward.default,
                           (grad, case.inputs.detach(), case.weight.detach(),
-                           None if case.gates is None else case.gates.detach(), sorted_expert, order,
-                           case.out_groups, True, True))
+                           None if case.gates is None else case.gates.detach(), *args[3:5], case.out_groups, True,
+                           True))
 
 
 def test_fake_implementation_returns_true_shapes():
@@ -169,9 +230,48 @@ def test_fake_implementation_returns_true_shapes():
 
     case = random_case(torch.Generator().manual_seed(2), "output", tokens=6, heads=3, experts=4, k=2, d_in=5,
                        d_out=7, dtype=torch.float32)
-    real = torch.ops.switchhead.cvmm_forward(*case.args())
+    args = _op_args(case)
+    real = torch.ops.switchhead.cvmm_forward(*args)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake_args = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in case.args()]
-        fake = torch.ops.switchhead.cvmm_forward(*fake_args)
-    assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real] == [(6, 1, 7), (36,), (36,)]
-    assert [t.dtype for t in fake] == [t.dtype for t in real]
+        fake = torch.ops.switchhead.cvmm_forward(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                                   for t in args])
+    assert tuple(fake.shape) == tuple(real.shape) == (6, 1, 7) and fake.dtype == real.dtype
+    for use, shape in (("mlp_keys", (6, 2, 7)), ("value", (6, 3, 7))):  # no gates: a row per slot; gates: per group
+        other = _op_args(random_case(torch.Generator().manual_seed(3), use, tokens=6, heads=3, experts=4, k=2, d_in=5,
+                                     d_out=7, dtype=torch.float32))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = torch.ops.switchhead.cvmm_forward(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                                       for t in other])
+        assert tuple(fake.shape) == tuple(torch.ops.switchhead.cvmm_forward(*other).shape) == shape
+
+
+def test_compiled_switchall_on_the_kernels_shares_the_sort_and_equals_eager_mode():
+    """`torch.compile(fullgraph=True)` traces SwitchAll's layers with the kernels running (the custom ops, the sort
+    outside them, the MLP's shared sort): one sort per projection of attention and one per sigma-MoE MLP reach the
+    graph, and the loss and every gradient equal the uncompiled model's."""
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-switchall")).eval()
+    model.set_experts_implementation("cvmm")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+
+    def loss_fn(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    want = loss_fn(ids)
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    torch._dynamo.reset()
+    sorts = []
+
+    def count_sorts(graph_module, example_inputs):  # the graph dynamo hands its backend: count its sorts, run it
+        sorts.append(sum(node.target in (torch.sort, torch.ops.aten.sort.stable) for node in graph_module.graph.nodes))
+        return graph_module.forward
+
+    torch.compile(loss_fn, fullgraph=True, backend=count_sorts)(ids)
+    layers = model.config.num_hidden_layers
+    assert sorts == [3 * layers], sorts  # values, output (their own routers) and the MLP's one sort, per layer
+    torch._dynamo.reset()
+    got = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(ids)
+    got_grads = torch.autograd.grad(got, list(model.parameters()))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)

@@ -44,6 +44,22 @@ def test_triton_runs_on_cuda_and_the_interpreter_only(monkeypatch):
     assert kernels.triton_runs(cpu, torch.float32)
 
 
+def test_sorting_once_wraps_only_the_entries_that_run_the_kernels(monkeypatch):
+    """A layer's shared sort is made only where the kernels will read it: "cvmm" / "switchhead_auto" on tensors the
+    kernels run; every other entry, and tensors they do not run, get the table's function itself (no sort)."""
+    table = expert_ops.EXPERTS_IMPLEMENTATIONS
+    index = torch.zeros(3, 2, dtype=torch.long)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name in ("cvmm", "switchhead_auto", "eager", "switchhead_fused"):
+        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index) is table[name]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the answer only: nothing below launches a kernel
+    for name in ("cvmm", "switchhead_auto"):
+        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index) is not table[name]
+        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4, dtype=torch.float64), index) is table[name]
+    for name in ("eager", "switchhead_batched", "switchhead_grouped", "switchhead_fused"):
+        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index) is table[name]
+
+
 def test_deterministic_switch(monkeypatch):
     """Slots summed in a fixed order by default; atomics only when asked for, and never under torch's flag."""
     monkeypatch.delenv(kernels.DETERMINISTIC_ENV, raising=False)
