@@ -1,7 +1,7 @@
 """CVMM ("conditional vector-matrix multiplication"): the expert projection of SwitchHead and sigma-MoE.
 
     cvmm(inputs, expert_index, weight, gates=None, out_groups=1)
-    cvmm(inputs, sort_slots(expert_index), ...)     # calls that route by one index share its sort
+    cvmm(inputs, sort_slots(expert_index, G), ...)  # calls that route by one index share its sort
 
 inputs `[N, R, d_in]` (R input rows per token), expert_index `[N, S]` (integer indices into weight's first
 dimension), weight `[G, d_in, d_out]`, gates `[N, S]` or None. Slot s of token n multiplies input row
@@ -17,14 +17,14 @@ formulations, and `cvmm` itself raises. The op and its backward are registered w
 `switchhead::cvmm_forward` / `switchhead::cvmm_backward` (custom_op + register_fake + register_autograd), so
 `torch.compile(fullgraph=True)` traces through them.
 
-The kernels read the slots sorted by expert. The sort (`sort_slots`, one `torch.sort`) runs outside the op and its
-result goes to the backward, so a call sorts once for its forward and backward; projections that route by the same
+The kernels read the slots sorted by expert. The sort (`sort_slots`, one `torch.sort` on the narrowest integer keys
+that hold the expert count, `key_dtype`) runs outside the op and its result goes to the backward, so a call sorts once for its forward and backward; projections that route by the same
 index (sigma-MoE's keys and values: `switchhead.experts_integration`) pass one `SlotOrder` and share one sort per
 layer. SwitchHead's value and output projections have routers of their own, so theirs are two sorts.
 
 No path syncs with the host: expert ids outside `[0, G)` are not read back. Set `SWITCHHEAD_CVMM_CHECK_INDEX=1` for
 an explicit host-side range check before every call (a sync; for debugging, as an out-of-range id in a kernel is
-not reported clearly).
+not reported clearly: it reads outside the weight, or wraps around in the narrow sort key).
 
 Where several slots share an output row (the gated sum; the input gradient of rows read by several slots), the Triton
 forward and input gradient write each slot's row and sum the slots in a fixed order: bitwise reproducible, and on an
@@ -104,13 +104,26 @@ class SlotOrder(NamedTuple):
     order: Tensor
 
 
-def sort_slots(expert_index: Tensor) -> SlotOrder:
-    """The flat slots of `expert_index` `[N, S]` sorted by expert.
+def key_dtype(num_experts: int | None) -> torch.dtype:
+    """The sort key's dtype for expert ids in `[0, num_experts)`: the narrowest signed integer that also holds
+    `num_experts` itself (the backward searches for it), int64 when the count is not given. A GPU radix sort makes one
+    pass per key digit, so 16-bit ids sort in a quarter of int64's passes."""
+    if num_experts is None:
+        return torch.int64
+    for dtype in (torch.int16, torch.int32):
+        if num_experts <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
+def sort_slots(expert_index: Tensor, num_experts: int | None = None) -> SlotOrder:
+    """The flat slots of `expert_index` `[N, S]` sorted by expert; `num_experts` (the weight's G), where given, sorts
+    narrower keys (`key_dtype`).
 
     The sort is stable, so the rows of one expert keep token order and every reduction order is fixed.
     """
     expert_index = expert_index.long()
-    sorted_expert, order = torch.sort(expert_index.reshape(-1), stable=True)
+    sorted_expert, order = torch.sort(expert_index.reshape(-1).to(key_dtype(num_experts)), stable=True)
     return SlotOrder(expert_index, sorted_expert, order)
 
 
@@ -212,8 +225,8 @@ def cvmm(inputs: Tensor, expert_index: Tensor | SlotOrder, weight: Tensor, gates
 
     Args:
         inputs: `[N, R, d_in]`.
-        expert_index: `[N, S]` integers in `[0, G)`, or `sort_slots(expert_index)`: calls that route by one index
-            then share its sort (it carries its index, so a sort cannot be paired with another index).
+        expert_index: `[N, S]` integers in `[0, G)`, or `sort_slots(expert_index, G)`: calls that route by one
+            index then share its sort (it carries its index, so a sort cannot be paired with another index).
         weight: `[G, d_in, d_out]`.
         gates: `[N, S]` or None.
         out_groups: output rows per token when `gates` is given.
@@ -235,6 +248,9 @@ def cvmm(inputs: Tensor, expert_index: Tensor | SlotOrder, weight: Tensor, gates
         inputs, weight = inputs.to(dtype), weight.to(dtype)
     expert_index = expert_index.long()
     num_experts = weight.shape[0]
+    if slot_order is not None and num_experts > torch.iinfo(slot_order.sorted_expert.dtype).max:
+        raise ValueError(f"this SlotOrder's {slot_order.sorted_expert.dtype} keys cannot hold the ids of weight's "
+                         f"{num_experts} experts: make it with sort_slots(expert_index, num_experts={num_experts})")
     checking = os.environ.get(CHECK_INDEX_ENV, "0") == "1" and not torch.compiler.is_compiling()
     if checking and expert_index.numel() and (expert_index.min() < 0 or expert_index.max() >= num_experts):
         raise _range_error(expert_index, num_experts)  # explicit debug mode: reads the ids back (a sync)
@@ -245,6 +261,6 @@ def cvmm(inputs: Tensor, expert_index: Tensor | SlotOrder, weight: Tensor, gates
             f"{[str(t) for t in TRITON_DTYPES]}; switchhead.expert_ops.expert_projection runs PyTorch elsewhere"
         )
     if slot_order is None:
-        slot_order = sort_slots(expert_index)
+        slot_order = sort_slots(expert_index, num_experts)
     return cvmm_forward(inputs, weight, gates, slot_order.sorted_expert, slot_order.order, expert_index.shape[1],
                         out_groups)

@@ -135,8 +135,9 @@ def _gathered_expert_matmul(
 
     # experts are sorted: this block holds experts first..last (usually first == last); one flat loop over
     # (expert, k step), the rows of the other experts masked to zero, all into one accumulator
-    first = tl.load(sorted_expert_ptr + pid_m * BLOCK_M)
-    last = tl.load(sorted_expert_ptr + tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1)
+    # (the ids are 16- or 32-bit sort keys: widened so that e * stride_we cannot overflow)
+    first = tl.load(sorted_expert_ptr + pid_m * BLOCK_M).to(tl.int64)
+    last = tl.load(sorted_expert_ptr + tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1).to(tl.int64)
     k_steps = tl.cdiv(K, K_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, (last - first + 1) * k_steps):

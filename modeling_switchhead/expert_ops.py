@@ -301,15 +301,16 @@ def _auto(inputs, expert_index, weight, gates, out_groups, grouped_routing=False
 _KERNELS_SORT_ONCE = _kernels is not None and hasattr(_kernels, "sort_slots")  # older kernels sort in each call
 
 
-def sorting_once(project: Callable, inputs: torch.Tensor, expert_index: torch.Tensor) -> Callable:
-    """`project` for the projections of one layer that all route by `expert_index` (sigma-MoE's keys, then its values),
-    the first reading `inputs`: where `project` runs the Triton kernels on them ("cvmm", or "switchhead_auto" outside
-    grouped routing), the slots are sorted once here and every call with this index reads that sort, forward and
-    backward alike, instead of sorting per call; any other call, or another index, runs `project` itself."""
+def sorting_once(project: Callable, inputs: torch.Tensor, expert_index: torch.Tensor, num_experts: int) -> Callable:
+    """`project` for the projections of one layer that all route by `expert_index` into `num_experts` experts
+    (sigma-MoE's keys, then its values), the first reading `inputs`: where `project` runs the Triton kernels on them
+    ("cvmm", or "switchhead_auto" outside grouped routing), the slots are sorted once here and every call with this
+    index reads that sort, forward and backward alike, instead of sorting per call; any other call, or another
+    index, runs `project` itself."""
     if (not _KERNELS_SORT_ONCE or project not in (_cvmm, _auto)
             or not _kernels.triton_runs(inputs.device, inputs.dtype)):
         return project
-    slot_order = _kernels.sort_slots(expert_index)
+    slot_order = _kernels.sort_slots(expert_index, num_experts)
 
     def run(inputs, index, weight, gates, out_groups, grouped_routing=False):
         if grouped_routing or index is not expert_index or not _kernels.triton_runs(inputs.device, inputs.dtype):

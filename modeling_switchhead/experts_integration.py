@@ -63,7 +63,7 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
     # [N, 1, d]: every slot of a token reads its one row (the projection computes in the autocast dtype under
     # autocast, else in the promoted dtype of activations and weights)
     tokens = hidden_states.unsqueeze(1)
-    project = sorting_once(project, tokens, index)  # up and down route by one index: on the kernels, one sort
+    project = sorting_once(project, tokens, index, up.shape[0])  # up and down route by one index: one sort
 
     inner = project(tokens, index, _as_in_out(up, self.is_transposed), None, 1)  # [N, k, (2 *) I]
     if up_bias is not None:

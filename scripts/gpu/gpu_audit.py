@@ -40,6 +40,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 
+from switchhead.kernels.cvmm import key_dtype  # noqa: E402 - the op's sort keys (the audit decorates its own kernels)
+
 REPO = Path(__file__).resolve().parents[2]
 # bench_cvmm (the paper's problems) and machine (the machine's description) are benchmark scripts, in a folder of
 # scripts rather than a package: it goes on sys.path as each benchmark puts itself there
@@ -156,7 +158,7 @@ def record_launches(module, problem: dict, dtype_name: str, precision: str, dete
     inputs = meta_tensor((n, rows, problem["d_in"]), dtype, strided)
     weight = meta_tensor((problem["experts"], problem["d_in"], problem["d_out"]), dtype, strided)
     gates = meta_tensor((n, slots), torch.float32, strided) if problem["gated"] else None
-    sorted_expert = meta_tensor((n * slots,), torch.int64)
+    sorted_expert = meta_tensor((n * slots,), key_dtype(problem["experts"]))  # the sort keys `cvmm` makes
     order = meta_tensor((n * slots,), torch.int64)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)

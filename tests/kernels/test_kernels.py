@@ -44,6 +44,25 @@ def test_triton_runs_on_cuda_and_the_interpreter_only(monkeypatch):
     assert kernels.triton_runs(cpu, torch.float32)
 
 
+def test_sort_keys_are_the_narrowest_that_hold_the_expert_count_and_sort_alike():
+    from switchhead.kernels.cvmm import key_dtype
+
+    assert key_dtype(None) is torch.int64
+    assert [key_dtype(g) for g in (1, 32767, 32768, 2**31 - 1, 2**31)] == [
+        torch.int16, torch.int16, torch.int32, torch.int32, torch.int64]
+    index = torch.randint(0, 300, (257, 3), generator=torch.Generator().manual_seed(0))
+    wide, narrow = kernels.sort_slots(index), kernels.sort_slots(index, 300)
+    assert wide.sorted_expert.dtype is torch.int64 and narrow.sorted_expert.dtype is torch.int16
+    assert torch.equal(narrow.order, wide.order) and torch.equal(narrow.sorted_expert.long(), wide.sorted_expert)
+    assert torch.equal(narrow.expert_index, index)
+
+
+def test_a_slot_order_too_narrow_for_the_weight_is_refused():
+    slot_order = kernels.sort_slots(torch.zeros(2, 1, dtype=torch.long), 4)  # int16 keys
+    with pytest.raises(ValueError, match="num_experts=40000"):
+        kernels.cvmm(torch.randn(2, 1, 3), slot_order, torch.randn(40000, 3, 2))
+
+
 def test_sorting_once_wraps_only_the_entries_that_run_the_kernels(monkeypatch):
     """A layer's shared sort is made only where the kernels will read it: "cvmm" / "switchhead_auto" on tensors the
     kernels run; every other entry, and tensors they do not run, get the table's function itself (no sort)."""
@@ -51,13 +70,14 @@ def test_sorting_once_wraps_only_the_entries_that_run_the_kernels(monkeypatch):
     index = torch.zeros(3, 2, dtype=torch.long)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for name in ("cvmm", "switchhead_auto", "eager", "switchhead_fused"):
-        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index) is table[name]
+        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index, 5) is table[name]
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the answer only: nothing below launches a kernel
     for name in ("cvmm", "switchhead_auto"):
-        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index) is not table[name]
-        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4, dtype=torch.float64), index) is table[name]
+        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index, 5) is not table[name]
+        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4, dtype=torch.float64), index, 5) \
+            is table[name]
     for name in ("eager", "switchhead_batched", "switchhead_grouped", "switchhead_fused"):
-        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index) is table[name]
+        assert expert_ops.sorting_once(table[name], torch.randn(3, 1, 4), index, 5) is table[name]
 
 
 def test_deterministic_switch(monkeypatch):
