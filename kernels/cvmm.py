@@ -18,9 +18,10 @@ formulations, and `cvmm` itself raises. The op and its backward are registered w
 `torch.compile(fullgraph=True)` traces through them.
 
 The kernels read the slots sorted by expert. The sort (`sort_slots`, one `torch.sort` on the narrowest integer keys
-that hold the expert count, `key_dtype`) runs outside the op and its result goes to the backward, so a call sorts once for its forward and backward; projections that route by the same
-index (sigma-MoE's keys and values: `switchhead.experts_integration`) pass one `SlotOrder` and share one sort per
-layer. SwitchHead's value and output projections have routers of their own, so theirs are two sorts.
+that hold the expert count, `key_dtype`) runs outside the op and its result goes to the backward, so a call sorts
+once for its forward and backward; projections that route by the same index (sigma-MoE's keys and values:
+`switchhead.experts_integration`) pass one `SlotOrder` and share one sort per layer. SwitchHead's value and output
+projections have routers of their own, so theirs are two sorts.
 
 No path syncs with the host: expert ids outside `[0, G)` are not read back. Set `SWITCHHEAD_CVMM_CHECK_INDEX=1` for
 an explicit host-side range check before every call (a sync; for debugging, as an out-of-range id in a kernel is
@@ -96,8 +97,8 @@ class SlotOrder(NamedTuple):
     """An expert index with its slots sorted by expert, made once by `sort_slots` and passed to every `cvmm` call that
     routes by that index (sigma-MoE's keys and values): their forwards and backwards then share one sort.
 
-    expert_index `[N, S]` (int64), sorted_expert `[N * S]` (the expert of each sorted slot), order `[N * S]` (the flat
-    slot id of each sorted slot)."""
+    expert_index `[N, S]` (int64), sorted_expert `[N * S]` (the expert of each sorted slot, in `key_dtype`), order
+    `[N * S]` (the flat slot id of each sorted slot, int64)."""
 
     expert_index: Tensor
     sorted_expert: Tensor
