@@ -1,5 +1,5 @@
 """Inductor-compiled training step against eager on the CPU: the model's ReLU against ATen's, and aggressive
-recomputation (issue #14).
+recomputation.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_compiled_train.py [--models switchhead-rope,dense-rope] [--reps 4]
 

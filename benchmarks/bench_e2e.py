@@ -1,4 +1,4 @@
-"""End to end on a GPU: SwitchHead against its parameter-matched dense baseline, training and inference (issue #11).
+"""End to end on a GPU: SwitchHead against its parameter-matched dense baseline, training and inference.
 
     python benchmarks/bench_e2e.py                 # CUDA: 47M and 262M presets, RoPE and XL, bf16 autocast
     python benchmarks/bench_e2e.py --only 262m     # the pairs whose name contains this text
@@ -16,7 +16,7 @@ repetition and medians taken:
 - KV-cache bytes after the prefill.
 The XL models train without carrying memory across segments (`use_cache=False`), like the dense XL baseline.
 Ratios are SwitchHead / dense. The paper measured 0.65-0.72x time and 0.61-0.65x memory for training; the targets
-(issue #40, for the record) are a 47M step at <= 0.7x the dense time and memory, and >= 1.3x the dense decode
+set for this benchmark were a 47M step at <= 0.7x the dense time and memory, and >= 1.3x the dense decode
 tokens/s at batch 32 after 1024 tokens. `--time-budget` starts no pair that the time left cannot hold (judged from
 the pairs already run), so that a caller with a fixed budget keeps the pairs that finished.
 JSON and Markdown go to benchmarks/results/ (or `--out-dir`), named after the device, with the GPU, driver,

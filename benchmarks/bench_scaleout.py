@@ -1,5 +1,5 @@
 """Training past one process on CPU: per-process memory, step time and bytes communicated under the plans of
-Transformers' distributed engine (issue #39).
+Transformers' distributed engine.
 
     python benchmarks/bench_scaleout.py [--models SwitchAll,SwitchHead-XL] [--steps 3] [--batch 4] [--context 128]
     python benchmarks/bench_scaleout.py --quick      # tiny-switchall, one process and fsdp_size=2 + ep_size=2

@@ -1,4 +1,4 @@
-"""Why an inductor-compiled training step is slower than eager on this CPU: the ReLU mask kernels (issue #14).
+"""Why an inductor-compiled training step is slower than eager on this CPU: the ReLU mask kernels.
 
     OMP_NUM_THREADS=1 python benchmarks/inductor_relu_mask.py [--simdlen 8]
 

@@ -1,4 +1,4 @@
-"""What a training step keeps for its backward, part by part: SwitchHead against its dense baseline (issue #14).
+"""What a training step keeps for its backward, part by part: SwitchHead against its dense baseline.
 
     python benchmarks/saved_memory.py [--context 512] [--batch 2]
 

@@ -1,4 +1,4 @@
-"""Replicate the paper's central claim with our own training runs (issue 12).
+"""Replicate the paper's central claim with our own training runs.
 
 SwitchHead (MoE value/output projections, few heads) against two parameter-matched dense baselines, trained on
 WikiText-2 with one 8k BPE tokenizer and the same token budget, optimiser and schedule:
@@ -20,7 +20,7 @@ finished run leaves `run.json` in its folder and is skipped next time; an interr
 latest checkpoint. After every run the results files are rewritten from all finished runs.
 
     python experiments/replicate.py --scale session --out /tmp/replication   # the grid of benchmarks/results
-    python experiments/replicate.py --scale cpu                              # the cpu shapes; issue 42 runs them
+    python experiments/replicate.py --scale cpu                              # the cpu shapes; the cpu grid runs them
                                                                             # with replicate_cpu.py (its own order)
     python experiments/replicate.py --scale gpu                              # the paper's 45M/47M sizes
     python experiments/replicate.py --smoke --out /tmp/smoke --results-dir /tmp/smoke/results
@@ -113,7 +113,7 @@ class Scale:
 
 
 SCALES = {
-    # what this session ran: 1 torch thread on a 2-core machine shared with other jobs
+    # the grid of benchmarks/results/replication.md: 1 torch thread on a 2-core machine shared with other jobs
     "session": Scale("session", "d=128, 4 layers, ~2.9M parameters (2.1M of them embeddings/output), T=256, "
                      "160 steps x 8 x 256 = 328K tokens (0.12 epoch of WikiText-2)",
                      d=128, layers=4, d_ff=512, heads=2, experts=5, k=2, head_dim=24, dense_heads=8,
@@ -129,7 +129,7 @@ SCALES = {
                              ("lr8e-3", (("learning_rate", 8e-3),)), ("lr16e-3", (("learning_rate", 1.6e-2),)),
                              ("tokens2x", (("max_steps", 320), ("warmup_steps", 32)))),
                      seeded_sweeps=("lr8e-3",), sweep_ablations=(("lr8e-3", "Vonly"), ("lr8e-3", "Oonly"))),
-    # the issue's intended size: about 10 minutes per run with 2 threads on 2 CPU cores
+    # the size the cpu grid was planned at: about 10 minutes per run with 2 threads on 2 CPU cores
     "cpu": Scale("cpu", "d=192, 6 layers, ~5M parameters, T=256, 1200 steps x 16 x 256 = 4.9M tokens (~2 epochs)",
                  d=192, layers=6, d_ff=768, heads=2, experts=5, k=2, head_dim=32, dense_heads=8, dense_head_dim=24,
                  mlp_experts=16, mlp_expert_size=48, block_size=256, batch_size=16, max_steps=1200,
@@ -750,7 +750,7 @@ def write_results(scale: Scale, out: Path, results_dir: Path, command: str) -> d
         lines += ["## The paper's claim at this scale", "",
                   "Test perplexity of SwitchHead relative to each dense baseline (ratio of seed means; paired "
                   "differences over the seeds both have), and SwitchHead's share of the baseline's attention "
-                  "MACs and memory. Targets (issue 12): ratio to the same-total-heads baseline <= 1.02, to the "
+                  "MACs and memory. Targets: ratio to the same-total-heads baseline <= 1.02, to the "
                   "same-active-heads baseline < 1, MACs < 55%.", "",
                   "| positions | baseline | test ppl SwitchHead / baseline | paired difference (ppl) | seeds | "
                   "MACs share | memory share |", "|---|---|---|---|---|---|---|"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start, or resume, the issue-42 cpu grid (experiments/replicate_cpu.py) in the background: one torch thread, nice 19,
+# Start, or resume, the cpu grid (experiments/replicate_cpu.py) in the background: one torch thread, nice 19,
 # in a session of its own so that it outlives the shell that started it. Finished runs are skipped and an
 # interrupted run resumes from its checkpoint, so running this again after a stop or a reboot continues the grid.
 #

@@ -32,7 +32,7 @@ STAGE_FILES = {"check": "gpu_check.json", "cvmm": "cvmm.json", "e2e": "e2e.json"
 MATRICES = {"long_train": "Training at long context", "decode_floor": "Decoding against its HBM floor",
             "prefill": "Prefill at batch 1", "profiles": "Kernel tables",
             "generate_host": "A step of compiled generate on the host"}
-# the targets, for the record: (measure, sign, bound)
+# the targets, for the record: (measure, sign, bound)
 KERNEL_TARGET = 0.8  # forward+backward throughput as a fraction of the same-FLOP dense matmul
 E2E_TARGETS = {"train_time": ("<=", 0.7), "train_peak_memory": ("<=", 0.7), "decode_tok_s@b32": (">=", 1.3)}
 

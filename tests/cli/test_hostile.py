@@ -1,4 +1,4 @@
-"""Hostile input (issue 29): what a careless user or an attacker sends must fail alone, loudly and safely.
+"""Hostile input: what a careless user or an attacker sends must fail alone, loudly and safely.
 
 Server cases run against a real `switchhead serve` subprocess on loopback (a free port, always stopped): one
 server with continuous batching shared by the module, one without it. After every hostile request a normal greedy
@@ -737,7 +737,7 @@ def test_the_paged_cache_bounds_a_request_as_the_context_does(served):
     assert info.sampling is True  # without continuous batching, sampling is honoured per request
 
 
-# ================================================================================================ round three (#38)
+# ================================================================================================ round three
 def test_the_lock_never_writes_through_a_link_or_into_another_file(corpus, finished, tmp_path, capsys):
     """A symbolic link at the lock's path (to a user's file) is refused by train and upcycle, and the file keeps its
     bytes; so are a FIFO (which would block) and a hard link to the user's file (which O_NOFOLLOW cannot see)."""

@@ -1,4 +1,4 @@
-"""The top-level `kernels/` folder and Hugging Face's `kernels` package (issue 38, case 13).
+"""The top-level `kernels/` folder and Hugging Face's `kernels` package.
 
 Python started from the repository root (a notebook, `python -c`) has the root on sys.path, so `import kernels`
 finds our folder, whose import name is `switchhead.kernels`, before the `kernels` package that Transformers and

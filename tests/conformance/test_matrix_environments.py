@@ -1,5 +1,5 @@
-"""scripts/compat_matrix.py's environments see the packages of the interpreter that runs the matrix (issue 38, case
-11): `bash scripts/test.sh` inside a virtual environment used to build them with `venv --system-site-packages`,
+"""scripts/compat_matrix.py's environments see the packages of the interpreter that runs the matrix:
+`bash scripts/test.sh` inside a virtual environment used to build them with `venv --system-site-packages`,
 which exposes the *base* interpreter's packages, so every run there failed with "No module named 'switchhead'".
 
 Each test builds real environments with the script's own `create_env` (a few seconds each: venv runs ensurepip)."""

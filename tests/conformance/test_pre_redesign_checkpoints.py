@@ -1,4 +1,4 @@
-"""Checkpoints saved before the redesign of issue #31 (one modeling file, commit 28ce4f7) load and give that code's
+"""Checkpoints saved before the redesign (one modeling file, commit 28ce4f7) load and give that code's
 logits and greedy tokens: with this package (its classes), with the folder's own copied code next to this package
 (trust_remote_code=True, where the old code imports today's `switchhead.kernels`), and in a clean environment.
 

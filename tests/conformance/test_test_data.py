@@ -1,4 +1,4 @@
-"""The test data a user can get (issue 38, case 12): one place locates it (scripts/fetch_test_data.py:
+"""The test data a user can get: one place locates it (scripts/fetch_test_data.py:
 $SWITCHHEAD_DATA_DIR, else ../shared/data beside the checkout); without it a run says once what is missing and the
 command that gets it, skips the tests that need it and counts them; $SWITCHHEAD_REQUIRE_DATA (CI) makes that an
 error; the script fetches the files and checks them against the manifest."""

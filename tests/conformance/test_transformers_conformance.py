@@ -144,7 +144,7 @@ SKIP_KINDS: list[tuple[str, str, str]] = [
     # at those heads, after the base model, the causal LM and the sequence-classification head have passed it
     (NOT_APPLICABLE, r".*::test_bc_cache_name_forward$", r"^Not returning cache or non standard Cache$"),
 ]
-# Feature skips another issue is removing right now: reported apart, not failed on (remove an entry when it lands)
+# Feature skips that work in flight is removing: reported apart, not failed on (remove an entry when it lands)
 PENDING_FEATURE_SKIPS: list[tuple[str, str, str]] = []
 
 
@@ -450,7 +450,7 @@ class SwitchHeadXLConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
 def test_skips_are_hardware_library_or_not_applicable():
     """Runs after the test cases above (pytest keeps file order): every skip they produced must need hardware or a
     library absent here, or be a test that cannot apply to this architecture (`SKIP_KINDS`). A skip for a feature
-    the model lacks fails here, with its test and reason; `PENDING_FEATURE_SKIPS` (another issue's work in flight)
+    the model lacks fails here, with its test and reason; `PENDING_FEATURE_SKIPS` (work in flight elsewhere)
     are only printed."""
     skipped = {nodeid: reason for nodeid, (outcome, reason) in _TALLY.outcomes.items() if outcome == "skipped"}
     kinds = collections.Counter()

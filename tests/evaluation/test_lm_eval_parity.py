@@ -39,7 +39,7 @@ COVERED = {"switchhead_lambada": "lambada_openai", "switchhead_wikitext2": "wiki
 NOT_COVERED = {"switchhead_cbt_cn", "switchhead_cbt_ne"}
 
 SYNTHETIC = " \n = A = \n \n a b . \n \n = B = \n \n c d . \n \n"
-SYNTHETIC_PAGES = [" = A = \n \n a b . \n ", " = B = \n \n c d . \n \n"]  # the dataset's definition (issue 21)
+SYNTHETIC_PAGES = [" = A = \n \n a b . \n ", " = B = \n \n c d . \n \n"]  # the dataset's definition
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -55,7 +55,7 @@ def sweep_records(arm: str, valid_by_rung: dict[int, float]) -> dict[str, dict]:
 
 
 # ================================================================================================ learning rates
-def test_ladder_is_the_issue_grid():
+def test_ladder_is_the_planned_grid():
     assert [grid.lr_of(r) for r in (-3, -2, -1, 0, 1, 2, 3)] == [1.4e-3, 2e-3, 2.8e-3, 4e-3, 5.7e-3, 8e-3, 1.1e-2]
     assert [grid.lr_of(r) for r in grid.SWEEP_RUNGS] == [4e-3, 2.8e-3, 5.7e-3]
 

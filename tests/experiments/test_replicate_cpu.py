@@ -1,4 +1,4 @@
-"""experiments/replicate_cpu.py (issue 42's grid): a run killed mid-training and resumed by the grid ends bitwise equal
+"""experiments/replicate_cpu.py (the cpu grid): a run killed mid-training and resumed by the grid ends bitwise equal
 to an uninterrupted one; a finished run is never run again; the grid's order and learning-rate choice."""
 
 from __future__ import annotations

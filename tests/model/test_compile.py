@@ -67,7 +67,8 @@ def test_compiled_xl_decoding_reads_the_encoding_table(variant, monkeypatch):
 
 def test_compiled_relu_gradient_and_what_its_forward_saves():
     """Under torch.compile the MLP's ReLU is `_ReluFromOutput`: the gradient of `F.relu` (zeros included), and
-    inductor's partitioner saves no boolean mask for its backward (the slow CPU kernels of issue #14)."""
+    inductor's partitioner saves no boolean mask for its backward (the slow CPU kernels of
+    benchmarks/inductor_relu_mask.py)."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table

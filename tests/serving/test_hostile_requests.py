@@ -7,7 +7,7 @@ request temperature below float32's range (1e-300, 5e-324: the logits are divide
 generation_config.json holds `"repetition_penalty": 100` failed every request; it is now read as 100.0.
 
 The checks run in this process on a `RequestChecker` over a stand-in server state (cheap, many cases); one server
-subprocess (`--no-continuous-batching`) answers the cases of the issue end to end.
+subprocess (`--no-continuous-batching`) answers the hostile cases end to end.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def _longrope(pairs: int) -> dict:
             "short_factor": [1.0 + 0.1 * i for i in range(pairs)], "long_factor": [2.0 + 0.5 * i for i in range(pairs)]}
 
 
-# name -> (preset, overrides): every variant of the issue, and the options the config accepts, on tiny models
+# name -> (preset, overrides): every variant the plugin serves, and the options the config accepts, on tiny models
 CASES = {
     "switchhead-rope": ("tiny-switchhead", {}),
     "switchall-rope": ("tiny-switchall", {}),

@@ -1,4 +1,4 @@
-"""Fail loudly, lose nothing (issue 19): the divergence guard, users' files, checkpoint manifests, RNG state on
+"""Fail loudly, lose nothing: the divergence guard, users' files, checkpoint manifests, RNG state on
 resume, verified run folders, the run folder's tokenizer, and empty / out-of-vocabulary inputs.
 
 Every run trains the tiny SwitchHead preset for a few steps on real text (WikiText-2's validation file from

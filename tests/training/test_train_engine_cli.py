@@ -1,4 +1,4 @@
-"""`switchhead train` on Transformers' distributed engine (issue 39, item 4): `torchrun --nproc_per_node 2 -m
+"""`switchhead train` on Transformers' distributed engine: `torchrun --nproc_per_node 2 -m
 switchhead.cli train --fsdp-size 2 --ep-size 2` (gloo, CPU) on tiny SwitchAll, against one process.
 
 - The 4 logged losses and the validation loss equal one process that accumulates the two processes' shares of each
