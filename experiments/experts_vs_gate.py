@@ -378,16 +378,18 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
              "background: `experiments/run_experts_vs_gate.sh OUT` starts or resumes it (finished runs are skipped, "
              "an interrupted one continues from its checkpoint); `kill -STOP -$(cat OUT/grid.pgid)` pauses it and "
              "`kill -CONT -$(cat OUT/grid.pgid)` resumes it.", "",
-             f"**Progress: {len(done)} of the {len(planned)} runs decided so far have finished**"
-             + (f"; next: {', '.join(not_finished[:3])}" if not_finished else "") + "."
-             + (" Not yet decided: " + "; ".join(undecided) + "." if undecided else ""), ""]
+             (f"**Complete: all {len(planned)} runs have finished.**" if planned and not not_finished and not undecided
+              else f"**Progress: {len(done)} of the {len(planned)} runs decided so far have finished**"
+              + (f"; next: {', '.join(not_finished[:3])}" if not_finished else "") + "."
+              + (" Not yet decided: " + "; ".join(undecided) + "." if undecided else "")), ""]
     timed = [r for r in records.values() if r.get("timing_complete") and not math.isnan(r.get("wall_seconds", math.nan))]
     if timed:
         wall, cpu = (statistics.mean(r[k] for r in timed) / 60 for k in ("wall_seconds", "cpu_seconds"))
         lines += [f"Measured: the {len(timed)} run(s) timed from start to end took {wall:.0f} wall-minutes and {cpu:.0f} "
-                  "CPU-minutes on average (training and evaluation, 1 torch thread at nice 19 on a shared machine). "
-                  f"Estimate, not a measurement: the {len(not_finished)} runs decided but not finished need about "
-                  f"{len(not_finished) * wall / 60:.1f} h more at that pace (more if a sweep extends).", ""]
+                  "CPU-minutes on average (training and evaluation, 1 torch thread at nice 19 on a shared machine)."
+                  + (f" Estimate, not a measurement: the {len(not_finished)} runs decided but not finished need about "
+                     f"{len(not_finished) * wall / 60:.1f} h more at that pace (more if a sweep extends)."
+                     if not_finished or undecided else ""), ""]
     if failed:
         lines += [f"Failed (left out after {MAX_ATTEMPTS} tries): {', '.join(failed)}.", ""]
     lines += ["## Arms", "", "Parameter-matched to A through the MLP width (d_ff). Attention MACs and memory per layer "

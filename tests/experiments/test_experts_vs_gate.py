@@ -248,6 +248,26 @@ def test_results_pages_from_fake_run_folders(tmp_path, no_process):
 
 
 @pytest.mark.integration
+def test_complete_grid_reads_final(tmp_path, no_process):
+    records = full_records([100.0, 101.0, 99.0, 100.5, 100.2], [102.0, 103.5, 101.0, 102.0, 102.5],
+                           [100.0, 101.0, 99.5])
+    out = tmp_path / "out"
+    for name, record in records.items():
+        (out / name).mkdir(parents=True)
+        (out / name / grid.FINISHED).write_text(json.dumps(record))
+    report = grid.write_results(out, tmp_path / "results", code=CODE)
+    page = (tmp_path / "results" / f"{grid.STEM}.md").read_text()
+    assert not report["undecided"] and set(report["planned"]) <= set(report["runs"])
+    assert f"**Complete: all {len(report['planned'])} runs have finished.**" in page
+    assert "Progress:" not in page and "Estimate, not a measurement" not in page and "(interim" not in page
+    docs = tmp_path / "results_page.md"
+    docs.write_text(f"# Results\n\n{grid.DOCS_BEGIN}\n{grid.DOCS_END}\n")
+    grid.update_docs(report, docs)
+    text = docs.read_text()
+    assert "in progress" not in text and "(interim)" not in text and "* A - B (test NLL, 5 seeds)" in text
+
+
+@pytest.mark.integration
 def test_no_runs_renders_progress_and_no_verdict(tmp_path, no_process):
     report = grid.write_results(tmp_path / "out", tmp_path / "results", code=CODE)
     page = (tmp_path / "results" / f"{grid.STEM}.md").read_text()
