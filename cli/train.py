@@ -186,7 +186,10 @@ def run(args) -> int:
             raise UsageError("--resume continues a run and --overwrite starts it over: give only one")
         probe = TrainingConfig(output_dir=output_dir or "runs/switchhead", resume=args.resume,
                                inexact_resume=args.inexact_resume, allow_pickle=args.allow_pickle)
-        if os.path.isdir(probe.output_dir):  # a run another process is writing: say so before reading its state
+        # a run another process is writing: say so before reading its state. Only the main launched process
+        # probes: the probe takes the lock for a moment, so a second process of the same launch probing at the
+        # same time would find it held by its peer and stop the launch; train() locks it for the run on rank 0.
+        if os.path.isdir(probe.output_dir) and os.environ.get("RANK", "0") in ("0", ""):
             from switchhead.integrity import FolderLock
 
             try:

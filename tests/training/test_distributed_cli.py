@@ -8,6 +8,9 @@ CPU), and a launched process whose peers never start.
   loads in one process.
 - `WORLD_SIZE=2` with one process started (as rank 0, or as rank 1) stops within SWITCHHEAD_JOIN_TIMEOUT with one
   line `switchhead train: error: ...` and exit status 2, writing nothing, instead of waiting 30 minutes.
+- On `--resume` only the main launched process probes the run folder's lock: a held lock stops rank 0 (and a
+  process outside a launcher) with one line naming the holder, never rank 1, which would otherwise find the lock
+  held by its own peer's probe.
 """
 
 from __future__ import annotations
@@ -101,6 +104,35 @@ def test_a_process_whose_peers_never_start_stops_within_the_join_timeout(corpus,
     assert "did not join within 3 s" in done.stderr and "SWITCHHEAD_JOIN_TIMEOUT" in done.stderr
     assert elapsed < 100  # interpreter start and imports included; torch's default wait is 30 minutes
     assert not (tmp_path / "run").exists()
+
+
+def test_only_the_main_process_probes_the_lock_of_a_run_it_resumes(corpus, tmp_path):
+    """The resume probe takes the folder's lock for a moment. Were every launched process to probe, one could find
+    the lock held by its own peer and stop the launch; with the lock held here, rank 1 goes on to the join (and
+    stops there, its peer never starting) while rank 0, and a process outside any launcher, report the holder."""
+    from switchhead.integrity import FolderLock
+
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "switchhead.cli", "train", "--preset", "tiny-switchhead", *RUN,
+                           "--data", str(corpus), "--output-dir", str(run)], env=_env(), capture_output=True,
+                          text=True, timeout=CASE_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resume = [sys.executable, "-m", "switchhead.cli", "train", "--resume", "latest", "--output-dir", str(run),
+              "--no-progress"]
+    launched = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", SWITCHHEAD_JOIN_TIMEOUT="3")
+    before = sorted(path.name for path in run.rglob("*"))
+    with FolderLock(str(run), "test"):
+        outcome = {}
+        for rank in ("1", "0", None):
+            env = _env(**launched, RANK=rank, LOCAL_RANK=rank, MASTER_PORT=str(free_port())) if rank else _env()
+            outcome[rank] = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=120)
+    for rank, result in outcome.items():
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, (rank, result.stderr[-3000:])
+        assert result.stderr.startswith("switchhead train: error: "), (rank, result.stderr)
+    assert "did not join within 3 s" in outcome["1"].stderr and "being written" not in outcome["1"].stderr
+    for rank in ("0", None):
+        assert "--output-dir:" in outcome[rank].stderr and "is being written by process" in outcome[rank].stderr
+    assert sorted(path.name for path in run.rglob("*")) == before  # nothing written, nothing removed
 
 
 def test_a_bad_join_timeout_is_refused_in_one_line(corpus, tmp_path):
