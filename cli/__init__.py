@@ -30,6 +30,7 @@ from .common import (  # noqa: F401  (the shared helpers, also under this packag
     config_field_names,
     error_line,
     fail,
+    first_process,
     parse_field_assignments,
     refuse_existing_output,
 )
@@ -208,7 +209,7 @@ def report(line: str) -> None:
     """The error line on stderr, from the first process only when a launcher (torchrun, `accelerate launch`) started
     several: each runs the same command and meets the same error, and the user should read it once. (The launcher
     then adds its own report of the failed processes.)"""
-    if os.environ.get("RANK", "0") in ("0", ""):
+    if first_process():
         print(line, file=sys.stderr)
 
 

@@ -26,6 +26,12 @@ def fail(message: str, exit_code: int = 2):
     raise UsageError(message, exit_code)
 
 
+def first_process() -> bool:
+    """True outside a launcher, and in the first of the processes a launcher (torchrun, `accelerate launch`)
+    started: the one that reports errors and alone probes or writes shared folders."""
+    return os.environ.get("RANK", "0") in ("0", "")
+
+
 def error_line(command: str | None, message: object) -> str:
     """The one line of the error contract (first line of the message only)."""
     text = str(message).strip().splitlines()[0] if str(message).strip() else type(message).__name__

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .common import UsageError, parse_field_assignments
+from .common import UsageError, first_process, parse_field_assignments
 
 
 # command-line option -> DistributedConfig field of Transformers' distributed engine (TrainingConfig.distributed)
@@ -189,7 +189,7 @@ def run(args) -> int:
         # a run another process is writing: say so before reading its state. Only the main launched process
         # probes: the probe takes the lock for a moment, so a second process of the same launch probing at the
         # same time would find it held by its peer and stop the launch; train() locks it for the run on rank 0.
-        if os.path.isdir(probe.output_dir) and os.environ.get("RANK", "0") in ("0", ""):
+        if os.path.isdir(probe.output_dir) and first_process():
             from switchhead.integrity import FolderLock
 
             try:
@@ -219,7 +219,7 @@ def run(args) -> int:
     except TrainingDiverged as error:
         raise UsageError(str(error), exit_code=3) from None
     except ProcessesMissing as error:
-        if os.environ.get("RANK", "0") not in ("0", ""):  # rank 0 (which reports errors) may be the missing one
+        if not first_process():  # rank 0 (which reports errors) may be the missing one
             from .common import error_line
 
             print(error_line("train", error), file=sys.stderr)
