@@ -1,0 +1,138 @@
+"""Every experts implementation keeps eager's precision under autocast (bf16 and fp16) and in 16-bit weights.
+
+Two levels, each against a higher-precision reference and with eager's own error on the same inputs as the yardstick:
+
+- The whole model (benchmarks/autocast_precision.py's variants: both expert sides, value-only, output-only, head
+  width 13, k = 1, k = E, more experts, the MLP alone; random and briefly trained weights): the largest logit error
+  under CPU autocast against the fp32 logits, with every router held to the experts it chose in fp32 (its gates
+  still the autocast run's own scores). Without that, a token whose best experts are nearly tied picks another one
+  under autocast and moves a logit by O(1), for whichever name its last bits favour: a property of top-k routing
+  shared by every name, not of a formulation. Factor 2: the largest of ~32k logit errors is a noisy statistic;
+  formulations whose rounding points are eager's exactly (batched on the output side, the MLP alone) measured
+  0.6-1.6 of eager's, while the dense layers every name shares set most of the error.
+- One projection alone (SwitchHead's values and output, sigma-MoE's keys and values, k = 1..4, head widths 13, 16,
+  64): the relative RMS error against float64 over a whole output, a stable statistic (names with eager's rounding
+  points measure 0.95-1.05 of it). Factor 1.25: one more rounding of the result's size to the autocast dtype adds
+  an error as large as eager's (1.41 in RMS), which this factor fails; "switchhead_grouped"'s fallback for head
+  widths `_grouped_mm` cannot take, the all-experts mix (1.22, with the gates rounded once to the autocast dtype),
+  is eager's own formulation for other routing and passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from switchhead.expert_ops import EXPERTS_IMPLEMENTATIONS, expert_projection, naive
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import autocast_precision as probe  # noqa: E402
+
+NAMES = list(EXPERTS_IMPLEMENTATIONS)
+MODEL_FACTOR = 2.0
+PROJECTION_FACTOR = 1.25
+MODEL_VARIANTS = ["switchall", "value-only", "output-only", "head-width-13", "k=1", "k=E", "E=8/16",
+                  "dense-attention"]
+
+
+@functools.lru_cache(maxsize=None)
+def _model_errors(variant: str, weights: str) -> dict:
+    model = probe.model_of(variant)
+    model.load_state_dict(probe.weights_of(variant, weights, 40))
+    return probe.logit_errors(model)
+
+
+@pytest.mark.parametrize("weights", probe.WEIGHTS)
+@pytest.mark.parametrize("variant", MODEL_VARIANTS)
+@pytest.mark.parametrize("name", NAMES[1:])
+def test_model_logits_under_autocast_are_as_close_to_fp32_as_eagers(name, variant, weights):
+    errors = _model_errors(variant, weights)
+    for label in probe.DTYPES:
+        eager = errors["eager", label, "fixed"]
+        assert 0 < eager < 0.2, (label, eager)  # autocast's own rounding, no route flipped
+        assert errors[name, label, "fixed"] <= MODEL_FACTOR * eager, (
+            f"{name} {label}: largest logit error {errors[name, label, 'fixed']:.4f}, eager's {eager:.4f}")
+
+
+def test_k_equal_to_e_has_no_route_to_flip_and_matches_eager_as_it_runs():
+    """With every expert chosen there is no top-k boundary to cross: the model as it runs (no routes held) is as
+    close to fp32 under autocast in every name as in eager."""
+    errors = _model_errors("k=E", "random")
+    for label in probe.DTYPES:
+        eager = errors["eager", label, "free"]
+        assert eager == errors["eager", label, "fixed"]
+        for name in NAMES[1:]:
+            assert errors[name, label, "free"] <= MODEL_FACTOR * eager, (name, label)
+
+
+# ------------------------------------------------------------------------------------------------ one projection
+SIDES = {  # R rows, out groups, d_in, d_out from (d, dh), grouped routing, the inputs' dtype under autocast
+    "values": (lambda heads, k: 1, lambda heads: heads, True, torch.float32),  # LayerNorm's output: fp32
+    "output": (lambda heads, k: heads, lambda heads: 1, True, None),  # attention's output: the autocast dtype
+    "mlp_keys": (lambda heads, k: 1, None, False, torch.float32),
+    "mlp_values": (lambda heads, k: k, lambda heads: 1, False, None),  # the activation of a 16-bit GEMM
+}
+SHAPES = [(2, 4, 2, 16), (2, 4, 1, 13), (8, 8, 4, 64), (4, 8, 2, 16)]  # heads, experts per head, k, head width
+
+
+def _call(side: str, heads: int, experts: int, k: int, dh: int, dtype: torch.dtype, tokens: int = 64, d: int = 64):
+    rows_of, groups_of, grouped, in_dtype = SIDES[side]
+    generator = torch.Generator().manual_seed(0)
+    if grouped:  # head h picks k of its own E experts
+        choice = torch.rand(tokens, heads, experts, generator=generator).topk(k, -1).indices
+        index = (choice + torch.arange(heads).view(1, heads, 1) * experts).view(tokens, heads * k)
+        count = heads * experts
+    else:  # one group of heads * E experts
+        index = torch.rand(tokens, heads * experts, generator=generator).topk(k, -1).indices
+        count = heads * experts
+        heads = 1
+    rows = rows_of(heads, k)
+    d_in, d_out = (d, dh) if side in ("values", "mlp_keys") else (dh, d)
+    inputs = torch.randn(tokens, rows, d_in, generator=generator).to(in_dtype or dtype)
+    weight = torch.randn(count, d_in, d_out, generator=generator) / d_in**0.5
+    gates = torch.rand(index.shape, generator=generator) if groups_of else None
+    return inputs, index, weight, gates, groups_of(heads) if groups_of else 1, grouped
+
+
+def _relative_rms(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((out.double() - reference).norm() / reference.norm()).item()
+
+
+def _errors(call, autocast_dtype: torch.dtype | None) -> dict[str, float]:
+    inputs, index, weight, gates, groups, grouped = call
+    reference = naive(inputs.double(), index, weight.double(), None if gates is None else gates.double(), groups)
+    errors = {}
+    for name in NAMES:
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            out = expert_projection(inputs, index, weight, gates, groups, name, grouped)
+        errors[name] = _relative_rms(out, reference)
+    return errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"H{h}-E{e}-k{k}-dh{dh}" for h, e, k, dh in SHAPES])
+@pytest.mark.parametrize("side", list(SIDES))
+def test_one_projection_under_autocast_rounds_as_eager_does(side, shape, dtype):
+    errors = _errors(_call(side, *shape, dtype), dtype)
+    eager = errors["eager"]
+    assert 0 < eager < 1e-2
+    for name in NAMES[1:]:
+        assert errors[name] <= PROJECTION_FACTOR * eager, f"{name}: {errors[name]:.3e}, eager's {eager:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("side", ["output", "mlp_values"])
+def test_one_projection_in_16_bit_weights_sums_its_slots_as_eager_does(side, dtype):
+    """A model in bf16 / fp16 (no autocast): many slots summed into one output row (SwitchHead's output over 16
+    heads x 4 experts, sigma-MoE's values over 16 experts) in at least fp32, as a matmul accumulates, not slot by
+    slot in the 16-bit dtype."""
+    heads, experts, k = (16, 8, 4) if side == "output" else (4, 16, 16)
+    inputs, index, weight, gates, groups, grouped = _call(side, heads, experts, k, 16, dtype)
+    errors = _errors((inputs.to(dtype), index, weight.to(dtype), gates, groups, grouped), None)
+    eager = errors["eager"]
+    for name in NAMES[1:]:
+        assert errors[name] <= PROJECTION_FACTOR * eager, f"{name}: {errors[name]:.3e}, eager's {eager:.3e}"
