@@ -127,12 +127,13 @@ def test_one_projection_under_autocast_rounds_as_eager_does(side, shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("side", ["output", "mlp_values"])
 def test_one_projection_in_16_bit_weights_sums_its_slots_as_eager_does(side, dtype):
-    """A model in bf16 / fp16 (no autocast): many slots summed into one output row (SwitchHead's output over 16
-    heads x 4 experts, sigma-MoE's values over 16 experts) in at least fp32, as a matmul accumulates, not slot by
-    slot in the 16-bit dtype."""
-    heads, experts, k = (16, 8, 4) if side == "output" else (4, 16, 16)
-    inputs, index, weight, gates, groups, grouped = _call(side, heads, experts, k, 16, dtype)
+    """A model in bf16 / fp16 (no autocast): 64 gated slots summed into one output row (SwitchHead's output over 16
+    heads x 4 experts) or 4 (sigma-MoE's values), at sizes where eager runs a matmul (per head, all experts).
+    "switchhead_grouped" gates and sums its slots in fp32 and rounds once, as a matmul's accumulator: at most eager's
+    error (factor 1; summed slot by slot in the 16-bit dtype it measured 1.14-1.22); the others within 1.25."""
+    inputs, index, weight, gates, groups, grouped = _call(side, 16, 8, 4, 16, dtype)
     errors = _errors((inputs.to(dtype), index, weight.to(dtype), gates, groups, grouped), None)
     eager = errors["eager"]
     for name in NAMES[1:]:
-        assert errors[name] <= PROJECTION_FACTOR * eager, f"{name}: {errors[name]:.3e}, eager's {eager:.3e}"
+        factor = 1.0 if name == "switchhead_grouped" else PROJECTION_FACTOR
+        assert errors[name] <= factor * eager, f"{name}: {errors[name]:.3e}, eager's {eager:.3e}"
