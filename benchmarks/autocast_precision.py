@@ -156,7 +156,7 @@ def measure(variants=VARIANTS, weights=WEIGHTS, steps: int = 40) -> dict:
 
 def markdown(report: dict) -> str:
     machine = report["machine"]
-    lines = [f"# Logit error under CPU autocast against fp32, per experts implementation", "",
+    lines = ["# Logit error under CPU autocast against fp32, per experts implementation", "",
              f"{machine['device']}, {machine['threads']} threads, torch {machine['torch']}; tiny-switchall variants, "
              f"{TOKENS[0]} x {TOKENS[1]} tokens; random weights (seed 0) and after {report['steps']} AdamW steps. "
              f"`free`: routing as it runs (route flips included); `fixed`: routing held to the fp32 run's choices "
@@ -169,8 +169,8 @@ def markdown(report: dict) -> str:
             for variant, kinds in report["errors"].items():
                 for kind, errors in kinds.items():
                     eager = errors[f"eager {label} {routing}"]
-                    cells = [f"{errors[f'{name} {label} {routing}']:.4f} ({errors[f'{name} {label} {routing}'] / eager:.2f})"
-                             for name in NAMES]
+                    values = [errors[f"{name} {label} {routing}"] for name in NAMES]
+                    cells = [f"{value:.4f} ({value / eager:.2f})" for value in values]
                     lines.append(f"| {variant} | {kind} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines)
