@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from switchhead.expert_ops import EXPERTS_IMPLEMENTATIONS, expert_projection, naive
+from helpers.projection_precision import SIDES, errors_by_name, projection_call
+from switchhead.expert_ops import EXPERTS_IMPLEMENTATIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import autocast_precision as probe  # noqa: E402
@@ -35,6 +36,7 @@ import autocast_precision as probe  # noqa: E402
 NAMES = list(EXPERTS_IMPLEMENTATIONS)
 MODEL_FACTOR = 2.0
 PROJECTION_FACTOR = 1.25
+SHAPES = [(2, 4, 2, 16), (2, 4, 1, 13), (8, 8, 4, 64), (4, 8, 2, 16)]  # heads, experts per head, k, head width
 MODEL_VARIANTS = ["switchall", "value-only", "output-only", "head-width-13", "k=1", "k=E", "E=8/16",
                   "dense-attention"]
 
@@ -70,54 +72,11 @@ def test_k_equal_to_e_has_no_route_to_flip_and_matches_eager_as_it_runs():
 
 
 # ------------------------------------------------------------------------------------------------ one projection
-SIDES = {  # R rows, out groups, d_in, d_out from (d, dh), grouped routing, the inputs' dtype under autocast
-    "values": (lambda heads, k: 1, lambda heads: heads, True, torch.float32),  # LayerNorm's output: fp32
-    "output": (lambda heads, k: heads, lambda heads: 1, True, None),  # attention's output: the autocast dtype
-    "mlp_keys": (lambda heads, k: 1, None, False, torch.float32),
-    "mlp_values": (lambda heads, k: k, lambda heads: 1, False, None),  # the activation of a 16-bit GEMM
-}
-SHAPES = [(2, 4, 2, 16), (2, 4, 1, 13), (8, 8, 4, 64), (4, 8, 2, 16)]  # heads, experts per head, k, head width
-
-
-def _call(side: str, heads: int, experts: int, k: int, dh: int, dtype: torch.dtype, tokens: int = 64, d: int = 64):
-    rows_of, groups_of, grouped, in_dtype = SIDES[side]
-    generator = torch.Generator().manual_seed(0)
-    if grouped:  # head h picks k of its own E experts
-        choice = torch.rand(tokens, heads, experts, generator=generator).topk(k, -1).indices
-        index = (choice + torch.arange(heads).view(1, heads, 1) * experts).view(tokens, heads * k)
-        count = heads * experts
-    else:  # one group of heads * E experts
-        index = torch.rand(tokens, heads * experts, generator=generator).topk(k, -1).indices
-        count = heads * experts
-        heads = 1
-    rows = rows_of(heads, k)
-    d_in, d_out = (d, dh) if side in ("values", "mlp_keys") else (dh, d)
-    inputs = torch.randn(tokens, rows, d_in, generator=generator).to(in_dtype or dtype)
-    weight = torch.randn(count, d_in, d_out, generator=generator) / d_in**0.5
-    gates = torch.rand(index.shape, generator=generator) if groups_of else None
-    return inputs, index, weight, gates, groups_of(heads) if groups_of else 1, grouped
-
-
-def _relative_rms(out: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((out.double() - reference).norm() / reference.norm()).item()
-
-
-def _errors(call, autocast_dtype: torch.dtype | None) -> dict[str, float]:
-    inputs, index, weight, gates, groups, grouped = call
-    reference = naive(inputs.double(), index, weight.double(), None if gates is None else gates.double(), groups)
-    errors = {}
-    for name in NAMES:
-        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            out = expert_projection(inputs, index, weight, gates, groups, name, grouped)
-        errors[name] = _relative_rms(out, reference)
-    return errors
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"H{h}-E{e}-k{k}-dh{dh}" for h, e, k, dh in SHAPES])
 @pytest.mark.parametrize("side", list(SIDES))
 def test_one_projection_under_autocast_rounds_as_eager_does(side, shape, dtype):
-    errors = _errors(_call(side, *shape, dtype), dtype)
+    errors = errors_by_name(projection_call(side, *shape, dtype), dtype)
     eager = errors["eager"]
     assert 0 < eager < 1e-2
     for name in NAMES[1:]:
@@ -131,8 +90,8 @@ def test_one_projection_in_16_bit_weights_sums_its_slots_as_eager_does(side, dty
     heads x 4 experts) or 4 (sigma-MoE's values), at sizes where eager runs a matmul (per head, all experts).
     "switchhead_grouped" gates and sums its slots in fp32 and rounds once, as a matmul's accumulator: at most eager's
     error (factor 1; summed slot by slot in the 16-bit dtype it measured 1.14-1.22); the others within 1.25."""
-    inputs, index, weight, gates, groups, grouped = _call(side, 16, 8, 4, 16, dtype)
-    errors = _errors((inputs.to(dtype), index, weight.to(dtype), gates, groups, grouped), None)
+    inputs, index, weight, gates, groups, grouped = projection_call(side, 16, 8, 4, 16, dtype)
+    errors = errors_by_name((inputs.to(dtype), index, weight.to(dtype), gates, groups, grouped), None)
     eager = errors["eager"]
     for name in NAMES[1:]:
         factor = 1.0 if name == "switchhead_grouped" else PROJECTION_FACTOR
