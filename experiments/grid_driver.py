@@ -110,4 +110,4 @@ def committed_stamp(results_dir: Path, stem: str) -> dict:
     if not path.is_file():
         raise SystemExit(f"--same-stamp: {path} does not exist; rewrite the pages without --same-stamp")
     page = json.loads(path.read_text())
-    return dict(code=page.get("code"), written=page["written"], machine=page["machine"])
+    return {key: page[key] for key in ("code", "written", "machine") if key in page}

@@ -1,7 +1,7 @@
 """experiments/routing_vs_projection.py (the second grid) and experiments/grid_driver.py (the loop every grid shares):
 the arms and their parameter matching, fresh seeds, the interleaved order with its lr extension, the verdicts on
-hand-made records, the driver's resume skip with a fake child; and every committed grid page regenerated from its
-committed records byte for byte. No training."""
+hand-made records, the driver's resume skip with a fake child. No training (test_grid_pages.py regenerates the
+committed pages)."""
 
 from __future__ import annotations
 
@@ -210,24 +210,3 @@ def test_driver_skips_finished_runs_and_runs_the_plan_in_order(tmp_path, monkeyp
     assert started == ["E-lr0.004-s0", "D-lr0.0028-s0", "E-lr0.0028-s0", "D-lr0.0057-s0", "E-lr0.0057-s0"]
     timing = json.loads((out / "specs" / "E-lr0.004-s0.cpu.json").read_text())
     assert timing["attempts"] == 1 and not (out / "attempts.json").exists()
-
-
-# ================================================================================================ regeneration
-def _regenerate(module, stem: str, tmp_path: Path, files: tuple[str, ...], first_page: bool = False) -> None:
-    """`module`'s pages rewritten from the committed records alone (no run folder) with the committed stamp: they
-    must come out byte for byte as committed."""
-    for name in files:
-        shutil.copy(RESULTS / name, tmp_path / name)
-    if first_page:
-        shutil.copy(RESULTS / f"{first.STEM}.json", tmp_path / f"{first.STEM}.json")
-    module.write_results(tmp_path / "out", tmp_path, **driver.committed_stamp(tmp_path, stem))
-    for name in files:
-        assert (tmp_path / name).read_bytes() == (RESULTS / name).read_bytes(), name
-
-
-def test_experts_vs_gate_pages_regenerate_identically(tmp_path):
-    _regenerate(first, first.STEM, tmp_path, tuple(f"{first.STEM}.{ext}" for ext in ("json", "md", "png")))
-
-
-def test_routing_vs_projection_pages_regenerate_identically(tmp_path):
-    _regenerate(grid, grid.STEM, tmp_path, (f"{grid.STEM}.json", f"{grid.STEM}.md"), first_page=True)
