@@ -210,3 +210,38 @@ def test_driver_skips_finished_runs_and_runs_the_plan_in_order(tmp_path, monkeyp
     assert started == ["E-lr0.004-s0", "D-lr0.0028-s0", "E-lr0.0028-s0", "D-lr0.0057-s0", "E-lr0.0057-s0"]
     timing = json.loads((out / "specs" / "E-lr0.004-s0.cpu.json").read_text())
     assert timing["attempts"] == 1 and not (out / "attempts.json").exists()
+
+
+@pytest.mark.integration
+def test_tiny_run_through_driver_and_child(tmp_path):
+    """The grid's first run, tiny (the smoke scale, 20 steps), through the shared driver, the run child and the
+    pages: D is E=2 k=2 with its MLP widened to A's parameter count."""
+    import os
+    import subprocess
+
+    from helpers.data import require
+
+    wikitext2 = require("wikitext-2") / "wikitext-2"
+    (tmp_path / "data").mkdir()
+    for split in ("train", "valid", "test"):
+        with open(wikitext2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
+            (tmp_path / "data" / f"wiki.{split}.tokens").write_text(handle.read(40_000), encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1")
+    run = "D-lr0.002-s0"
+    done = subprocess.run([sys.executable, str(EXPERIMENTS / "routing_vs_projection.py"), "--tiny", "--out",
+                           str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--results-dir",
+                           str(tmp_path / "results"), "--only", f"^{run}$"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((tmp_path / "out" / run / first.FINISHED).read_text())
+    assert (record["fields"]["num_attention_experts"], record["fields"]["num_attention_experts_per_tok"]) == (2, 2)
+    assert record["curve"]["valid_step"] == [10, 20] and record["code"][0]["commit"]
+    report = json.loads((tmp_path / "results" / f"{grid.STEM}.json").read_text())
+    assert report["finished"] == [run] and "D-lr0.002-s0" in (tmp_path / "results" / f"{grid.STEM}.md").read_text()
+    # a second start finds the run finished and starts nothing
+    again = subprocess.run([sys.executable, str(EXPERIMENTS / "routing_vs_projection.py"), "--tiny", "--out",
+                            str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--results-dir",
+                            str(tmp_path / "results"), "--only", f"^{run}$", "--no-report"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "nothing left to run (1 finished" in again.stdout, again.stdout + again.stderr
