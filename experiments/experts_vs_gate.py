@@ -489,10 +489,17 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
     else:
         lines += ["No finished run at a best lr yet.", ""]
 
-    lines += ["## Every finished run", "", "| run | code | params | valid ppl | test ppl | test NLL | s/step (median) | "
-              "CPU min | wall min | routing entropy mean / min |", "|---" * 10 + "|"]
+    lines += ["## Every finished run", ""] + finished_runs_table(records, STEM) + [
+              "Not finished yet (in grid order): " + (", ".join(not_finished) or "none") + ".", ""]
+    return lines
+
+
+def finished_runs_table(records: dict[str, dict], stem: str) -> list[str]:
+    """The results page's table of every finished run (lines, with the note under it)."""
+    lines = ["| run | code | params | valid ppl | test ppl | test NLL | s/step (median) | "
+             "CPU min | wall min | routing entropy mean / min |", "|---" * 10 + "|"]
     for name, r in records.items():
-        dirty = any(code_state_dirty(start) for start in r["code"])
+        dirty = any(code_state_dirty(start, stem) for start in r["code"])
         started = r["code"][0]["commit"][:8] + ("+dirty" if dirty else "") + (
             f" (+{len(r['code']) - 1} resumes)" if len(r["code"]) > 1 else "")
         rs = r.get("routing_summary")
@@ -502,10 +509,9 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
                      f"{r['step_seconds_median']:.2f} | {complete}{r.get('cpu_seconds', math.nan) / 60:.1f} | "
                      f"{complete}{r.get('wall_seconds', math.nan) / 60:.1f} | "
                      + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min']:.3f}" if rs else "-") + " |")
-    lines += ["", "Code: the commit each run started from (+dirty: a start had uncommitted changes other than the "
-              "results pages; every start is in the JSON). Times: 1 torch thread at nice 19 on a shared machine.", "",
-              "Not finished yet (in grid order): " + (", ".join(not_finished) or "none") + ".", ""]
-    return lines
+    return lines + ["", "Code: the commit each run started from (+dirty: a start had uncommitted changes other than "
+                    "the results pages; every start is in the JSON). Times: 1 torch thread at nice 19 on a shared "
+                    "machine.", ""]
 
 
 def code_state_dirty(start: dict, stem: str = STEM) -> list[str]:
@@ -544,19 +550,28 @@ def write_results(out: Path, results_dir: Path, data: str | None = None, code: d
                   written=written, finished=list(records),
                   planned=[spec.name for spec in runs], undecided=undecided, failed=failed, summary=summary,
                   runs=records)
+    lines = render(records, runs, undecided, failed, summary, code, written)
+    best = summary["best_lr"]
+    curves = [r for r in records.values() if r["role"] in best and r["learning_rate"] == best[r["role"]]]
+    return publish(report, lines, results_dir, STEM, out, data, curves,
+                   "Validation perplexity at each arm's best lr (one line per seed)")
+
+
+def publish(report: dict, lines: list[str], results_dir: Path, stem: str, out: Path, data: str | None,
+            curves: list[dict], title: str) -> dict:
+    """Write a grid's results pages: `report` as <stem>.json with the run and data folders and the checkout
+    replaced by placeholders, the validation `curves` as <stem>.png, and `lines` as <stem>.md, keeping what is
+    written below its reading marker. Returns the report as written."""
     folders = {str(out): "OUT", str(Path(data or replicate.DEFAULT_DATA).resolve()): "DATA",
                str(Path(data or replicate.DEFAULT_DATA)): "DATA", str(REPO): "REPO"}
     report = scrub(report, {k: v for k, v in sorted(folders.items(), key=lambda kv: -len(kv[0]))})
     results_dir.mkdir(parents=True, exist_ok=True)
-    replicate_cpu.write_json(results_dir / f"{STEM}.json", report)
-    lines = render(records, runs, undecided, failed, summary, code, written)
+    replicate_cpu.write_json(results_dir / f"{stem}.json", report)
     replicate_cpu.SCALE = SCALE  # its plot reads the scale's tokens per step and validation batches
-    best = summary["best_lr"]
-    curves = [r for r in records.values() if r["role"] in best and r["learning_rate"] == best[r["role"]]]
-    image = results_dir / f"{STEM}.png"
-    if replicate_cpu.plot("Validation perplexity at each arm's best lr (one line per seed)", curves, image):
-        lines += [f"![validation curves]({image.name})", ""]
-    target = results_dir / f"{STEM}.md"
+    image = results_dir / f"{stem}.png"
+    if replicate_cpu.plot(title, curves, image):
+        lines = lines + [f"![validation curves]({image.name})", ""]
+    target = results_dir / f"{stem}.md"
     kept = ""
     if target.is_file() and replicate.READING_MARKER in target.read_text():
         kept = target.read_text().split(replicate.READING_MARKER, 1)[1]

@@ -289,21 +289,7 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
     lines += ["", "\"A first grid\": the first grid's A runs that D and E pair with (from its committed results page).",
               ""]
 
-    lines += ["## Every finished run of this grid", "", "| run | code | params | valid ppl | test ppl | test NLL | "
-              "s/step (median) | CPU min | wall min | routing entropy mean / min |", "|---" * 10 + "|"]
-    for name, r in records.items():
-        dirty = any(first.code_state_dirty(start, STEM) for start in r["code"])
-        started = r["code"][0]["commit"][:8] + ("+dirty" if dirty else "") + (
-            f" (+{len(r['code']) - 1} resumes)" if len(r["code"]) > 1 else "")
-        rs = r.get("routing_summary")
-        mark = "" if r.get("timing_complete") else ">= "
-        lines.append(f"| {name} | {started} | {r['parameters']:,} | {first.valid_perplexity(r):.2f} | "
-                     f"{r['perplexity']['test']['perplexity']:.2f} | {first.test_nll(r):.4f} | "
-                     f"{r['step_seconds_median']:.2f} | {mark}{r.get('cpu_seconds', math.nan) / 60:.1f} | "
-                     f"{mark}{r.get('wall_seconds', math.nan) / 60:.1f} | "
-                     + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min']:.3f}" if rs else "-") + " |")
-    lines += ["", "Code: the commit each run started from (+dirty: a start had uncommitted changes other than the "
-              "results pages; every start is in the JSON). Times: 1 torch thread at nice 19 on a shared machine.", "",
+    lines += ["## Every finished run of this grid", ""] + first.finished_runs_table(records, STEM) + [
               "Not finished yet (in grid order): " + (", ".join(not_finished) or "none") + ".", ""]
     return lines
 
@@ -335,26 +321,11 @@ def write_results(out: Path, results_dir: Path, data: str | None = None, code: d
                   effect=first.EFFECT, code=code, machine=machine, written=written, finished=list(records),
                   planned=[spec.name for spec in runs], planned_runs=planned_count(runs, undecided),
                   undecided=undecided, failed=failed, summary=summary, runs=records)
-    folders = {str(out): "OUT", str(Path(data or replicate.DEFAULT_DATA).resolve()): "DATA",
-               str(Path(data or replicate.DEFAULT_DATA)): "DATA", str(REPO): "REPO"}
-    report = first.scrub(report, {k: v for k, v in sorted(folders.items(), key=lambda kv: -len(kv[0]))})
-    results_dir.mkdir(parents=True, exist_ok=True)
-    replicate_cpu.write_json(results_dir / f"{STEM}.json", report)
     lines = render(records, runs, undecided, failed, summary, code, written)
-    replicate_cpu.SCALE = first.SCALE  # its plot reads the scale's tokens per step and validation batches
     best = summary["best_lr"]
     curves = [r for r in records.values() if r["role"] in best and r["learning_rate"] == best[r["role"]]]
-    image = results_dir / f"{STEM}.png"
-    if replicate_cpu.plot("Validation perplexity at each arm's lr (one line per seed)", curves, image):
-        lines += [f"![validation curves]({image.name})", ""]
-    target = results_dir / f"{STEM}.md"
-    kept = ""
-    if target.is_file() and replicate.READING_MARKER in target.read_text():
-        kept = target.read_text().split(replicate.READING_MARKER, 1)[1]
-    temporary = target.with_name(f".{target.name}.tmp")
-    temporary.write_text("\n".join(lines) + "\n" + replicate.READING_MARKER + kept)
-    os.replace(temporary, target)
-    return report
+    return first.publish(report, lines, results_dir, STEM, out, data, curves,
+                         "Validation perplexity at each arm's lr (one line per seed)")
 
 
 # ================================================================================================ driver
