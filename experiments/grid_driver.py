@@ -111,3 +111,14 @@ def committed_stamp(results_dir: Path, stem: str) -> dict:
         raise SystemExit(f"--same-stamp: {path} does not exist; rewrite the pages without --same-stamp")
     page = json.loads(path.read_text())
     return {key: page[key] for key in ("code", "written", "machine") if key in page}
+
+
+def print_plan(records: dict[str, dict], plan: Callable[[dict[str, dict]], tuple[list, list[str]]],
+               width: int = 22) -> int:
+    """--list: every run decided now, in order, finished or not, then what is not yet decided."""
+    runs, undecided = plan(records)
+    for spec in runs:
+        print(f"{spec.name:{width}s} {'finished' if spec.name in records else '-':9s} {spec.label}")
+    for line in undecided:
+        print(f"undecided: {line}")
+    return 0

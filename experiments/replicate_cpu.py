@@ -617,13 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pgid_file.write_text(f"{os.getpgid(0)}\n")
     replicate.ensure_tokenizer(args.out, args.data, SCALE.vocab_size)
     if args.list:
-        records = finished_records(args.out, args.results_dir)
-        runs, undecided = plan(records)
-        for spec in runs:
-            print(f"{spec.name:32s} {'finished' if spec.name in records else '-':9s} {spec.label}")
-        for line in undecided:
-            print(f"undecided: {line}")
-        return 0
+        return grid_driver.print_plan(finished_records(args.out, args.results_dir), plan, 32)
     if args.report_only:
         stamp = grid_driver.committed_stamp(args.results_dir, STEM) if args.same_stamp else {}
         write_results(args.out, args.results_dir, **stamp)

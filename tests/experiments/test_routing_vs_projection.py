@@ -166,6 +166,27 @@ def test_verdicts_by_the_first_grids_rule_on_the_stated_seeds():
     assert worse["above_zero"] and "A worse" in worse["words"]
 
 
+def test_results_page_reads_the_verdicts(tmp_path, monkeypatch):
+    """The page of a finished grid: each comparison's row with where X's runs come from, and the seeds tables."""
+    a = [100.0, 101.0, 99.0, 100.5, 100.2]
+    monkeypatch.setattr(grid, "first_grid_records", lambda results_dir: first_grid(a_test=a))
+    out = tmp_path / "out"
+    for name, record in full([x * 1.025 for x in a], a, a, [x * 1.001 for x in a]).items():
+        (out / name).mkdir(parents=True)
+        (out / name / first.FINISHED).write_text(json.dumps(record))
+    code = dict(commit="c0de" * 10, dirty=[], at="2026-01-01T00:00:00+00:00")
+    report = grid.write_results(out, tmp_path, "DATA", code=code, written="2026-01-01T00:00:00+00:00",
+                                machine=dict(cpu="test CPU"))
+    page = (tmp_path / f"{grid.STEM}.md").read_text()
+    assert "**Complete: all 24 runs have finished.**" in page and not report["undecided"]
+    assert "| comparison | X's runs | seeds |" in page
+    assert "| A - D | first grid | 5 (s0, s1, s2, s3, s4) | " in page
+    assert "| A - C | this grid | 5 (s5, s6, s7, s8, s9) | " in page and "(interim" not in page
+    assert "choosing among experts helps beyond two gated projections |" in page
+    assert "| A first grid | 0.004 | 5 of 5 | 100.14 ± 0.74 |" in page
+    assert "took 50 wall-minutes and 47 CPU-minutes on average" in page and "Estimate" not in page
+
+
 def test_results_page_states_the_plan_before_any_run(tmp_path):
     shutil.copy(RESULTS / f"{first.STEM}.json", tmp_path / f"{first.STEM}.json")
     code = dict(commit="c0de" * 10, dirty=[], at="2026-01-01T00:00:00+00:00")
