@@ -659,14 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tiny:
         use_tiny()
-    replicate_cpu.SCALE = SCALE  # replicate_cpu's run child and plot read their module's scale
-    args.out = args.out.resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-    replicate.split_file(args.data, "train")
-    if args.run is not None:
-        return replicate_cpu.run_child(args.run, args.out, args.data, args.threads)
-    if args.pgid_file is not None:
-        args.pgid_file.write_text(f"{os.getpgid(0)}\n")
+    if (code := grid_driver.start(args, SCALE)) is not None:
+        return code
     if args.list:
         return grid_driver.print_plan(finished_records(args.out, args.results_dir), plan)
     if args.report_only:

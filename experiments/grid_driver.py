@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import re
 import resource
 import subprocess
@@ -122,3 +123,18 @@ def print_plan(records: dict[str, dict], plan: Callable[[dict[str, dict]], tuple
     for line in undecided:
         print(f"undecided: {line}")
     return 0
+
+
+def start(args, scale) -> int | None:
+    """What every grid script does first: the run folder made and resolved, the data folder checked; in a run's
+    child process (--run NAME), that run at `scale` (its exit status is returned); in the driver, the process group
+    id written to --pgid-file. Returns None where the script goes on."""
+    replicate_cpu.SCALE = scale  # replicate_cpu's run child and plot read their module's scale
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    replicate.split_file(args.data, "train")
+    if args.run is not None:
+        return replicate_cpu.run_child(args.run, args.out, args.data, args.threads)
+    if args.pgid_file is not None:
+        args.pgid_file.write_text(f"{os.getpgid(0)}\n")
+    return None

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import sys
 from pathlib import Path
 
@@ -303,14 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     args = grid_driver.parser(__doc__.split("\n\n")[0], REPO / "runs" / "routing-vs-projection").parse_args(argv)
     if args.tiny:
         first.use_tiny()
-    replicate_cpu.SCALE = first.SCALE  # replicate_cpu's run child and plot read their module's scale
-    args.out = args.out.resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-    replicate.split_file(args.data, "train")
-    if args.run is not None:
-        return replicate_cpu.run_child(args.run, args.out, args.data, args.threads)
-    if args.pgid_file is not None:
-        args.pgid_file.write_text(f"{os.getpgid(0)}\n")
+    if (code := grid_driver.start(args, first.SCALE)) is not None:
+        return code
     first_records = first_grid_records(args.results_dir)
     if args.list:
         return grid_driver.print_plan(finished_records(args.out, args.results_dir),
