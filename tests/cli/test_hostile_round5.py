@@ -177,3 +177,108 @@ def test_a_hub_id_missing_from_the_cache_is_refused_not_fetched_unchecked(hub_ca
     code, started = serve_hub_id("someone/absent", monkeypatch)
     line = one_line(capsys, "serve")
     assert code == 2 and not started and "local Hub cache" in line and "hf download someone/absent" in line, line
+
+
+# ============================================================================================= publish
+class RecordingHub:
+    """A stand-in for `huggingface_hub.HfApi` that records what it is asked to upload (and uploads nothing)."""
+
+    instances: list["RecordingHub"] = []
+
+    def __init__(self, token=None):
+        self.files = {}
+        RecordingHub.instances.append(self)
+
+    def create_repo(self, **kwargs):
+        pass
+
+    def create_commit(self, *, operations, **kwargs):
+        for operation in operations:
+            source = operation.path_or_fileobj
+            self.files[operation.path_in_repo] = source if isinstance(source, bytes) else Path(source).read_bytes()
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    import huggingface_hub
+
+    RecordingHub.instances.clear()
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHub)
+    return RecordingHub.instances
+
+
+NAN_RESULTS = [
+    {"results": {"switchhead_lambada": {"acc": float("nan")}}},
+    {"results": {"switchhead_wikitext2": {"word_perplexity": float("inf")}}},
+    {"results": {}, "perplexity": [{"data": "a.txt", "protocol": "sliding", "context": 64, "stride": 32,
+                                    "perplexity": float("nan"), "bits_per_byte": 1.0}]},
+]
+
+
+@pytest.mark.parametrize("command", ["card", "publish"])
+@pytest.mark.parametrize("results", NAN_RESULTS, ids=["nan-acc", "inf-perplexity", "nan-run"])
+def test_a_nan_or_infinite_metric_never_reaches_a_card(saved, tmp_path, hub, capsys, command, results):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))  # Python writes NaN / Infinity, as json.dumps of a float NaN does
+    argv = [command, str(saved), *(["me/x"] if command == "publish" else ["--output", "-"]), "--results", str(path)]
+    assert main(argv) == 2
+    line = one_line(capsys, command)
+    assert ("nan" in line or "inf" in line) and "not a result" in line, line
+    assert not hub or not hub[0].files
+
+
+@pytest.mark.parametrize("content", [
+    {"token": "hf_secret", "user": "me"},  # a credentials file: no 'results' key at all
+    {"results": [1, 2]},
+    {"results": {"switchhead_lambada": 0.5}},
+    {"results": {"switchhead_lambada": {"acc": "0.5"}}},
+    {"results": {"switchhead_lambada": {"acc": True}}},
+    {"results": {}, "perplexity": {"data": "a"}},
+    {"results": {}, "perplexity": [{"data": 3, "protocol": "sliding", "context": 1, "perplexity": 1.0,
+                                    "bits_per_byte": 1.0}]},
+    {"results": {}, "perplexity": [{"data": "a", "protocol": "sliding", "context": "64", "perplexity": 1.0,
+                                    "bits_per_byte": 1.0}]},
+    {"results": {}, "limit": "all"},
+    {"results": {}, "protocol": ["paper"]},
+], ids=["credentials", "results-list", "task-number", "metric-string", "metric-bool", "runs-object",
+        "run-data-number", "run-context-string", "limit-string", "protocol-list"])
+@pytest.mark.parametrize("command", ["card", "publish"])
+def test_results_of_another_shape_are_refused_and_never_uploaded(saved, tmp_path, hub, capsys, command, content):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(content))
+    argv = [command, str(saved), *(["me/x", "--upload-results"] if command == "publish" else ["--output", "-"]),
+            "--results", str(path)]
+    assert main(argv) == 2
+    line = one_line(capsys, command)
+    assert "switchhead eval --output" in line, line
+    assert not hub or not hub[0].files
+
+
+def test_published_url_follows_hf_endpoint(saved, hub, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.example.org")
+    assert main(["publish", str(saved), "me/x"]) == 0
+    out = capsys.readouterr().out
+    assert "https://hub.example.org/me/x" in out and "huggingface.co" not in out, out
+    assert hub[0].files  # the upload itself went through the stand-in
+
+
+@pytest.mark.parametrize("how", ["syntax-error", "auto-map-list", "config-list", "index-weight-map-list"])
+def test_publish_of_a_damaged_code_or_json_file_is_one_line(saved, tmp_path, hub, capsys, how):
+    folder = tmp_path / "model"
+    shutil.copytree(saved, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if how == "syntax-error":
+        (folder / "positions.py").write_text("def broken(:\n")
+    elif how == "auto-map-list":
+        config["auto_map"] = [config["auto_map"]["AutoConfig"]]
+        (folder / "config.json").write_text(json.dumps(config))
+    elif how == "config-list":
+        (folder / "config.json").write_text(json.dumps([config]))
+    else:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    assert main(["publish", str(folder), "me/x"]) == 2
+    one_line(capsys, "publish")
+    assert not hub
