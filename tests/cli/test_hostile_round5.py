@@ -282,3 +282,102 @@ def test_publish_of_a_damaged_code_or_json_file_is_one_line(saved, tmp_path, hub
     assert main(["publish", str(folder), "me/x"]) == 2
     one_line(capsys, "publish")
     assert not hub
+
+
+# ============================================================================================= resources
+def test_a_call_past_its_deadline_is_interrupted_and_its_thread_ends():
+    import threading
+    import time
+
+    from switchhead.serving.requests import DeadlinePassed, run_with_deadline
+
+    def forever():
+        while True:
+            pass
+
+    start = time.monotonic()
+    with pytest.raises(DeadlinePassed):
+        run_with_deadline(forever, 0.3, "test-forever")
+    assert time.monotonic() - start < 5
+    deadline = time.monotonic() + 10
+    while any(t.name == "test-forever" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "test-forever" for t in threading.enumerate())  # interrupted, not left spinning
+    assert run_with_deadline(lambda: 7, 5, "test-quick") == 7
+    with pytest.raises(KeyError):
+        run_with_deadline(lambda: {}["x"], 5, "test-raises")
+
+
+LOOPING_TEMPLATE = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+                    "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def looping_server(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from helpers.hub_folder import save_hub_folder
+    from helpers.server import Server
+
+    folder = tmp_path_factory.mktemp("looping") / "model"
+    save_hub_folder(folder, "tiny-switchhead")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = LOOPING_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    server = Server(str(folder), "--no-continuous-batching")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def _post(server, path: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        connection.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.integration
+def test_a_chat_template_that_loops_forever_gets_an_error_and_the_server_stays_up(looping_server):
+    import concurrent.futures
+
+    chat = {"model": looping_server.checkpoint, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stuck = pool.submit(_post, looping_server, "/v1/chat/completions", chat, 60)
+        # meanwhile the server answers others
+        assert looping_server.health() == 200
+        status, answer = _post(looping_server, "/v1/completions", {"model": looping_server.checkpoint,
+                                                                   "prompt": "Hello", "max_tokens": 2})
+        assert status == 200, answer
+        status, answer = stuck.result(timeout=60)
+    assert status == 422 and "chat template" in json.dumps(answer), answer
+    assert looping_server.health() == 200
+
+
+@pytest.mark.integration
+def test_sigterm_stops_the_server_promptly_with_a_render_stuck(looping_server):
+    import signal
+    import threading
+    import time
+
+    chat = {"model": looping_server.checkpoint, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    def stuck_request():
+        try:
+            _post(looping_server, "/v1/chat/completions", chat, 30)
+        except OSError:  # the stopping server may close the connection without an answer
+            pass
+
+    threading.Thread(target=stuck_request, daemon=True).start()
+    time.sleep(1.0)  # the render is running now
+    started = time.monotonic()
+    looping_server.process.send_signal(signal.SIGTERM)
+    looping_server.process.wait(timeout=20)  # the server's own deadline is 6 s after SIGTERM
+    assert time.monotonic() - started < 20
+    assert looping_server.process.returncode == 0, looping_server.output()
