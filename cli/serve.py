@@ -163,6 +163,9 @@ def run(args) -> int:
         hub_offline()
     else:
         check_saved_model(checkpoint, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
+    from switchhead.integrity.loading import check_decoding_method
+
+    check_decoding_method(folder)  # else every request would fail with HTTP 500
     if args.cb_num_blocks is not None and args.continuous_batching:
         cache = paged_cache_bytes(read_config(folder, args.trust_remote_code), args.cb_num_blocks,
                                   args.cb_block_size)

@@ -429,6 +429,37 @@ def check_saved_model(folder: str, verify: bool = True, trust_remote_code: bool 
     return trust
 
 
+def check_decoding_method(folder: str) -> None:
+    """UnloadableModel when the folder's generation_config.json asks for a decoding method that Transformers no
+    longer ships but downloads as Hub code (contrastive search, DoLa, group or constrained beam search): every
+    generation would fail (HTTP 500 on every request of a server), or run code from the Hub."""
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        return
+    import warnings
+
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its notices on these methods are said by the line below
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mode = GenerationConfig.from_pretrained(folder).get_generation_mode()
+    except (ValueError, TypeError, OSError) as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnloadableModel(f"model folder {folder!r}: generation_config.json does not load ({text})") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    method = GENERATION_MODES_MAPPING.get(mode, "")
+    if "/" in method:
+        name = str(getattr(mode, "value", mode)).replace("_", " ")
+        raise UnloadableModel(f"model folder {folder!r}: generation_config.json asks for {name}, which Transformers runs only as Hub code ({method}); set its "
+                              "decoding options (penalty_alpha, dola_layers, num_beam_groups, constraints) back to "
+                              "greedy or sampling")
+
+
 def cached_snapshot(repo_id: str) -> str:
     """The folder of the local Hub cache that Transformers would load `repo_id` (owner/name) from offline: the
     snapshot its `main` ref names. UnloadableModel when the cache has none: a repository that is not on this machine
@@ -472,5 +503,5 @@ def hub_offline() -> None:
     huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
-__all__ = ["UnloadableModel", "cached_snapshot", "check_hub_model", "hub_offline", "check_fits_memory", "check_model_size", "check_saved_model", "meta_model",
+__all__ = ["UnloadableModel", "cached_snapshot", "check_decoding_method", "check_hub_model", "hub_offline", "check_fits_memory", "check_model_size", "check_saved_model", "meta_model",
            "parameter_count", "physical_memory_bytes", "read_config", "weight_files", "weight_problem", "weight_source"]

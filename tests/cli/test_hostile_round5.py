@@ -381,3 +381,129 @@ def test_sigterm_stops_the_server_promptly_with_a_render_stuck(looping_server):
     looping_server.process.wait(timeout=20)  # the server's own deadline is 6 s after SIGTERM
     assert time.monotonic() - started < 20
     assert looping_server.process.returncode == 0, looping_server.output()
+
+
+# ============================================================================================= contract
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory) -> Path:
+    """A tiny model folder with its GPT-2 tokenizer and generation config, as `generate` and `serve` take it."""
+    from helpers.hub_folder import save_hub_folder
+
+    folder = tmp_path_factory.mktemp("tokenizer") / "model"
+    save_hub_folder(folder, "tiny-switchhead")
+    return folder
+
+
+def edit_json(path: Path, **fields) -> None:
+    value = json.loads(path.read_text()) if path.exists() else {}
+    value.update(fields)
+    path.write_text(json.dumps(value))
+
+
+def _huge_hidden_size(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    text = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(text.replace(f'"hidden_size": {config["hidden_size"]}',
+                                                     '"hidden_size": ' + "9" * 401))
+
+
+DAMAGES = {
+    "forced-eos-out-of-range": (lambda f: edit_json(f / "generation_config.json", forced_eos_token_id=10**6),
+                                "forced_eos_token_id 1000000 is not a token"),
+    "eos-not-an-id": (lambda f: edit_json(f / "generation_config.json", eos_token_id="</s>"), "not a token id"),
+    "401-digit-hidden-size": (_huge_hidden_size, "401-digit"),
+    "llama-architectures": (lambda f: edit_json(f / "config.json", architectures=["LlamaForCausalLM"]),
+                            "LlamaForCausalLM"),
+    "pad-token-number": (lambda f: edit_json(f / "tokenizer_config.json", pad_token=12345), "pad_token is 12345"),
+    "pad-token-junk-object": (lambda f: edit_json(f / "tokenizer_config.json", pad_token={"junk": 1}), "pad_token"),
+    "contrastive-search": (lambda f: edit_json(f / "generation_config.json", penalty_alpha=0.6, top_k=4),
+                           "contrastive search"),
+    "dola": (lambda f: edit_json(f / "generation_config.json", dola_layers="low"), "dola"),
+    "group-beam-search": (lambda f: edit_json(f / "generation_config.json", num_beams=4, num_beam_groups=2,
+                                              diversity_penalty=0.5), "group beam search"),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("how", sorted(DAMAGES))
+def test_a_damaged_folder_is_one_line_before_loading(with_tokenizer, tmp_path, monkeypatch, capsys, command, how):
+    import switchhead.serving
+
+    damage, words = DAMAGES[how]
+    folder = tmp_path / "model"
+    shutil.copytree(with_tokenizer, folder)
+    damage(folder)
+    monkeypatch.setattr(switchhead.serving, "serve", lambda *a, **k: pytest.fail("the server must not start"))
+    argv = ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"] if command == "generate" else \
+        ["serve", str(folder), "--port", str(free_port())]
+    assert main(argv) == 2
+    line = one_line(capsys, command)
+    assert words in line, line
+
+
+@pytest.mark.parametrize("how", ["cut-short", "100000-deep", "401-digit-hidden-size", "llama-architectures"])
+def test_card_of_a_damaged_config_is_one_line(saved, tmp_path, capsys, how):
+    folder = tmp_path / "model"
+    shutil.copytree(saved, folder)
+    text = (folder / "config.json").read_text()
+    if how == "cut-short":
+        (folder / "config.json").write_text(text[: len(text) // 2])
+    elif how == "100000-deep":
+        (folder / "config.json").write_text("[" * 100000 + "]" * 100000)
+    elif how == "401-digit-hidden-size":
+        _huge_hidden_size(folder)
+    else:
+        edit_json(folder / "config.json", architectures=["LlamaForCausalLM"])
+    assert main(["card", str(folder), "--output", "-"]) == 2
+    one_line(capsys, "card")
+
+
+@pytest.mark.parametrize("content, words", [
+    ("[1, 2]", "holds a list"),
+    ("{\"hidden_size\": " + "9" * 401 + "}", "401-digit"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+])
+def test_flops_of_a_json_that_is_no_config_is_one_line(tmp_path, capsys, content, words):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    assert main(["flops", str(path)]) == 2
+    assert words in one_line(capsys, "flops")
+
+
+def test_flops_set_of_a_401_digit_size_is_one_line(capsys):
+    assert main(["flops", "tiny-switchhead", "--set", "hidden_size=" + "9" * 401]) == 2
+    assert "401-digit" in one_line(capsys, "flops")
+
+
+@pytest.mark.parametrize("content", [b"hello, this is text\n", b"", b"\x80\x02}q\x00."[:3]])
+def test_convert_authors_to_hf_of_a_file_that_is_no_checkpoint_is_one_line(tmp_path, capsys, content):
+    path = tmp_path / "model.pth"
+    path.write_bytes(content)
+    assert main(["convert", "authors-to-hf", str(path), str(tmp_path / "out")]) == 2
+    assert "not a readable torch checkpoint" in one_line(capsys, "convert")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [5, [1, 2], {"a": "b"}, True])
+def test_train_data_whose_text_field_is_not_text_is_one_line(tmp_path, capsys, value):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": value}) + "\n" for _ in range(20)))
+    assert main(["train", "--data", str(data), "--output-dir", str(tmp_path / "run"), "--max-steps", "1"]) == 2
+    assert "not text" in one_line(capsys, "train")
+
+
+def test_generate_with_a_safetensors_f4_tensor_is_one_line(saved, tmp_path, capsys):
+    """A header declaring a 4-bit float dtype (safetensors' F4) for one of the weights."""
+    import struct
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved, folder)
+    raw = (folder / "model.safetensors").read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    header[sorted(key for key in header if key != "__metadata__")[0]]["dtype"] = "F4"
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size:])
+    assert main(["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    one_line(capsys, "generate")
