@@ -191,9 +191,12 @@ def _raise_on_stop_signals() -> dict:
         record_stop(error)
         raise error
 
+    import switchhead
+
     previous = {}
     for number, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
-        if signal.getsignal(number) is default:
+        # the package's own handler for the seconds of its import counts as the default
+        if signal.getsignal(number) in (default, getattr(switchhead, "_early_stop", None)):
             previous[number] = signal.signal(number, stop)
     return previous
 

@@ -507,3 +507,22 @@ def test_generate_with_a_safetensors_f4_tensor_is_one_line(saved, tmp_path, caps
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size:])
     assert main(["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
     one_line(capsys, "generate")
+
+
+@pytest.mark.integration
+def test_sigterm_in_generates_first_seconds_ends_like_any_sigterm(with_tokenizer, tmp_path):
+    """SIGTERM while the command still imports torch and Transformers: one line and 143, as later in the run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = Path(sys.executable).with_name("switchhead")
+    process = subprocess.Popen([str(script), "generate", str(with_tokenizer), "--prompt", "hi", "--max-new-tokens",
+                                "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    time.sleep(1.5)  # the interpreter has started; the imports take longer than this
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 143, (process.returncode, err)
+    assert err.splitlines() == ["switchhead generate: terminated"], err
