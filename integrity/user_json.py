@@ -172,8 +172,8 @@ def _check_architectures(config: dict, what: str) -> None:
     if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
         raise ValueError(f"{what}: architectures must be a list of class names, got {json.dumps(architectures)[:60]}")
     model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        return
+    if not isinstance(model_type, str) or (model_type != "switchhead" and not _is_transformers_type(model_type)):
+        return  # a type Transformers does not know is the remote-code decision's (`switchhead.integrity.trust`)
     import transformers
 
     for name in architectures:
