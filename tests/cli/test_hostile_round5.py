@@ -526,3 +526,37 @@ def test_sigterm_in_generates_first_seconds_ends_like_any_sigterm(with_tokenizer
     out, err = process.communicate(timeout=120)
     assert process.returncode == 143, (process.returncode, err)
     assert err.splitlines() == ["switchhead generate: terminated"], err
+
+
+def test_a_prompt_longer_than_the_model_reads_is_our_line_alone(with_tokenizer, capfd):
+    """Transformers' "Token indices sequence length is longer..." came before our line naming the limit."""
+    assert main(["generate", str(with_tokenizer), "--prompt", "word " * 2000, "--max-new-tokens", "2"]) == 2
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == 1 and "max_position_embeddings" in err, err
+
+
+@pytest.mark.parametrize("logger_name, message", [
+    ("torch.onnx._internal.exporter._registration", "torchvision is not installed. Skipping torchvision::nms"),
+    ("transformers.tokenization_utils_base", "Token indices sequence length is longer than the specified maximum"),
+])
+def test_library_notices_before_our_line_are_dropped(logger_name, message):
+    import logging
+
+    from switchhead.cli import quiet_library_noise
+
+    quiet_library_noise()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger(logger_name)
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        logger.warning(message)
+        logger.warning("another warning of the same library")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning of the same library"]
