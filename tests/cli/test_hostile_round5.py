@@ -560,3 +560,33 @@ def test_library_notices_before_our_line_are_dropped(logger_name, message):
     finally:
         logger.removeHandler(handler)
     assert seen == ["another warning of the same library"]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"learning_rte": 1e-3}, "does not know (learning_rte)"),
+    ({"future_option": True}, "does not know (future_option)"),
+    ({"learning_rate": "0.00025"}, "learning_rate = '0.00025' (str)"),
+    ({"max_steps": 10.5}, "max_steps = '10.5' (float)"),
+    ({"seed": True}, "seed = 'True' (bool)"),
+    ({"model": [1, 2]}, "model = '[1, 2]' (list)"),
+    ({"report_to": 3}, "report_to = '3' (int)"),
+])
+def test_a_trainer_state_with_unknown_or_mistyped_settings_is_refused_by_name(change, words):
+    """The settings a resume continues with are exactly the saved ones: a misspelt or foreign key is not dropped
+    silently, and a value of the wrong type is named (not reported as a changed setting, nor a traceback later)."""
+    from switchhead.training.checkpoints import merge_resumed_config
+    from switchhead.training.errors import TrainingError
+    from switchhead.training.run_config import TrainingConfig
+
+    def saved(config) -> dict:  # as read_checkpoint_state hands it over: JSON, adam_betas a tuple again
+        stored = json.loads(json.dumps(config.to_dict()))
+        stored["adam_betas"] = tuple(stored["adam_betas"])
+        return stored
+
+    config = TrainingConfig()
+    stored = saved(config)
+    stored.update(change)
+    with pytest.raises(TrainingError) as caught:
+        merge_resumed_config(config, stored)
+    assert words in str(caught.value) and "\n" not in str(caught.value), caught.value
+    assert merge_resumed_config(config, saved(config)) == config
