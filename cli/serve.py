@@ -7,7 +7,9 @@ paged-cache sizes below 1 or past the machine's memory, a `--device` the machine
 `switchhead.integrity.check_saved_model` refuses (a manifest that does not verify unless `--no-verify`, pickled or
 missing weights, weights that do not fit config.json, NaN weights: as generate and eval refuse them), missing
 serving dependencies; with `--engine vllm`: vLLM not installed, options only Transformers' server has,
-`--vllm-args` that do not parse.
+`--vllm-args` that do not parse. A Hub id gets the same checks on the snapshot the local Hub cache holds for it (an
+id not in the cache is refused) and is then loaded offline; a generation_config.json asking for a decoding method
+Transformers runs only as Hub code (contrastive search, DoLa, group beam search) is refused.
 """
 
 from __future__ import annotations

@@ -127,9 +127,10 @@ def run_lm_eval(model: str, tasks: list[str], *, limit: int | float | None = Non
     """`lm_eval.simple_evaluate` on a saved model folder with our task folder; returns lm-eval's result dict.
 
     The numbers are those of `lm-eval run --model hf --model_args pretrained=MODEL,trust_remote_code=True ...`
-    (the same HFLM, built from the same arguments, given as keywords so that no folder name is parsed). What differs is the output: one progress line or bar per
-    request type for the whole run (`progress=False`: none) instead of lm-eval's bar per task and per batch of
-    rolling windows, and without its per-task "Custom kwargs" warning that our local-file tasks trigger.
+    (the same HFLM, built from the same arguments, given as keywords so that no folder name is parsed). What differs
+    is the output: one progress line or bar per request type for the whole run (`progress=False`: none) instead of
+    lm-eval's bar per task and per batch of rolling windows, and without its per-task "Custom kwargs" warning that
+    our local-file tasks trigger.
     `trust_remote_code` is the caller's decision (`switchhead.integrity.check_remote_code`): our own folders need
     none, since `import switchhead` registers the model type.
     """

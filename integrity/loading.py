@@ -455,7 +455,8 @@ def check_decoding_method(folder: str) -> None:
     method = GENERATION_MODES_MAPPING.get(mode, "")
     if "/" in method:
         name = str(getattr(mode, "value", mode)).replace("_", " ")
-        raise UnloadableModel(f"model folder {folder!r}: generation_config.json asks for {name}, which Transformers runs only as Hub code ({method}); set its "
+        raise UnloadableModel(f"model folder {folder!r}: generation_config.json asks for {name}, which "
+                              f"Transformers runs only as Hub code ({method}); set its "
                               "decoding options (penalty_alpha, dola_layers, num_beam_groups, constraints) back to "
                               "greedy or sampling")
 
@@ -503,5 +504,6 @@ def hub_offline() -> None:
     huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
-__all__ = ["UnloadableModel", "cached_snapshot", "check_decoding_method", "check_hub_model", "hub_offline", "check_fits_memory", "check_model_size", "check_saved_model", "meta_model",
-           "parameter_count", "physical_memory_bytes", "read_config", "weight_files", "weight_problem", "weight_source"]
+__all__ = ["UnloadableModel", "cached_snapshot", "check_decoding_method", "check_fits_memory", "check_hub_model",
+           "check_model_size", "check_saved_model", "hub_offline", "meta_model", "parameter_count",
+           "physical_memory_bytes", "read_config", "weight_files", "weight_problem", "weight_source"]

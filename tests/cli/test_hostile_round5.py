@@ -19,18 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.models import tiny_model
 from helpers.server import free_port
 
-from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.cli import main
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    """A tiny model folder (config.json, model.safetensors, the copied model code)."""
+    """A tiny model folder (config.json, model.safetensors, the copied model code), seed 0."""
     folder = tmp_path_factory.mktemp("saved") / "model"
-    torch.manual_seed(0)
-    SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-switchhead")).save_pretrained(folder)
+    tiny_model("tiny-switchhead").save_pretrained(folder)
     return folder
 
 
