@@ -81,14 +81,15 @@ def test_a_folder_name_is_never_parsed_into_lm_eval_arguments(saved, tmp_path, m
 
 
 @pytest.mark.integration
-def test_eval_of_a_folder_named_like_lm_eval_arguments_scores_that_folder(saved, tmp_path, monkeypatch, capsys):
+def test_eval_of_a_folder_named_like_lm_eval_arguments_scores_that_folder(with_tokenizer, tmp_path, monkeypatch,
+                                                                         capsys):
     """End to end: `eval` of 'm,pretrained=evil' scores the checked folder (the same numbers as a plain name),
     whatever 'evil' holds."""
     plain, tricky = tmp_path / "plain", tmp_path / "m,pretrained=evil"
-    shutil.copytree(saved, plain)
-    shutil.copytree(saved, tricky)
+    shutil.copytree(with_tokenizer, plain)
+    shutil.copytree(with_tokenizer, tricky)
     evil = tmp_path / "evil"
-    shutil.copytree(saved, evil)
+    shutil.copytree(with_tokenizer, evil)
     poison(evil)
     monkeypatch.chdir(tmp_path)
     results = []
