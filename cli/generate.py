@@ -51,6 +51,9 @@ def run(args) -> int:
     # --no-verify skips the manifest, not the rest: pickled or missing weights, sizes past this machine's memory,
     # weights that do not fit config.json, NaN weights; code from the folder only with --trust-remote-code
     trust = check_saved_model(args.model, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
+    from switchhead.integrity.loading import check_decoding_method
+
+    check_decoding_method(args.model)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=trust)
     inputs = tokenizer(args.prompt, return_tensors="pt")

@@ -103,6 +103,10 @@ def _read_file(path: str, text_field: str) -> list[str]:
             raise DataError(f"{path!r} has no field {text_field!r} (fields: {', '.join(table.column_names)}); "
                             "choose one with --text-field")
         documents = [text for text in table[text_field] if text]
+        other = next((text for text in documents if not isinstance(text, str)), None)
+        if other is not None:  # {"text": 5}, {"text": ["a"]}: training reads strings only
+            raise DataError(f"{path!r}: field {text_field!r} holds {type(other).__name__} values (e.g. "
+                            f"{repr(other)[:40]}), not text; choose the text field with --text-field")
     else:
         documents = [text for text in table["text"] if text]
     if not any(text.strip() for text in documents):
