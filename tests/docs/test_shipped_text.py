@@ -8,7 +8,6 @@ expression that the offending text must match, so an allowance covers that one u
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,17 +45,61 @@ ALLOWED = [
 ]
 
 
-def tracked_text_files() -> list[tuple[str, str]]:
-    """(path, text) of every file git tracks in the checkout that is text (binary files and Git LFS pointers left
-    out: neither is read as prose)."""
-    try:
-        listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
+def _git_dir() -> Path | None:
+    dot_git = REPO / ".git"
+    if dot_git.is_dir():
+        return dot_git
+    if dot_git.is_file():  # a worktree: "gitdir: PATH"
+        pointer = dot_git.read_text().strip()
+        if pointer.startswith("gitdir:"):
+            return (REPO / pointer.split(":", 1)[1].strip()).resolve()
+    return None
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    """Git's offset encoding of index version 4 (each continuation adds one before shifting)."""
+    byte = data[at]
+    value, at = byte & 0x7F, at + 1
+    while byte & 0x80:
+        byte = data[at]
+        value, at = ((value + 1) << 7) | (byte & 0x7F), at + 1
+    return value, at
+
+
+def tracked_paths() -> list[str]:
+    """The paths in git's index (what `git ls-files` lists), read from the index file itself: versions 2 to 4."""
+    git_dir = _git_dir()
+    if git_dir is None or not (git_dir / "index").is_file():
         pytest.skip("not a git checkout: the tracked files are what this test reads")
+    data = (git_dir / "index").read_bytes()
+    assert data[:4] == b"DIRC", "not a git index"
+    version, count = int.from_bytes(data[4:8], "big"), int.from_bytes(data[8:12], "big")
+    assert version in (2, 3, 4), f"git index version {version}"
+    paths, at, previous = [], 12, b""
+    for _ in range(count):
+        flags = int.from_bytes(data[at + 60:at + 62], "big")
+        start = at + 62 + (2 if version >= 3 and flags & 0x4000 else 0)
+        if version == 4:
+            strip, start = _read_varint(data, start)
+            end = data.index(b"\0", start)
+            name = previous[:len(previous) - strip] + data[start:end]
+            at = end + 1
+        else:
+            end = data.index(b"\0", start)
+            name = data[start:end]
+            at = at + ((end - at + 8) // 8) * 8  # entries are NUL-padded to a multiple of 8 bytes
+        paths.append(name.decode("utf-8"))
+        previous = name
+    return paths
+
+
+def tracked_text_files() -> list[tuple[str, str]]:
+    """(path, text) of every file git tracks in the checkout that is text (binary files left out: they are not
+    read as prose)."""
     files = []
-    for name in listed.stdout.decode().split("\0"):
+    for name in tracked_paths():
         path = REPO / name
-        if not name or not path.is_file() or path.is_symlink():
+        if not path.is_file() or path.is_symlink():
             continue
         data = path.read_bytes()
         if b"\0" in data[:8192]:
