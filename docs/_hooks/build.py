@@ -1,5 +1,5 @@
 """mkdocs hooks of the switchhead documentation (`hooks:` in mkdocs.yml): what the pages read from the code and
-from the benchmark results at build time, so that no page keeps a copy of either.
+from the benchmark results, written into the pages and refreshed whenever the site is built.
 
 - API reference: griffe (mkdocstrings-python) reads the package's sources from a tree of links laid out as the
   package installs (`switchhead` <- modeling_switchhead/, `switchhead.kernels` <- kernels/, ... from setup.py's
