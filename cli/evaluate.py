@@ -195,7 +195,7 @@ def run_eval(args) -> int:
             raise UsageError(f"--stride {args.stride} is longer than --context {args.context}: the windows would "
                                "skip tokens")
 
-    report: dict = {"model": str(Path(args.model).resolve()), "protocol": args.protocol, "limit": args.limit,
+    report: dict = {"model": args.model, "protocol": args.protocol, "limit": args.limit,
                     "results": {}, "perplexity": []}
     lm_eval_tasks = tasks
     model = tokenizer = None

@@ -9,7 +9,11 @@ from .common import UsageError
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="generate text from a saved model folder")
+    parser = subparsers.add_parser(
+        "generate", help="generate text from a saved model folder",
+        description="Continue a prompt with a saved model folder (any AutoModelForCausalLM folder with its "
+                    "tokenizer, e.g. a `switchhead train` run): greedy decoding by default, sampling with "
+                    "--temperature > 0; the text is printed to stdout.")
     parser.add_argument("model", help="a save_pretrained folder (with its tokenizer)")
     parser.add_argument("--prompt", default="The", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate after the prompt (40)")

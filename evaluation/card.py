@@ -238,7 +238,7 @@ def _code_files(model_dir: Path) -> list[str]:
 def publish_files(model_dir: str | Path) -> list[str]:
     """The files of `model_dir` that `publish` uploads, by name (all at the top level of the folder): config,
     generation config, safetensors weights (and index), tokenizer files and the model code. Everything else stays
-    on this machine. A chosen file that is a symbolic link is refused rather than followed."""
+    local. A chosen file that is a symbolic link is refused rather than followed."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a complete save_pretrained folder: missing config.json"

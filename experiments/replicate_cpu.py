@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import replicate  # noqa: E402  (the session grid's run machinery, shared)
+import replicate  # noqa: E402  (the small grid's run machinery, shared)
 
 REPO = replicate.REPO
 RESULTS_DIR = replicate.RESULTS_DIR
@@ -71,7 +71,7 @@ SCALE = dataclasses.replace(
     replicate.SCALES["cpu"], max_steps=STEPS, warmup_steps=20, eval_every=48, eval_batches=6, save_every=60, seeds=3,
     valid_fraction=0.5, about=f"d=192, 6 layers, ~5.8M parameters (3.1M of them embeddings/output), T=256, {STEPS} "
     f"steps x 16 x 256 = {STEPS * 16 * 256 / 1e6:.2f}M tokens")
-LEARNING_RATES = (8e-3, 4e-3, 1.6e-2)  # the session grid's best (8e-3) first, then one factor of 2 either side
+LEARNING_RATES = (8e-3, 4e-3, 1.6e-2)  # the small grid's best (8e-3) first, then one factor of 2 either side
 MAX_EXTENSIONS = 2
 
 
@@ -137,7 +137,7 @@ def finished_records(out: Path, results_dir: Path | None = None) -> dict[str, di
         if page.get("scale") == json.loads(json.dumps(dataclasses.asdict(SCALE))):  # as the page stores it
             records.update(page.get("runs", {}))
     for path in sorted(out.glob(f"*/{FINISHED}")):
-        record = json.loads(path.read_text())
+        record = replicate.portable_paths(json.loads(path.read_text()), out)
         records[record["name"]] = record
     return records
 
@@ -260,7 +260,7 @@ ANALYSIS = """\
   main comparison are read as no difference.
 * **XL pair** (seed 0, RoPE-chosen lrs): the same three models with Transformer-XL positions.
 * **Costs**: attention MACs and memory per layer and sequence (`cost_report`, the paper's accounting), parameters,
-  median wall-clock per training step on this machine (1 torch thread, nice 19, shared machine: the load is
+  median wall-clock per training step on the machine named below (1 torch thread, nice 19, shared machine: the load is
   recorded with each run), peak memory, process CPU seconds. Routing: per router and head the share of top-k
   picks per expert and its normalised entropy (1 = uniform) on 16K validation tokens.
 * **Zero-shot** BLiMP (67 paradigms x first 100 pairs) and LAMBADA (first 1,000 passages) of the 3-seed models,

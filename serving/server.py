@@ -89,7 +89,7 @@ def split_model_revision(model_id_and_revision: str) -> tuple[str, str | None]:
         return model_id_and_revision, None
     if "@" not in model_id_and_revision:
         return model_id_and_revision, None
-    model_id, _, revision = model_id_and_revision.rpartition("@")  # the last "@": "/tmp/ckpt@1000@main"
+    model_id, _, revision = model_id_and_revision.rpartition("@")  # the last "@": "runs/ckpt@1000@main"
     return model_id, revision or None
 
 

@@ -14,6 +14,7 @@ import contextlib
 import glob
 import os
 from array import array
+from pathlib import Path
 import sysconfig
 
 import torch
@@ -128,6 +129,18 @@ def _check_text(path: str, sample: int = 1 << 16) -> None:
             raise DataError(f"data file {path!r} is not UTF-8 text (invalid byte at offset {error.start})") from None
 
 
+def missing_data_hint() -> str:
+    """What to do about a data path that does not exist: what it may hold and, from a checkout, how to get the
+    WikiText the README's examples train on."""
+    hint = ("give a .txt, .tokens or .jsonl file, a folder of them (WikiText: wiki.train.tokens, wiki.valid.tokens, "
+            "wiki.test.tokens), or a Hub dataset name")
+    fetcher = Path(__file__).resolve().parent.parent / "scripts" / "fetch_test_data.py"
+    if fetcher.is_file():  # a checkout: its data folder is ../shared/data beside it
+        hint += (f"; the README's examples use the test data, which `python {fetcher.parent.name}/{fetcher.name}` "
+                 "(from the checkout) downloads into ../shared/data")
+    return hint
+
+
 def load_documents(data: str | None, text_field: str = "text", valid_data: str | None = None,
                    valid_fraction: float = 0.05) -> tuple[list[str], list[str]]:
     """Train and validation documents.
@@ -158,13 +171,13 @@ def load_documents(data: str | None, text_field: str = "text", valid_data: str |
         if not train:
             raise DataError(f"data {data!r} has validation/test files but no training file")
     elif data.startswith((".", "/", "~")) or data.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
-        raise DataError(f"data path {data!r} does not exist")
+        raise DataError(f"data path {data!r} does not exist; {missing_data_hint()}")
     else:
         train, valid = _hub_documents(data, text_field)
 
     if valid_data is not None:
         if not os.path.exists(valid_data):
-            raise DataError(f"validation data path {valid_data!r} does not exist")
+            raise DataError(f"validation data path {valid_data!r} does not exist; {missing_data_hint()}")
         valid = [doc for path in _data_files(valid_data) for doc in _read_file(path, text_field)]
     if not valid:
         train, valid = _hold_out(train, valid_fraction)
