@@ -119,7 +119,13 @@ class _SwitchHeadDropIn(nn.Module):
             attention_dropout=0.0, init_scale=init_scale, position_encoding=self.position_encoding, **positions)
         self.config._experts_implementation = experts_implementation  # None: the default a model gets
         self.config._attn_implementation = attn_implementation
+        # the random numbers drawn while building, as the authors' constructor draws them (nn.Linear's own init of q
+        # and k, nothing else: their other tensors start empty), so that one seed gives both modules one init
+        rng = torch.random.get_rng_state()
         self.attention = ATTENTION_CLASSES[self.config.attention_type](self.config, 0)
+        torch.random.set_rng_state(rng)
+        self.attention.q_proj.reset_parameters()
+        self.attention.k_proj.reset_parameters()
         self.rotary = rotary_embedding(self.config)  # None for XL
         self.query_dropout = nn.Dropout(dropout)
         self.attention.q_proj.register_forward_hook(self._drop_query)
