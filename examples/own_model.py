@@ -2,7 +2,7 @@
 WikiText-2 on the CPU beside the same model with dense attention, then converted to a Transformers folder and run
 with `generate`, and converted back.
 
-    SWITCHHEAD_DATA_DIR=path/to/data python examples/own_model.py [--steps 300] [--out results.json]
+    SWITCHHEAD_DATA_DIR=path/to/data python examples/own_model.py [--steps 200] [--out results.json]
 
 The data folder holds `wikitext-2/wiki.{train,valid}.tokens` and `tokenizers/gpt2/{vocab.json,merges.txt}`
 (`scripts/fetch_test_data.py` gets them; default: `../shared/data` beside the checkout). To keep the output layer
@@ -134,6 +134,18 @@ def train(model: GPT, train_ids: torch.Tensor, valid_ids: torch.Tensor, steps: i
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 # -------------------------------------------------------------------------------------------------- conversion
 # our model's names for everything around the attention layers (their prefix -> ours; {i}: the layer index)
 RENAMES = {"embed.": "model.embed_tokens.", "blocks.{i}.ln1.": "model.layers.{i}.input_layernorm.",
@@ -154,16 +166,15 @@ def to_transformers(model: GPT) -> switchhead.SwitchHeadForCausalLM:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     args = parser.parse_args(argv)
     train_ids, valid_ids, words = load_tokens(args.vocab)
     results = {"steps": args.steps, "batch": args.batch, "length": args.length, "vocab": args.vocab,
-               "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), "
-                          f"torch {torch.__version__}"}
+               "machine": f"{cpu_name()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"}
     models = {}
     for kind in ("switchhead", "dense"):
         torch.manual_seed(0)
@@ -181,7 +192,9 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         ours, theirs = model(prompt), hf_model(prompt).logits
     results["logits_max_difference"] = (ours - theirs).abs().max().item()
-    generated = hf_model.generate(prompt, max_new_tokens=20, do_sample=False)
+    # greedy, with the catch-all "<unk>" id (frequent in this renumbering) left out
+    generated = hf_model.generate(prompt, max_new_tokens=20, do_sample=False, suppress_tokens=[args.vocab - 1])
+    results["prompt"] = "".join(words[t] for t in prompt[0].tolist())
     results["generated"] = "".join(words[t] for t in generated[0, 16:].tolist())
     back = build("switchhead", args.vocab)
     back.load_state_dict(state_dict_to_module(hf_model.state_dict(), hf_model.config, "blocks.{i}.attn.", RENAMES),
