@@ -104,6 +104,10 @@ class _SwitchHeadDropIn(nn.Module):
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if experts_implementation is not None:
             lookup(experts_implementation)  # a name outside the table: the ValueError that lists it
+        if experts_implementation == "switchhead_fused" and dropout > 0:  # its GEMM makes q without q_proj's hook
+            raise ValueError(f"dropout={dropout} with experts_implementation='switchhead_fused': the fused block makes "
+                             "the queries inside one GEMM, where the query dropout cannot act; use another "
+                             "experts_implementation or dropout=0")
         self.n_heads, self.n_experts, self.moe_k = n_heads, n_experts, moe_k
         self.input_size = self.output_size = d_model
         self.projection_size = d_head or d_model // n_heads

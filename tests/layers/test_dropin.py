@@ -266,6 +266,7 @@ def test_the_authors_initialisation(xl):
     ({"n_heads": 0}, "n_heads"),
     ({"dropout": 1.5}, "dropout"),
     ({"experts_implementation": "grouped_mm"}, "experts_implementation"),
+    ({"experts_implementation": "switchhead_fused", "dropout": 0.1}, "dropout=0.1"),
 ])
 def test_bad_arguments_name_the_argument(arguments, named):
     with pytest.raises(ValueError, match=named):
