@@ -99,3 +99,19 @@ __all__ = [
     "expert_projection",
     "__version__",
 ]
+
+# The drop-in layers for any Transformer (`switchhead.layers`: the authors' interface on these layers), imported on
+# first use only: `import switchhead` stays as light as before, and the model files never import them.
+_LAYER_NAMES = ("AttentionMask", "SigmaMoE", "SwitchHeadRope", "SwitchHeadXL")
+
+
+def __getattr__(name: str):
+    if name in _LAYER_NAMES:
+        from . import layers
+
+        return getattr(layers, name)
+    raise AttributeError(f"module 'switchhead' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAYER_NAMES])
