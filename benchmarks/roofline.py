@@ -232,6 +232,105 @@ def attention_ops(config, implementation: str | None, tokens: int = 1024, batch:
                 forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=sum(saved.values()))
 
 
+def xl_attention_ops(config, implementation: str | None, tokens: int, memory: int, gathered: bool = False,
+                     batch: int = 1) -> dict:
+    """`attention_ops` for an XL attention block reading `memory` positions of XL memory (as every training segment
+    after the first does), its mask the model's (`create_xl_memory_mask`). `gathered`: XL's position term by the
+    reference gather over distances (`positions.xl_position_bias_gathered`) instead of the relative shift. Returns
+    `attention_ops`'s counts, plus "matmuls" and the (queries, keys) tensors the backward keeps, "square_bytes" (the
+    position bias handed to sdpa as its float mask, which a GPU's kernel keeps too; the CPU's math kernel also keeps
+    its probabilities), and "index_bytes", the integer tensors it keeps."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from switchhead import SwitchHeadForCausalLM, positions
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in _VIEW_OPS:
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    config = type(config).from_dict(config.to_dict())
+    config.num_hidden_layers, config.hidden_dropout = 1, 0.0
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = SwitchHeadForCausalLM(config).train()
+    if implementation is not None:
+        model.set_experts_implementation(implementation)
+    hidden = torch.randn(batch, tokens, config.hidden_size, requires_grad=True)
+    past = torch.randn(batch, memory, config.hidden_size)
+    mask = positions.create_xl_memory_mask(config, hidden, None, memory)
+    attention = model.model.layers[0].self_attn
+    parameters = {p.untyped_storage()._cdata for p in attention.parameters()}
+    forward, backward = Count(), Count()
+    saved, square, index = {}, {}, {}
+
+    def pack(tensor):  # each storage once (a view shares its base's)
+        storage = tensor.untyped_storage()
+        if storage._cdata in parameters:
+            return tensor
+        if not tensor.is_floating_point():
+            index[storage._cdata] = storage.nbytes()
+        elif tuple(tensor.shape[-2:]) == (tokens, tokens + memory):
+            square[storage._cdata] = storage.nbytes()
+        else:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    reference = positions.xl_position_bias
+    if gathered:
+        positions.xl_position_bias = positions.xl_position_bias_gathered
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                out, _ = attention(hidden, position_embeddings=None, attention_mask=mask, memory=past)
+        with backward:
+            out.float().backward(torch.ones(out.shape))
+    finally:
+        positions.xl_position_bias = reference
+    matmuls = sum(c.ops.get(op, 0) for c in (forward, backward) for op in ("mm", "bmm", "addmm", "matmul"))
+    return dict(forward=sum(forward.ops.values()), backward=sum(backward.ops.values()), matmuls=matmuls,
+                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=sum(saved.values()),
+                square_bytes=sum(square.values()), index_bytes=sum(index.values()))
+
+
+def xl_op_table(tokens: int = 256, memory: int = 256) -> list[dict]:
+    """`xl_attention_ops` of the 47M XL pair at its paper context: dense, SwitchHead per projection ("eager") and
+    lean ("switchhead_fused", what "switchhead_auto" trains with on a GPU), each with the gather and the shift."""
+    from switchhead import SwitchHeadConfig
+
+    import torch
+
+    from switchhead import positions
+
+    rows = []  # the encodings' table built first, so that no row counts building it
+    positions.past_sinusoidal_encoding(tokens + memory, SwitchHeadConfig.from_preset("wt103-47m-dense-xl").hidden_size,
+                                       torch.float32, torch.device("cpu"))
+    for label, preset, implementation in (("dense", "wt103-47m-dense-xl", None),
+                                          ("switchhead/eager", "wt103-47m-switchhead-xl", "eager"),
+                                          ("switchhead/lean", "wt103-47m-switchhead-xl", "switchhead_fused")):
+        config = SwitchHeadConfig.from_preset(preset)
+        for term, gathered in (("gather", True), ("shift", False)):
+            counts = xl_attention_ops(config, implementation, tokens, memory, gathered)
+            heads = config.num_attention_heads
+            rows.append(dict(label=label, term=term, heads=heads, forward=counts["forward"],
+                             backward=counts["backward"], matmuls=counts["matmuls"],
+                             ops_per_head=(counts["forward"] + counts["backward"]) / heads,
+                             saved_bytes_per_token=counts["saved_bytes"] / tokens,
+                             square_bytes_per_token=counts["square_bytes"] / tokens,
+                             index_bytes_per_token=counts["index_bytes"] / tokens,
+                             forward_ops=counts["forward_ops"], backward_ops=counts["backward_ops"]))
+    return rows
+
+
 def attention_op_table(tokens: int = 1024) -> list[dict]:
     """`attention_ops` of each pair's dense and SwitchHead attention blocks (per-projection "eager", fused)."""
     rows = []
@@ -307,6 +406,14 @@ def main(argv=None) -> int:
     for row in table["attention_ops"]:
         print(f"  {row['pair']:>9} {row['label']:<17}: {row['forward']} + {row['backward']}, {row['matmuls']}; "
               f"{row['saved_bytes_per_token']:,.0f} B")
+    table["xl_attention_ops"] = xl_op_table()
+    print("one 47M XL attention block, batch 1 x 256 tokens and 256 of memory, bf16 autocast: aten ops forward + "
+          "backward (per head), matrix products; bytes its backward keeps per token: besides the [T, M + T] tensors, "
+          "those, and integer indices")
+    for row in table["xl_attention_ops"]:
+        print(f"  {row['label']:<17} {row['term']:<6}: {row['forward']} + {row['backward']} "
+              f"({row['ops_per_head']:.1f} per head), {row['matmuls']}; {row['saved_bytes_per_token']:,.0f} B, "
+              f"{row['square_bytes_per_token']:,.0f} B, {row['index_bytes_per_token']:,.0f} B")
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
     return 0

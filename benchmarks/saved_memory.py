@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -50,8 +51,7 @@ def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = Fal
     last two dimensions are (queries, keys) (the attention core's probabilities, XL's position bias and its index)
     go to `square[part]` instead of the part."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-    by_part = dict.fromkeys(PARTS, 0)
+    records = []  # (weak reference to what autograd holds, part), in the order saved
     running: list[str] = []  # parts entered and not yet left, outermost first
     hooks = []
 
@@ -66,16 +66,12 @@ def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = Fal
             hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
     def pack(tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in parameters and pointer not in seen:
-            seen.add(pointer)
-            part = running[0] if running else "rest"
-            if square is not None and tuple(tensor.shape[-2:]) == (context, context + memory):
-                square[part] = square.get(part, 0) + storage.nbytes()
-            else:
-                by_part[part] += storage.nbytes()
-        return tensor
+        # Held in a box that only the graph refers to: a tensor saved by a node the forward later drops (a branch
+        # whose result is not used) dies with it, and is not counted; its memory, reused by a later tensor, would
+        # otherwise hide that tensor behind the same address.
+        box = _Saved(tensor)
+        records.append((weakref.ref(box), running[0] if running else "rest"))
+        return box
 
     ids = torch.randint(1, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
     extra = {}
@@ -88,14 +84,40 @@ def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = Fal
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
     finally:
         for hook in hooks:
             hook.remove()
+    by_part = dict.fromkeys(PARTS, 0)
+    seen: set[int] = set()
+    box = None
+    for reference, part in records:  # what the graph still holds, each storage once
+        box = reference()
+        if box is None:
+            continue
+        storage = box.tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer in parameters or pointer in seen:
+            continue
+        seen.add(pointer)
+        if square is not None and tuple(box.tensor.shape[-2:]) == (context, context + memory):
+            square[part] = square.get(part, 0) + storage.nbytes()
+        else:
+            by_part[part] += storage.nbytes()
+    del box
     loss.backward()  # the recorded graph is complete: it runs
     return by_part
+
+
+class _Saved:
+    """A tensor autograd saved, as the graph holds it (see `saved_bytes`)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
 
 
 # ------------------------------------------------------------------------------------------------ per token
@@ -216,7 +238,8 @@ def token_report(quick: bool, contexts: tuple[int, ...]) -> dict:
                 if quick:
                     continue
                 for member in ("dense", "switchhead/eager"):
-                    peak = peaks.get((family, context, member))
+                    # the GPU matrix's XL steps carry no memory across segments: not the step counted here
+                    peak = peaks.get((family, context, member)) if FAMILIES[family][3] == 0 else None
                     if peak is None:
                         continue
                     tokens = peak[1] * context
