@@ -137,6 +137,8 @@ FAMILIES = {  # family -> SwitchHead preset, dense preset, paper context, XL mem
 FORMULATIONS = {"dense": None, "switchhead/eager": "eager", "switchhead/lean": "switchhead_fused"}
 DTYPES = {"fp32": False, "bf16": True}
 TRAIN_TOKENS = 65536  # tokens per step of the GPU matrices
+COUNT_CONTEXT = 256  # the context counted at (XL: its paper context, with as much memory); `context_check` shows
+# that the bytes per token are the same at four times that
 
 
 def family_config(family: str, member: str, layers: int):
@@ -164,7 +166,7 @@ def per_token(family: str, member: str, autocast: bool, context: int | None = No
     from switchhead import SwitchHeadForCausalLM
 
     _, _, paper, memory = FAMILIES[family]
-    context = context or (16 if quick else paper)
+    context = context or (16 if quick else COUNT_CONTEXT)
     memory = min(memory, context)
     counts = {}
     for layers in (1, 2):
@@ -226,6 +228,15 @@ def token_report(quick: bool, contexts: tuple[int, ...]) -> dict:
                 table[f"{family}/{member}/{dtype}"] = per_token(family, member, autocast, quick=quick)
                 print(family, member, dtype, {p: round(v) for p, v in table[f"{family}/{member}/{dtype}"]["layer"].items()},
                       flush=True)
+    check = {}
+    if not quick:  # the same bytes per token at 4x the context counted at
+        for member in ("dense", "switchhead/lean"):
+            longer = per_token("47m-rope", member, True, context=4 * COUNT_CONTEXT)
+            check[f"47m-rope/{member}/bf16"] = dict(
+                context=longer["context"], layer=longer["layer"], outside=longer["outside"],
+                same=all(abs(longer[k][p] - table[f"47m-rope/{member}/bf16"][k][p]) < 1e-6
+                         for k in ("layer", "outside") for p in PARTS))
+            print("check", member, check[f"47m-rope/{member}/bf16"]["same"], flush=True)
     steps, predicted = {}, []
     peaks = gpu_peaks()
     for family, (_, _, paper, _) in FAMILIES.items():
@@ -248,7 +259,7 @@ def token_report(quick: bool, contexts: tuple[int, ...]) -> dict:
                     predicted.append(dict(family=family, context=context, member=member, tokens=tokens, state=state,
                                           saved=saved, predicted=state + saved, measured=peak[0],
                                           measured_over_predicted=peak[0] / (state + saved)))
-    return dict(per_token=table, steps=steps, predicted_gpu_peak=predicted)
+    return dict(per_token=table, context_check=check, steps=steps, predicted_gpu_peak=predicted)
 
 
 TARGETS = {  # (family, row) -> the most SwitchHead / dense may keep (bf16 autocast, the default formulation)
