@@ -331,6 +331,38 @@ def xl_op_table(tokens: int = 256, memory: int = 256) -> list[dict]:
     return rows
 
 
+def write_xl_ops(out: Path, tokens: int = 256, memory: int = 256) -> None:
+    """`xl_op_table` as JSON at `out` and Markdown beside it, with the machine and commit."""
+    import subprocess
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import describe
+
+    rows = xl_op_table(tokens, memory)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    machine = describe(torch.device("cpu"))
+    out.write_text(json.dumps(dict(machine=machine, commit=head, tokens=tokens, memory=memory, rows=rows), indent=1))
+    lines = ["# One 47M XL attention block: the position term by a gather or by the relative shift", "",
+             f"Counted on the CPU ({machine.get('device') or 'CPU'}; torch {machine['torch']}, commit {head}), bf16 "
+             f"autocast with fp32 weights, batch 1 x {tokens} tokens reading {memory} of XL memory, forward and "
+             "backward. `python benchmarks/roofline.py --xl-ops OUT` reproduces it. Ops: aten ops dispatched, views "
+             "left out; bytes kept for the backward per token: the `[T, M + T]` tensors (the bias sdpa takes as "
+             "its float mask, which a GPU's kernel keeps too, and the CPU math kernel's probabilities), the integer "
+             "tensors (indices, masks), and the rest.", "",
+             "| block | position term | ops forward + backward | per head | matrix products | [T, M + T] B | "
+             "integer B | other B |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['label']} | {row['term']} | {row['forward']} + {row['backward']} | "
+                     f"{row['ops_per_head']:.1f} | {row['matmuls']} | {row['square_bytes_per_token']:,.0f} | "
+                     f"{row['index_bytes_per_token']:,.0f} | {row['saved_bytes_per_token']:,.0f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def attention_op_table(tokens: int = 1024) -> list[dict]:
     """`attention_ops` of each pair's dense and SwitchHead attention blocks (per-projection "eager", fused)."""
     rows = []
@@ -391,7 +423,13 @@ def predicted(tokens: int = 65536) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
+    parser.add_argument("--xl-ops", type=Path, default=None,
+                        help="only count one 47M XL attention block (gather against shift) and write it here (JSON "
+                             "and Markdown)")
     args = parser.parse_args(argv)
+    if args.xl_ops:
+        write_xl_ops(args.xl_ops)
+        return 0
     table = predicted()
     print("training step, 65,536 tokens: FLOPs SwitchHead / dense (attention core's share of dense)")
     for row in table["train"]:
