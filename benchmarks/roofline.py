@@ -176,19 +176,12 @@ _VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "ex
              "_reshape_alias", "lift_fresh"}
 
 
-def attention_ops(config, implementation: str | None, tokens: int = 1024, batch: int = 1) -> dict:
-    """One attention block (a layer's `self_attn`: projections, RoPE where the config has it, sdpa) as a training
-    step runs it, fp32 weights under bf16 autocast, on the CPU, over `batch` x `tokens` tokens, forward and backward:
-    the aten ops it dispatches (views left out; each is at least one kernel launch in eager PyTorch, the count that
-    "switchhead_fused" brings towards dense's) and the bytes its backward keeps, parameters and the attention
-    core's `[T, T]` tensors left out (the CPU's sdpa keeps its probabilities; flash on a GPU keeps none). Returns
-    {"forward": n, "backward": n, "forward_ops": {name: count}, "backward_ops": {name: count}, "saved_bytes": n}."""
+def _op_counter():
+    """A TorchDispatchMode class whose instances count the aten ops dispatched under them (`ops`, by name; views
+    left out)."""
     import collections
 
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from switchhead import SwitchHeadForCausalLM
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -201,6 +194,15 @@ def attention_ops(config, implementation: str | None, tokens: int = 1024, batch:
                 self.ops[name] += 1
             return func(*args, **(kwargs or {}))
 
+    return Count
+
+
+def _one_layer_model(config, implementation: str | None):
+    """A one-layer copy of `config`'s model (sdpa, no dropout, seed 0) in training mode, with `implementation`."""
+    import torch
+
+    from switchhead import SwitchHeadForCausalLM
+
     config = type(config).from_dict(config.to_dict())
     config.num_hidden_layers, config.hidden_dropout = 1, 0.0
     config._attn_implementation = "sdpa"
@@ -208,6 +210,20 @@ def attention_ops(config, implementation: str | None, tokens: int = 1024, batch:
     model = SwitchHeadForCausalLM(config).train()
     if implementation is not None:
         model.set_experts_implementation(implementation)
+    return model
+
+
+def attention_ops(config, implementation: str | None, tokens: int = 1024, batch: int = 1) -> dict:
+    """One attention block (a layer's `self_attn`: projections, RoPE where the config has it, sdpa) as a training
+    step runs it, fp32 weights under bf16 autocast, on the CPU, over `batch` x `tokens` tokens, forward and backward:
+    the aten ops it dispatches (views left out; each is at least one kernel launch in eager PyTorch, the count that
+    "switchhead_fused" brings towards dense's) and the bytes its backward keeps, parameters and the attention
+    core's `[T, T]` tensors left out (the CPU's sdpa keeps its probabilities; flash on a GPU keeps none). Returns
+    {"forward": n, "backward": n, "forward_ops": {name: count}, "backward_ops": {name: count}, "saved_bytes": n}."""
+    import torch
+
+    Count = _op_counter()
+    model = _one_layer_model(config, implementation)
     hidden = torch.randn(batch, tokens, config.hidden_size, requires_grad=True)
     positions = torch.arange(tokens)[None].expand(batch, -1)
     rotary = model.model.rotary_emb
@@ -240,31 +256,13 @@ def xl_attention_ops(config, implementation: str | None, tokens: int, memory: in
     `attention_ops`'s counts, plus "matmuls" and the (queries, keys) tensors the backward keeps, "square_bytes" (the
     position bias handed to sdpa as its float mask, which a GPU's kernel keeps too; the CPU's math kernel also keeps
     its probabilities), and "index_bytes", the integer tensors it keeps."""
-    import collections
-
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    from switchhead import SwitchHeadForCausalLM, positions
+    from switchhead import positions
 
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in _VIEW_OPS:
-                self.ops[name] += 1
-            return func(*args, **(kwargs or {}))
-
-    config = type(config).from_dict(config.to_dict())
-    config.num_hidden_layers, config.hidden_dropout = 1, 0.0
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = SwitchHeadForCausalLM(config).train()
-    if implementation is not None:
-        model.set_experts_implementation(implementation)
+    Count = _op_counter()
+    model = _one_layer_model(config, implementation)
+    config = model.config
     hidden = torch.randn(batch, tokens, config.hidden_size, requires_grad=True)
     past = torch.randn(batch, memory, config.hidden_size)
     mask = positions.create_xl_memory_mask(config, hidden, None, memory)

@@ -6,18 +6,11 @@ fp32, to the naive twin by gradcheck in fp64, and to the fused block's bytes kep
 import pytest
 import torch
 
-from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+from switchhead import SwitchHeadForCausalLM
 from switchhead import expert_ops
+from test_fused_attention import _config
 
 TOL = dict(rtol=2e-5, atol=2e-5)
-
-
-def _config(**overrides) -> SwitchHeadConfig:
-    fields = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=8,
-                  num_attention_experts=5, num_attention_experts_per_tok=2, intermediate_size=48,
-                  max_position_embeddings=64, hidden_dropout=0.0)
-    fields.update(overrides)
-    return SwitchHeadConfig(**fields)
 
 
 @pytest.fixture
