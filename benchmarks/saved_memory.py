@@ -234,7 +234,8 @@ def token_report(quick: bool, contexts: tuple[int, ...]) -> dict:
             longer = per_token("47m-rope", member, True, context=4 * COUNT_CONTEXT)
             check[f"47m-rope/{member}/bf16"] = dict(
                 context=longer["context"], layer=longer["layer"], outside=longer["outside"],
-                same=all(abs(longer[k][p] - table[f"47m-rope/{member}/bf16"][k][p]) < 1e-6
+                # the loss predicts T - 1 tokens a row: its bytes per token move by under 1 / T of a logits row
+                same=all(abs(longer[k][p] - table[f"47m-rope/{member}/bf16"][k][p]) < 0.5
                          for k in ("layer", "outside") for p in PARTS))
             print("check", member, check[f"47m-rope/{member}/bf16"]["same"], flush=True)
     steps, predicted = {}, []
@@ -246,19 +247,19 @@ def token_report(quick: bool, contexts: tuple[int, ...]) -> dict:
                 for dtype in DTYPES:
                     parts = step_bytes(table[f"{family}/{member}/{dtype}"], layers, TRAIN_TOKENS)
                     steps[f"{family}@{context}/{member}/{dtype}"] = parts
-                if quick:
+            if quick:
+                continue
+            for member in ("dense", "switchhead/eager"):
+                # the GPU matrix's XL steps carry no memory across segments: not the step counted here
+                peak = peaks.get((family, context, member)) if FAMILIES[family][3] == 0 else None
+                if peak is None:
                     continue
-                for member in ("dense", "switchhead/eager"):
-                    # the GPU matrix's XL steps carry no memory across segments: not the step counted here
-                    peak = peaks.get((family, context, member)) if FAMILIES[family][3] == 0 else None
-                    if peak is None:
-                        continue
-                    tokens = peak[1] * context
-                    state = 16 * parameters_of(family, member)  # fp32 weights, gradients, AdamW's two moments
-                    saved = sum(step_bytes(table[f"{family}/{member}/bf16"], layers, tokens).values())
-                    predicted.append(dict(family=family, context=context, member=member, tokens=tokens, state=state,
-                                          saved=saved, predicted=state + saved, measured=peak[0],
-                                          measured_over_predicted=peak[0] / (state + saved)))
+                tokens = peak[1] * context
+                state = 16 * parameters_of(family, member)  # fp32 weights, gradients, AdamW's two moments
+                saved = sum(step_bytes(table[f"{family}/{member}/bf16"], layers, tokens).values())
+                predicted.append(dict(family=family, context=context, member=member, tokens=tokens, state=state,
+                                      saved=saved, predicted=state + saved, measured=peak[0],
+                                      measured_over_predicted=peak[0] / (state + saved)))
     return dict(per_token=table, context_check=check, steps=steps, predicted_gpu_peak=predicted)
 
 
