@@ -57,11 +57,12 @@ ALIGNED_47M = dict(ROPE, head_dim=64, intermediate_size=2048)  # 41 -> 64, 2053 
 
 def groups(smoke: bool) -> list[dict]:
     """The training matrix, most valuable first (contexts never measured before the paper's)."""
-    def member(label, preset, overrides, experts=None):
-        return dict(label=label, preset=preset, overrides=overrides, experts=experts)
+    def member(label, preset, overrides, experts=None, position_term=None):
+        return dict(label=label, preset=preset, overrides=overrides, experts=experts, position_term=position_term)
 
     def pair(name, sh, dense, context, kernels, batch=None, extra=()):
         members = [member("dense", dense, dict(ROPE, max_position_embeddings=context)),
+                   member("switchhead/auto", sh, dict(max_position_embeddings=context), "switchhead_auto"),
                    member("switchhead/eager", sh, dict(max_position_embeddings=context), "eager"),
                    member("switchhead/fused", sh, dict(max_position_embeddings=context), "switchhead_fused")]
         if kernels:
@@ -73,6 +74,10 @@ def groups(smoke: bool) -> list[dict]:
         return [pair("tiny-rope", "tiny-switchhead", "tiny-dense", 64, True, batch=2),
                 dict(name="tiny-xl@32", context=32, batch=2,
                      members=[member("dense", "tiny-dense-xl", {}),
+                              member("dense/gathered", "tiny-dense-xl", {}, None, "gathered"),
+                              member("switchhead/auto", "tiny-switchhead-xl", {}, "switchhead_auto"),
+                              member("switchhead/auto-gathered", "tiny-switchhead-xl", {}, "switchhead_auto",
+                                     "gathered"),
                               member("switchhead/eager", "tiny-switchhead-xl", {}, "eager"),
                               member("switchhead/fused", "tiny-switchhead-xl", {}, "switchhead_fused")])]
     aligned = member("dense/aligned-64", DENSE_47M, dict(ALIGNED_47M, max_position_embeddings=512))
@@ -85,10 +90,36 @@ def groups(smoke: bool) -> list[dict]:
         pair("262m-rope", SH_262M, DENSE_262M, 1024, True),
         dict(name="47m-xl@256", context=256, batch=64,
              members=[member("dense", DENSE_47M, {}),
+                      member("dense/gathered", DENSE_47M, {}, None, "gathered"),
+                      member("switchhead/auto", "wt103-47m-switchhead-xl", {}, "switchhead_auto"),
+                      member("switchhead/auto-gathered", "wt103-47m-switchhead-xl", {}, "switchhead_auto",
+                             "gathered"),
                       member("switchhead/eager", "wt103-47m-switchhead-xl", {}, "eager"),
                       member("switchhead/fused", "wt103-47m-switchhead-xl", {}, "switchhead_fused"),
                       member("switchhead/cvmm", "wt103-47m-switchhead-xl", {}, "cvmm")]),
     ]
+
+
+class PositionTerm:
+    """While active, XL's position term as `term` builds it: "gathered", the gather over distances (the reference
+    twin of the relative shift, timed as a control); None, the model's own."""
+
+    def __init__(self, term: str | None):
+        self.term, self.saved = term, None
+
+    def __enter__(self):
+        from switchhead import positions
+
+        if self.term == "gathered":
+            self.saved = positions.xl_position_bias
+            positions.xl_position_bias = positions.xl_position_bias_gathered
+        return self
+
+    def __exit__(self, *exc):
+        from switchhead import positions
+
+        if self.saved is not None:
+            positions.xl_position_bias, self.saved = self.saved, None
 
 
 def make_config(preset: str, overrides: dict, smoke: bool, attn: str) -> SwitchHeadConfig:
@@ -132,11 +163,20 @@ def run_group(group: dict, args, device, ceilings: dict, log) -> dict:
         label, config = m["label"], configs[m["label"]]
         entry = result["members"][label] = dict(preset=m["preset"], overrides=m["overrides"],
                                                 experts=m["experts"], samples=[])
+        if m.get("position_term"):
+            entry["position_term"] = m["position_term"]
         try:
             model = build(config, device, m["experts"])
             entry["parameters"] = sum(p.numel() for p in model.parameters())
             entry["experts_implementation"] = model.config._experts_implementation
             trainer = Trainer(model, group["batch"], group["context"], device, autocast)
+            step, term = trainer.step, PositionTerm(m.get("position_term"))
+
+            def stepped(step=step, term=term):
+                with term:
+                    return step()
+
+            trainer.step = stepped
             trainer.step()  # warm-up: kernels compiled and tuned, optimizer state allocated
             trainer.step()
             entry["peak_bytes"] = trainer.peak_bytes()

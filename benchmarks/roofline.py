@@ -176,19 +176,12 @@ _VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "ex
              "_reshape_alias", "lift_fresh"}
 
 
-def attention_ops(config, implementation: str | None, tokens: int = 1024, batch: int = 1) -> dict:
-    """One attention block (a layer's `self_attn`: projections, RoPE where the config has it, sdpa) as a training
-    step runs it, fp32 weights under bf16 autocast, on the CPU, over `batch` x `tokens` tokens, forward and backward:
-    the aten ops it dispatches (views left out; each is at least one kernel launch in eager PyTorch, the count that
-    "switchhead_fused" brings towards dense's) and the bytes its backward keeps, parameters and the attention
-    core's `[T, T]` tensors left out (the CPU's sdpa keeps its probabilities; flash on a GPU keeps none). Returns
-    {"forward": n, "backward": n, "forward_ops": {name: count}, "backward_ops": {name: count}, "saved_bytes": n}."""
+def _op_counter():
+    """A TorchDispatchMode class whose instances count the aten ops dispatched under them (`ops`, by name; views
+    left out)."""
     import collections
 
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from switchhead import SwitchHeadForCausalLM
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -201,6 +194,15 @@ def attention_ops(config, implementation: str | None, tokens: int = 1024, batch:
                 self.ops[name] += 1
             return func(*args, **(kwargs or {}))
 
+    return Count
+
+
+def _one_layer_model(config, implementation: str | None):
+    """A one-layer copy of `config`'s model (sdpa, no dropout, seed 0) in training mode, with `implementation`."""
+    import torch
+
+    from switchhead import SwitchHeadForCausalLM
+
     config = type(config).from_dict(config.to_dict())
     config.num_hidden_layers, config.hidden_dropout = 1, 0.0
     config._attn_implementation = "sdpa"
@@ -208,6 +210,20 @@ def attention_ops(config, implementation: str | None, tokens: int = 1024, batch:
     model = SwitchHeadForCausalLM(config).train()
     if implementation is not None:
         model.set_experts_implementation(implementation)
+    return model
+
+
+def attention_ops(config, implementation: str | None, tokens: int = 1024, batch: int = 1) -> dict:
+    """One attention block (a layer's `self_attn`: projections, RoPE where the config has it, sdpa) as a training
+    step runs it, fp32 weights under bf16 autocast, on the CPU, over `batch` x `tokens` tokens, forward and backward:
+    the aten ops it dispatches (views left out; each is at least one kernel launch in eager PyTorch, the count that
+    "switchhead_fused" brings towards dense's) and the bytes its backward keeps, parameters and the attention
+    core's `[T, T]` tensors left out (the CPU's sdpa keeps its probabilities; flash on a GPU keeps none). Returns
+    {"forward": n, "backward": n, "forward_ops": {name: count}, "backward_ops": {name: count}, "saved_bytes": n}."""
+    import torch
+
+    Count = _op_counter()
+    model = _one_layer_model(config, implementation)
     hidden = torch.randn(batch, tokens, config.hidden_size, requires_grad=True)
     positions = torch.arange(tokens)[None].expand(batch, -1)
     rotary = model.model.rotary_emb
@@ -230,6 +246,119 @@ def attention_ops(config, implementation: str | None, tokens: int = 1024, batch:
         out.float().backward(torch.ones(out.shape))
     return dict(forward=sum(forward.ops.values()), backward=sum(backward.ops.values()),
                 forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=sum(saved.values()))
+
+
+def xl_attention_ops(config, implementation: str | None, tokens: int, memory: int, gathered: bool = False,
+                     batch: int = 1) -> dict:
+    """`attention_ops` for an XL attention block reading `memory` positions of XL memory (as every training segment
+    after the first does), its mask the model's (`create_xl_memory_mask`). `gathered`: XL's position term by the
+    reference gather over distances (`positions.xl_position_bias_gathered`) instead of the relative shift. Returns
+    `attention_ops`'s counts, plus "matmuls" and the (queries, keys) tensors the backward keeps, "square_bytes" (the
+    position bias handed to sdpa as its float mask, which a GPU's kernel keeps too; the CPU's math kernel also keeps
+    its probabilities), and "index_bytes", the integer tensors it keeps."""
+    import torch
+
+    from switchhead import positions
+
+    Count = _op_counter()
+    model = _one_layer_model(config, implementation)
+    config = model.config
+    hidden = torch.randn(batch, tokens, config.hidden_size, requires_grad=True)
+    past = torch.randn(batch, memory, config.hidden_size)
+    mask = positions.create_xl_memory_mask(config, hidden, None, memory)
+    attention = model.model.layers[0].self_attn
+    parameters = {p.untyped_storage()._cdata for p in attention.parameters()}
+    forward, backward = Count(), Count()
+    saved, square, index = {}, {}, {}
+
+    def pack(tensor):  # each storage once (a view shares its base's)
+        storage = tensor.untyped_storage()
+        if storage._cdata in parameters:
+            return tensor
+        if not tensor.is_floating_point():
+            index[storage._cdata] = storage.nbytes()
+        elif tuple(tensor.shape[-2:]) == (tokens, tokens + memory):
+            square[storage._cdata] = storage.nbytes()
+        else:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    reference = positions.xl_position_bias
+    if gathered:
+        positions.xl_position_bias = positions.xl_position_bias_gathered
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                out, _ = attention(hidden, position_embeddings=None, attention_mask=mask, memory=past)
+        with backward:
+            out.float().backward(torch.ones(out.shape))
+    finally:
+        positions.xl_position_bias = reference
+    matmuls = sum(c.ops.get(op, 0) for c in (forward, backward) for op in ("mm", "bmm", "addmm", "matmul"))
+    return dict(forward=sum(forward.ops.values()), backward=sum(backward.ops.values()), matmuls=matmuls,
+                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=sum(saved.values()),
+                square_bytes=sum(square.values()), index_bytes=sum(index.values()))
+
+
+def xl_op_table(tokens: int = 256, memory: int = 256) -> list[dict]:
+    """`xl_attention_ops` of the 47M XL pair at its paper context: dense, SwitchHead per projection ("eager") and
+    lean ("switchhead_fused", what "switchhead_auto" trains with on a GPU), each with the gather and the shift."""
+    from switchhead import SwitchHeadConfig
+
+    import torch
+
+    from switchhead import positions
+
+    rows = []  # the encodings' table built first, so that no row counts building it
+    positions.past_sinusoidal_encoding(tokens + memory, SwitchHeadConfig.from_preset("wt103-47m-dense-xl").hidden_size,
+                                       torch.float32, torch.device("cpu"))
+    for label, preset, implementation in (("dense", "wt103-47m-dense-xl", None),
+                                          ("switchhead/eager", "wt103-47m-switchhead-xl", "eager"),
+                                          ("switchhead/lean", "wt103-47m-switchhead-xl", "switchhead_fused")):
+        config = SwitchHeadConfig.from_preset(preset)
+        for term, gathered in (("gather", True), ("shift", False)):
+            counts = xl_attention_ops(config, implementation, tokens, memory, gathered)
+            heads = config.num_attention_heads
+            rows.append(dict(label=label, term=term, heads=heads, forward=counts["forward"],
+                             backward=counts["backward"], matmuls=counts["matmuls"],
+                             ops_per_head=(counts["forward"] + counts["backward"]) / heads,
+                             saved_bytes_per_token=counts["saved_bytes"] / tokens,
+                             square_bytes_per_token=counts["square_bytes"] / tokens,
+                             index_bytes_per_token=counts["index_bytes"] / tokens,
+                             forward_ops=counts["forward_ops"], backward_ops=counts["backward_ops"]))
+    return rows
+
+
+def write_xl_ops(out: Path, tokens: int = 256, memory: int = 256) -> None:
+    """`xl_op_table` as JSON at `out` and Markdown beside it, with the machine and commit."""
+    import subprocess
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import describe
+
+    rows = xl_op_table(tokens, memory)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    machine = describe(torch.device("cpu"))
+    out.write_text(json.dumps(dict(machine=machine, commit=head, tokens=tokens, memory=memory, rows=rows), indent=1))
+    lines = ["# One 47M XL attention block: the position term by a gather or by the relative shift", "",
+             f"Counted on the CPU ({machine.get('device') or 'CPU'}; torch {machine['torch']}, commit {head}), bf16 "
+             f"autocast with fp32 weights, batch 1 x {tokens} tokens reading {memory} of XL memory, forward and "
+             "backward. `python benchmarks/roofline.py --xl-ops OUT` reproduces it. Ops: aten ops dispatched, views "
+             "left out; bytes kept for the backward per token: the `[T, M + T]` tensors (the bias sdpa takes as "
+             "its float mask, which a GPU's kernel keeps too, and the CPU math kernel's probabilities), the integer "
+             "tensors (indices, masks), and the rest.", "",
+             "| block | position term | ops forward + backward | per head | matrix products | [T, M + T] B | "
+             "integer B | other B |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['label']} | {row['term']} | {row['forward']} + {row['backward']} | "
+                     f"{row['ops_per_head']:.1f} | {row['matmuls']} | {row['square_bytes_per_token']:,.0f} | "
+                     f"{row['index_bytes_per_token']:,.0f} | {row['saved_bytes_per_token']:,.0f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def attention_op_table(tokens: int = 1024) -> list[dict]:
@@ -292,7 +421,13 @@ def predicted(tokens: int = 65536) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the table as JSON here")
+    parser.add_argument("--xl-ops", type=Path, default=None,
+                        help="only count one 47M XL attention block (gather against shift) and write it here (JSON "
+                             "and Markdown)")
     args = parser.parse_args(argv)
+    if args.xl_ops:
+        write_xl_ops(args.xl_ops)
+        return 0
     table = predicted()
     print("training step, 65,536 tokens: FLOPs SwitchHead / dense (attention core's share of dense)")
     for row in table["train"]:
@@ -307,6 +442,14 @@ def main(argv=None) -> int:
     for row in table["attention_ops"]:
         print(f"  {row['pair']:>9} {row['label']:<17}: {row['forward']} + {row['backward']}, {row['matmuls']}; "
               f"{row['saved_bytes_per_token']:,.0f} B")
+    table["xl_attention_ops"] = xl_op_table()
+    print("one 47M XL attention block, batch 1 x 256 tokens and 256 of memory, bf16 autocast: aten ops forward + "
+          "backward (per head), matrix products; bytes its backward keeps per token: besides the [T, M + T] tensors, "
+          "those, and integer indices")
+    for row in table["xl_attention_ops"]:
+        print(f"  {row['label']:<17} {row['term']:<6}: {row['forward']} + {row['backward']} "
+              f"({row['ops_per_head']:.1f} per head), {row['matmuls']}; {row['saved_bytes_per_token']:,.0f} B, "
+              f"{row['square_bytes_per_token']:,.0f} B, {row['index_bytes_per_token']:,.0f} B")
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
     return 0

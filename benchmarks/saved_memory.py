@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -42,11 +43,15 @@ def part_of(module: nn.Module) -> str | None:
     return None
 
 
-def saved_bytes(model: nn.Module, batch: int, context: int) -> dict[str, int]:
-    """Bytes autograd saves in one training forward of `model`, by part (see the module docstring)."""
+def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = False, memory: int = 0,
+                square: dict | None = None) -> dict[str, int]:
+    """Bytes autograd saves in one training forward of `model`, by part (see the module docstring). `autocast`: under
+    bf16 autocast on the CPU, fp32 weights (what a GPU step runs). `memory`: an XL model reads `memory` positions of
+    XL memory per layer, as every segment after the first does in training. `square`: where given, the tensors whose
+    last two dimensions are (queries, keys) (the attention core's probabilities, XL's position bias and its index)
+    go to `square[part]` instead of the part."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-    by_part = dict.fromkeys(PARTS, 0)
+    records = []  # (weak reference to what autograd holds, part), in the order saved
     running: list[str] = []  # parts entered and not yet left, outermost first
     hooks = []
 
@@ -61,26 +66,285 @@ def saved_bytes(model: nn.Module, batch: int, context: int) -> dict[str, int]:
             hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
     def pack(tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in parameters and pointer not in seen:
-            seen.add(pointer)
-            by_part[running[0] if running else "rest"] += storage.nbytes()
-        return tensor
+        # Held in a box that only the graph refers to: a tensor saved by a node the forward later drops (a branch
+        # whose result is not used) dies with it, and is not counted; its memory, reused by a later tensor, would
+        # otherwise hide that tensor behind the same address.
+        box = _Saved(tensor)
+        records.append((weakref.ref(box), running[0] if running else "rest"))
+        return box
 
     ids = torch.randint(1, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+    extra = {}
+    if memory:
+        config = model.config
+        extra["xl_memory"] = [torch.randn(batch, memory, config.hidden_size, generator=torch.Generator().manual_seed(1))
+                              for _ in range(config.num_hidden_layers)]
     model.train()
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
     finally:
         for hook in hooks:
             hook.remove()
+    by_part = dict.fromkeys(PARTS, 0)
+    seen: set[int] = set()
+    box = None
+    for reference, part in records:  # what the graph still holds, each storage once
+        box = reference()
+        if box is None:
+            continue
+        storage = box.tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer in parameters or pointer in seen:
+            continue
+        seen.add(pointer)
+        if square is not None and tuple(box.tensor.shape[-2:]) == (context, context + memory):
+            square[part] = square.get(part, 0) + storage.nbytes()
+        else:
+            by_part[part] += storage.nbytes()
+    del box
     loss.backward()  # the recorded graph is complete: it runs
     return by_part
+
+
+class _Saved:
+    """A tensor autograd saved, as the graph holds it (see `saved_bytes`)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+# ------------------------------------------------------------------------------------------------ per token
+# What a GPU step keeps, counted on the CPU: bytes per token by part, fp32 and bf16 autocast (fp32 weights, the
+# casting policy CUDA's autocast applies to these ops: matmuls and sdpa in bf16, LayerNorm, softmax and the loss in
+# fp32). Each model is measured with 1 and 2 layers at batch 1 and 2: the differences give the bytes per layer and per
+# token, the bytes per token outside the layers, and what does not grow with the tokens (autocast's bf16 copies of
+# the weights). Nothing else depends on the context: sdpa's fused kernels keep only q, k, v, the output and the
+# log-sum-exp per query, so a step's bytes are these per-token bytes times its tokens plus the constant.
+FAMILIES = {  # family -> SwitchHead preset, dense preset, paper context, XL memory per layer
+    "47m-rope": ("wt103-45m-switchhead-rope", "wt103-47m-dense-xl", 512, 0),
+    "262m-rope": ("wt103-243m-switchhead-rope", "wt103-262m-dense-xl", 1024, 0),
+    "47m-xl": ("wt103-47m-switchhead-xl", "wt103-47m-dense-xl", 256, 256),
+}
+# SwitchHead's formulations: "eager" is the per-projection rule ("switchhead_auto" on a CPU, and on a GPU before the
+# lean default); "lean" is "switchhead_fused", which "switchhead_auto" trains with on a GPU
+FORMULATIONS = {"dense": None, "switchhead/eager": "eager", "switchhead/lean": "switchhead_fused"}
+DTYPES = {"fp32": False, "bf16": True}
+TRAIN_TOKENS = 65536  # tokens per step of the GPU matrices
+COUNT_CONTEXT = 256  # the context counted at (XL: its paper context, with as much memory); `context_check` shows
+# that the bytes per token are the same at four times that
+
+
+def family_config(family: str, member: str, layers: int):
+    from switchhead import SwitchHeadConfig
+
+    moe, dense, context, memory = FAMILIES[family]
+    overrides = dict(num_hidden_layers=layers, hidden_dropout=0.0)
+    if member == "dense":
+        preset = dense
+        if memory == 0:
+            overrides.update(position_encoding="rope", xl_memory_length=0, max_position_embeddings=context)
+    else:
+        preset = moe
+        if memory == 0:
+            overrides.update(max_position_embeddings=context)
+    config = SwitchHeadConfig.from_preset(preset, **overrides)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def per_token(family: str, member: str, autocast: bool, context: int | None = None, quick: bool = False) -> dict:
+    """Bytes kept for the backward of `member` of `family`: per layer and token by part (`layer`), per token outside
+    the layers (`outside`), constant (`constant`, by part), and the (queries, keys) tensors per layer and token
+    (`square`, not in the parts: the CPU's sdpa keeps its probabilities where a GPU's fused kernel keeps none)."""
+    from switchhead import SwitchHeadForCausalLM
+
+    _, _, paper, memory = FAMILIES[family]
+    context = context or (16 if quick else COUNT_CONTEXT)
+    memory = min(memory, context)
+    counts = {}
+    for layers in (1, 2):
+        for batch in (1, 2):
+            config = family_config(family, member, layers)
+            if quick:
+                config.hidden_size, config.intermediate_size, config.vocab_size = 64, 96, 101
+            torch.manual_seed(0)
+            model = SwitchHeadForCausalLM(config)
+            if FORMULATIONS[member] is not None:
+                model.set_experts_implementation(FORMULATIONS[member])
+            square = {}
+            parts = saved_bytes(model, batch, context, autocast, memory, square)
+            counts[layers, batch] = parts, sum(square.values())
+    tokens = context  # per batch row
+    layer = {p: (counts[2, 2][0][p] - counts[2, 1][0][p] - counts[1, 2][0][p] + counts[1, 1][0][p]) / tokens
+             for p in PARTS}
+    outside = {p: (counts[1, 2][0][p] - counts[1, 1][0][p]) / tokens - layer[p] for p in PARTS}
+    constant = {p: counts[1, 1][0][p] - tokens * (layer[p] + outside[p]) for p in PARTS}
+    square = (counts[2, 2][1] - counts[2, 1][1] - counts[1, 2][1] + counts[1, 1][1]) / tokens
+    return dict(context=context, memory=memory, layer=layer, outside=outside, constant=constant, square=square)
+
+
+def step_bytes(row: dict, layers: int, tokens: int) -> dict:
+    """A whole step's bytes by part from `per_token`'s row: `layers` layers over `tokens` tokens."""
+    return {p: tokens * (layers * row["layer"][p] + row["outside"][p]) + row["constant"][p] for p in PARTS}
+
+
+def parameters_of(family: str, member: str) -> int:
+    from switchhead import SwitchHeadForCausalLM
+
+    config = family_config(family, member, FAMILIES_LAYERS[family])
+    with torch.device("meta"):
+        return sum(p.numel() for p in SwitchHeadForCausalLM(config).parameters())
+
+
+FAMILIES_LAYERS = {"47m-rope": 16, "262m-rope": 18, "47m-xl": 16}
+GPU_MATRIX = RESULTS / "gpu" / "matrices" / "long_train.json"
+
+
+def gpu_peaks() -> dict:
+    """{(family, context, member): (peak bytes, batch)} of the H100 training matrix, members named as here."""
+    if not GPU_MATRIX.exists():
+        return {}
+    peaks = {}
+    for group in json.loads(GPU_MATRIX.read_text())["groups"]:
+        family, context = group["group"].split("@")
+        for member, row in group["members"].items():
+            if row.get("peak_bytes"):
+                peaks[family, int(context), member] = (row["peak_bytes"], group["batch"])
+    return peaks
+
+
+def token_report(quick: bool, contexts: tuple[int, ...]) -> dict:
+    table = {}
+    for family in FAMILIES:
+        for member in FORMULATIONS:
+            for dtype, autocast in DTYPES.items():
+                table[f"{family}/{member}/{dtype}"] = per_token(family, member, autocast, quick=quick)
+                print(family, member, dtype, {p: round(v) for p, v in table[f"{family}/{member}/{dtype}"]["layer"].items()},
+                      flush=True)
+    check = {}
+    if not quick:  # the same bytes per token at 4x the context counted at
+        for member in ("dense", "switchhead/lean"):
+            longer = per_token("47m-rope", member, True, context=4 * COUNT_CONTEXT)
+            check[f"47m-rope/{member}/bf16"] = dict(
+                context=longer["context"], layer=longer["layer"], outside=longer["outside"],
+                # the loss predicts T - 1 tokens a row: its bytes per token move by under 1 / T of a logits row
+                same=all(abs(longer[k][p] - table[f"47m-rope/{member}/bf16"][k][p]) < 0.5
+                         for k in ("layer", "outside") for p in PARTS))
+            print("check", member, check[f"47m-rope/{member}/bf16"]["same"], flush=True)
+    steps, predicted = {}, []
+    peaks = gpu_peaks()
+    for family, (_, _, paper, _) in FAMILIES.items():
+        layers = 2 if quick else FAMILIES_LAYERS[family]
+        for context in (contexts if FAMILIES[family][3] == 0 else (paper,)):
+            for member in FORMULATIONS:
+                for dtype in DTYPES:
+                    parts = step_bytes(table[f"{family}/{member}/{dtype}"], layers, TRAIN_TOKENS)
+                    steps[f"{family}@{context}/{member}/{dtype}"] = parts
+            if quick:
+                continue
+            for member in ("dense", "switchhead/eager"):
+                # the GPU matrix's XL steps carry no memory across segments: not the step counted here
+                peak = peaks.get((family, context, member)) if FAMILIES[family][3] == 0 else None
+                if peak is None:
+                    continue
+                tokens = peak[1] * context
+                state = 16 * parameters_of(family, member)  # fp32 weights, gradients, AdamW's two moments
+                saved = sum(step_bytes(table[f"{family}/{member}/bf16"], layers, tokens).values())
+                predicted.append(dict(family=family, context=context, member=member, tokens=tokens, state=state,
+                                      saved=saved, predicted=state + saved, measured=peak[0],
+                                      measured_over_predicted=peak[0] / (state + saved)))
+    return dict(per_token=table, context_check=check, steps=steps, predicted_gpu_peak=predicted)
+
+
+TARGETS = {  # (family, row) -> the most SwitchHead / dense may keep (bf16 autocast, the default formulation)
+    ("47m-rope", "attention"): 0.55, ("262m-rope", "attention"): 0.40, ("47m-xl", "attention"): 0.35,
+    ("47m-rope", 512): 0.92, ("262m-rope", 1024): 0.85, ("47m-xl", 256): 0.50,
+    ("47m-rope", 16384): 0.85, ("262m-rope", 16384): 0.80,
+}
+
+
+def token_markdown(report: dict) -> str:
+    table, steps = report["per_token"], report["steps"]
+    machine = report["machine"]
+    lines = ["# Kept for the backward per token, by part: SwitchHead against dense", "",
+             f"Counted on the CPU ({machine.get('device') or machine.get('cpu') or 'CPU'}; torch {machine['torch']}, "
+             f"commit {report['commit']}): fp32, and bf16 autocast with fp32 weights, the casting policy a GPU step "
+             "runs under. `python benchmarks/saved_memory.py --per-token` reproduces it. Bytes per token and layer "
+             "(attention, MLP, LayerNorms), per token outside the layers (the final LayerNorm, embedding, logits and "
+             "loss), each storage once, parameters left out; sdpa's (queries, keys) probabilities left out (the CPU "
+             "keeps them where a GPU's fused kernel keeps none). \"lean\" is \"switchhead_fused\", what "
+             "\"switchhead_auto\" trains SwitchHead's attention with on a GPU; \"eager\" the per-projection rule "
+             "(the CPU's default, and the GPU's before).", "",
+             "| model | dtype | attention / layer | MLP / layer | LayerNorms / layer | outside the layers | "
+             "weight copies (MiB) |", "|---|---|---|---|---|---|---|"]
+    for key, row in table.items():
+        family, member, dtype = key.rsplit("/", 1)[0].split("/", 1)[0], key.split("/", 1)[1].rsplit("/", 1)[0], \
+            key.rsplit("/", 1)[1]
+        lines.append(f"| {family} {member} | {dtype} | {row['layer']['attention']:,.0f} | {row['layer']['mlp']:,.0f} "
+                     f"| {row['layer']['layernorm']:,.0f} | {sum(row['outside'].values()):,.0f} | "
+                     f"{sum(row['constant'].values()) / 2 ** 20:.1f} |")
+    lines += ["", f"SwitchHead / dense: the attention block (per layer and token), and a whole step of "
+              f"{TRAIN_TOKENS:,} tokens at each context (per-token bytes do not depend on it; the constant does "
+              "not grow with the tokens). Target: bf16, the lean default.", "",
+              "| family | row | fp32 eager | fp32 lean | bf16 eager | bf16 lean | target |", "|---|---|---|---|---|---|---|"]
+    for family in FAMILIES:
+        cells = []
+        for dtype in DTYPES:
+            for member in ("switchhead/eager", "switchhead/lean"):
+                cells.append(table[f"{family}/{member}/{dtype}"]["layer"]["attention"]
+                             / table[f"{family}/dense/{dtype}"]["layer"]["attention"])
+        lines.append(f"| {family} | attention block | " + " | ".join(f"{c:.3f}" for c in cells) + " | "
+                     + _target(family, "attention", cells[-1]) + " |")
+        for key in steps:
+            if not key.startswith(family + "@") or not key.endswith("/dense/fp32"):
+                continue
+            context = int(key.split("@")[1].split("/")[0])
+            cells = []
+            for dtype in DTYPES:
+                dense = sum(steps[f"{family}@{context}/dense/{dtype}"].values())
+                for member in ("switchhead/eager", "switchhead/lean"):
+                    cells.append(sum(steps[f"{family}@{context}/{member}/{dtype}"].values()) / dense)
+            lines.append(f"| {family} | step at {context:,} | " + " | ".join(f"{c:.3f}" for c in cells) + " | "
+                         + _target(family, context, cells[-1]) + " |")
+    if report["predicted_gpu_peak"]:
+        lines += ["", "Predicted peak of the H100's training matrix (benchmarks/results/gpu/matrices/long_train.json): "
+                  "16 bytes per parameter (fp32 weights, gradients and AdamW's two moments) plus the bf16 bytes kept "
+                  "for the backward of its tokens, against the peak it measured.", "",
+                  "| cell | tokens | state GiB | kept GiB | predicted GiB | measured GiB | measured / predicted |",
+                  "|---|---|---|---|---|---|---|"]
+        gib = 2 ** 30
+        for row in report["predicted_gpu_peak"]:
+            lines.append(f"| {row['family']}@{row['context']} {row['member']} | {row['tokens']:,} | "
+                         f"{row['state'] / gib:.2f} | {row['saved'] / gib:.2f} | {row['predicted'] / gib:.2f} | "
+                         f"{row['measured'] / gib:.2f} | {row['measured_over_predicted']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _target(family, row, value) -> str:
+    target = TARGETS.get((family, row))
+    if target is None:
+        return ""
+    return f"<= {target}: {'met' if value <= target else 'missed'}"
+
+
+def commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=30, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("+changes" if dirty else "") or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -89,9 +353,22 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="2-layer models (smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS / "saved_memory_cpu.json")
+    parser.add_argument("--per-token", action="store_true",
+                        help="bytes per token by part, fp32 and bf16 autocast, every family and formulation "
+                             "(to benchmarks/results/saved_memory_tokens_cpu.*)")
     args = parser.parse_args(argv)
     if args.context < 1 or args.batch < 1:
         parser.error("--context and --batch must be at least 1")
+    if args.per_token:
+        report = dict(machine=describe(torch.device("cpu")), commit=commit(), quick=args.quick,
+                      train_tokens=TRAIN_TOKENS, **token_report(args.quick, (512, 1024, 4096, 8192, 16384)))
+        out = args.out if args.out != RESULTS / "saved_memory_cpu.json" else RESULTS / "saved_memory_tokens_cpu.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        text = token_markdown(report)
+        out.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     torch.set_num_threads(1)
     saved = {}
     for moe, dense in bench_model.PAIRS.values():

@@ -22,7 +22,8 @@ and summed into output group `s // (S // out_groups)`: `[N, out_groups, d_out]`.
   tensors, or CPU tensors under `TRITON_INTERPRET=1`), elsewhere the PyTorch formulation the "auto" rule picks (the
   kernels' twin on devices they do not run on);
 - "switchhead_auto" (the default): per call, what an H100 measured faster: "eager"'s rule for grouped routing
-  (SwitchHead's per-head projections), "cvmm" for any other routing (sigma-MoE's MLP, other MoE models);
+  (SwitchHead's per-head projections), "cvmm" for any other routing (sigma-MoE's MLP, other MoE models); training
+  on a GPU (`LEAN_DEVICES`), SwitchHead's attention runs "switchhead_fused"'s lean block instead (`lean_default`);
 - "switchhead_fused": SwitchHead's attention block with dense's kernel count: q, k, every expert's values and both
   routers from one GEMM, values mixed with a backward that recomputes rather than stores every expert's values, the
   output one GEMM over `H * E * dh` that keeps only its arguments (the attention layer does the fusing, see
@@ -299,8 +300,33 @@ def _auto(inputs, expert_index, weight, gates, out_groups, grouped_routing=False
     # at 262M), so they run "eager"'s rule; any other routing (sigma-MoE's MLP, other MoE models) runs "cvmm", whose
     # kernel was faster on the largest sigma-MoE shape timed.
     if grouped_routing:
+        if lean_default(inputs):
+            return _fused(inputs, expert_index, weight, gates, out_groups, grouped_routing)
         return _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing)
     return _cvmm(inputs, expert_index, weight, gates, out_groups, grouped_routing)
+
+
+# ---------------------------------------------------------------------------------------------------- lean default
+# Where "switchhead_auto" trains SwitchHead's attention with the lean block of "switchhead_fused" (one input GEMM, the
+# value mix recomputing every expert's values in its backward, the output side keeping only its arguments; a side the
+# layer does not fuse, such as XL's memory, runs `_fused`'s per-head projection with the same backwards). On a GPU
+# under bf16 autocast the per-projection formulations keep every expert's values and one bf16 copy of the layer's
+# input per projection: more than dense attention keeps (benchmarks/results/saved_memory_*). The CPU keeps "eager"'s
+# rule, which is faster there (benchmarks/results/attention_block_*).
+LEAN_DEVICES = frozenset({"cuda"})
+
+
+def lean_default(tensor: torch.Tensor) -> bool:
+    """Whether "switchhead_auto" runs the lean attention block on `tensor`: on `LEAN_DEVICES`, while autograd records
+    (training; decoding and evaluation keep "eager"'s rule, which reads only the selected experts for few tokens)."""
+    return tensor.device.type in LEAN_DEVICES and torch.is_grad_enabled()
+
+
+def fuses_attention_block(implementation: str, tensor: torch.Tensor) -> bool:
+    """Whether a SwitchHead attention layer configured with `implementation` makes q, k, values and routers in one
+    GEMM on `tensor`: "switchhead_fused" always, "switchhead_auto" where `lean_default` holds."""
+    return implementation == "switchhead_fused" or (implementation == DEFAULT_EXPERTS_IMPLEMENTATION
+                                                     and lean_default(tensor))
 
 
 _KERNELS_SORT_ONCE = _kernels is not None and hasattr(_kernels, "sort_slots")  # older kernels sort in each call

@@ -59,7 +59,7 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys
 from .configuration_switchhead import SwitchHeadConfig
 from .model_io import SwitchHeadCausalLMOutputWithPast, SwitchHeadModelOutputWithPast, check_inputs, embed_tokens
-from .expert_ops import EXPERTS_IMPLEMENTATIONS, fused_attention_inputs, lookup, relu
+from .expert_ops import EXPERTS_IMPLEMENTATIONS, fused_attention_inputs, fuses_attention_block, lookup, relu
 from .experts_integration import ExpertsChoiceMixin, configured_implementation, local_routes
 from .experts_integration import register as register_experts_functions
 from .routing import ExpertSelection, mlp_router_logits, sigma_moe_entropy_loss
@@ -235,11 +235,13 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
 
     def project_inputs(self, hidden_states, sources):
-        """"switchhead_fused" (both sides experts, no XL memory, not split by tensor parallelism): q, k, every expert's
-        values and both routers' logits from one GEMM (`expert_ops.fused_attention_inputs`), the values mixed with a
-        recomputing backward; the output router's logits go on to `project_output`. Otherwise one projection at a
-        time (under tensor parallelism each projection's own style moves its sharded weight)."""
-        if (configured_implementation(self.config) != "switchhead_fused" or sources is not hidden_states
+        """"switchhead_fused", and "switchhead_auto" training on a GPU (`expert_ops.fuses_attention_block`; both sides
+        experts, no XL memory, not split by tensor parallelism): q, k, every expert's values and both routers' logits
+        from one GEMM (`expert_ops.fused_attention_inputs`), the values mixed with a recomputing backward; the output
+        router's logits go on to `project_output`. Otherwise one projection at a time (under
+        tensor parallelism each projection's own style moves its sharded weight)."""
+        if (not fuses_attention_block(configured_implementation(self.config), hidden_states)
+                or sources is not hidden_states
                 or not (self.expert_values and self.expert_output) or hasattr(self.q_proj.weight, "device_mesh")):
             return super().project_inputs(hidden_states, sources)
         batch, length, d = hidden_states.shape

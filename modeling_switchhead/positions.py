@@ -218,6 +218,33 @@ def xl_position_bias(attention: nn.Module, query: torch.Tensor, key_length: int,
     """
     query_length = query.shape[2]
     num_distances = key_length  # the largest distance seen is (last query) - (first key) <= key_length - 1
+    if query_offset + query_length == key_length:  # the last query sees the last key: the relative shift
+        return relative_shift(xl_distance_scores(attention, query, num_distances, oldest_first=True))
+    return xl_position_bias_gathered(attention, query, key_length, query_offset)
+
+
+def relative_shift(scores: torch.Tensor) -> torch.Tensor:
+    """`[..., Tq, K]` scores against the relative positions -(K - 1), ..., -1, 0 (oldest first) -> the bias
+    `[..., Tq, K]` over keys, for queries at key indices K - Tq .. K - 1: bias[i, j] = scores[i, j + Tq - 1 - i]
+    wherever key j is not in query i's future (j <= K - Tq + i). A future key reads another entry (any value: the
+    causal mask removes it).
+
+    The authors' shift, as views: one zero column in front makes rows of K + 1, and the same memory read from the
+    Tq-th element on, in rows of K, starts each row one entry further left than the row before. One copy of the
+    scores (the pad), no index tensor, and a backward of views and that pad's slice (a gather over distances keeps a
+    `[Tq, K]` index and runs a scatter-add of the bias's size)."""
+    *lead, query_length, width = scores.shape
+    padded = F.pad(scores, (1, 0))  # [..., Tq, K + 1]
+    flat = padded.view(*lead, query_length * (width + 1))
+    return flat[..., query_length:].view(*lead, query_length, width)
+
+
+def xl_position_bias_gathered(attention: nn.Module, query: torch.Tensor, key_length: int,
+                              query_offset: int = 0) -> torch.Tensor:
+    """`xl_position_bias` for any key layout (a static cache's keys past the queries too), by a gather over the
+    distances: the reference twin of `relative_shift`."""
+    query_length = query.shape[2]
+    num_distances = key_length
     by_distance = xl_distance_scores(attention, query, num_distances)  # [B, H, Tq, distance]
     query_index = torch.arange(query_length, device=query.device) + query_offset
     key_index = torch.arange(key_length, device=query.device)
@@ -225,8 +252,10 @@ def xl_position_bias(attention: nn.Module, query: torch.Tensor, key_length: int,
     return by_distance.gather(-1, distance.expand(*by_distance.shape[:2], -1, -1))
 
 
-def xl_distance_scores(attention: nn.Module, query: torch.Tensor, num_distances: int) -> torch.Tensor:
-    """scaling * q . (W_pk PE(-r))_h for the distances r = 0 .. num_distances - 1: `[B, H, Tq, num_distances]`.
+def xl_distance_scores(attention: nn.Module, query: torch.Tensor, num_distances: int,
+                       oldest_first: bool = False) -> torch.Tensor:
+    """scaling * q . (W_pk PE(-r))_h for the distances r = 0 .. num_distances - 1: `[B, H, Tq, num_distances]`
+    (`oldest_first`: the distances in the other order, num_distances - 1 first, as `relative_shift` reads them).
 
     Two orders of the same product: project every distance's encoding into key space (`W_pk PE`, right for
     many queries: training, prefill), or project the queries back into model space (`W_pk^T q`, then one
@@ -236,6 +265,8 @@ def xl_distance_scores(attention: nn.Module, query: torch.Tensor, num_distances:
     batch, heads, query_length, head_dim = query.shape
     encoding = past_sinusoidal_encoding(num_distances, attention.config.hidden_size, query.dtype, query.device)
     encoding = encoding.to(query.dtype)  # [K, d]
+    if oldest_first:
+        encoding = encoding.flip(0)  # [K, d]: a copy of the encodings, not of the scores
     weight = _plain_weight(attention.position_key_proj)
     if weight is not None and batch * query_length * (head_dim + num_distances) < num_distances * head_dim:
         weight = weight.view(heads, head_dim, -1)  # W_pk split into heads [H, dh, d]

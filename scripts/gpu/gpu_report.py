@@ -111,7 +111,7 @@ def formulation_lines(long_train: dict | None, decode_floor: dict | None) -> lis
     for group in (long_train or {}).get("groups", []):
         timed = {member.get("experts_implementation", label): member["seconds"]
                  for label, member in group["members"].items()
-                 if label.startswith("switchhead") and member.get("seconds")}
+                 if label.startswith("switchhead") and member.get("seconds") and not member.get("position_term")}
         cells.append(("training", group["group"], timed))
     decode = {}
     for row in (decode_floor or {}).get("rows", []):

@@ -293,3 +293,29 @@ def test_autocast_precision_probe_writes_its_tables(tmp_path):
     with pytest.raises(SystemExit) as error:
         autocast_precision.main(["--variants", "k=9"])
     assert error.value.code == 2
+
+
+def test_saved_memory_per_token_counts_both_dtypes_and_every_formulation(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import json
+
+    import saved_memory
+
+    out = tmp_path / "tokens.json"
+    assert saved_memory.main(["--per-token", "--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    table = report["per_token"]
+    assert set(table) == {f"{f}/{m}/{d}" for f in saved_memory.FAMILIES for m in saved_memory.FORMULATIONS
+                          for d in saved_memory.DTYPES}
+    for family in saved_memory.FAMILIES:
+        attention = {key: row["layer"]["attention"] for key, row in table.items() if key.startswith(family + "/")}
+        # bf16 autocast keeps half-width copies: dense attention keeps less than in fp32; the lean block keeps less
+        # than the per-projection path and than dense
+        assert attention[f"{family}/dense/bf16"] < attention[f"{family}/dense/fp32"]
+        assert attention[f"{family}/switchhead/lean/bf16"] < attention[f"{family}/switchhead/eager/bf16"]
+        assert attention[f"{family}/switchhead/lean/bf16"] < attention[f"{family}/dense/bf16"]
+    # a whole step is the per-token bytes times its tokens plus the constant: the same model, twice the tokens
+    row = table["47m-rope/dense/bf16"]
+    one, two = (sum(saved_memory.step_bytes(row, 2, tokens).values()) for tokens in (1000, 2000))
+    assert two - one == one - sum(row["constant"].values())
+    assert "| 47m-xl | attention block |" in out.with_suffix(".md").read_text()
