@@ -26,6 +26,7 @@ import stat
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 PARTIAL = ".partial-"  # the start of every temporary file's name
 
@@ -220,6 +221,14 @@ def _at(step: str, name: str) -> None:
         race_hook(step, name)
 
 
+# a rename onto these fails whatever is retried: a bind-mounted file (EBUSY), a folder, another file system
+_UNREPLACEABLE = frozenset({errno.EBUSY, errno.EISDIR, errno.ENOTDIR, errno.EXDEV, errno.ENOTEMPTY, errno.EEXIST})
+
+
+def _identity(info: os.stat_result | None) -> tuple[int, int] | None:
+    return None if info is None else (info.st_dev, info.st_ino)
+
+
 def _replaced(path: str) -> OutputError:
     return OutputError(f"{path!r} was replaced while it was written (by another program writing into the same "
                        "folder); nothing was written through it: rerun when nothing else writes there")
@@ -311,17 +320,26 @@ class Folder:
         else:
             raise OutputError(f"cannot create a private folder in {self.path!r}")
         path = os.path.join(self.path, name)
-        _at("staged", name)
+        fd = -1
         try:
-            fd = os.open(name, _DIRECTORY, dir_fd=self.fd)
-        except OSError:
-            raise _replaced(path) from None
-        folder = Folder(path, fd, name, self)
-        info = os.fstat(fd)
-        # what was opened is the folder just made: ours, private and empty (not one renamed to its name meanwhile)
-        if info.st_uid != os.geteuid() or info.st_mode & 0o077 or os.listdir(fd):
-            folder.close()
-            raise _replaced(path)
+            _at("staged", name)
+            try:
+                fd = os.open(name, _DIRECTORY, dir_fd=self.fd)
+            except OSError:
+                raise _replaced(path) from None
+            folder = Folder(path, fd, name, self)
+            info = os.fstat(fd)
+            # what was opened is the folder just made: ours, private and empty (not one renamed to its name since)
+            if info.st_uid != os.geteuid() or info.st_mode & 0o077 or os.listdir(fd):
+                raise _replaced(path)
+        except BaseException:  # Ctrl-C or SIGTERM included: the folder just made does not stay behind
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) == \
+                            _identity(self.lstat(name)) and not os.listdir(fd):
+                        os.rmdir(name, dir_fd=self.fd)
+                    os.close(fd)
+            raise
         return folder
 
     def check_tree(self, shown: str | None = None) -> None:
@@ -403,6 +421,9 @@ class Folder:
         try:
             os.rename(name, target_name, src_dir_fd=self.fd, dst_dir_fd=target.fd)
         except OSError as error:
+            if error.errno in _UNREPLACEABLE:
+                raise OutputError(f"cannot replace {shown!r}: {error.strerror} (a mount point, a file in use or a "
+                                  "folder); choose another path") from None
             raise write_error(error, shown) from None
 
     def publish_as(self, target_name: str, mode: int | None = None) -> None:
@@ -455,15 +476,90 @@ def staging_folder(folder: str | Folder, prefix: str = PARTIAL) -> Iterator[Fold
     """A private folder (`Folder.private`) inside `folder`, removed at the end whatever happened: libraries that
     write by name write into `staged.here`, the result goes into place by `move_file` / `publish_as`."""
     parent = Folder.open(folder) if isinstance(folder, str) else folder
+    staged = None
     try:
-        staged = parent.private(prefix)
-        try:
-            yield staged
-        finally:
-            staged.remove()
+        with _signals_held():  # a signal now is raised once `staged` is set, so the folder is removed
+            staged = parent.private(prefix)
+        yield staged
     finally:
+        if staged is not None:
+            staged.remove()
         if isinstance(folder, str):
             parent.close()
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back (in the main thread, where Python runs their handlers) until the block ends."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def save_into(folder: str, write: Callable[[str], None], prefix: str = PARTIAL) -> list[str]:
+    """Let `write` (a library that writes by name: save_pretrained, a tokenizer's) fill a private folder made in
+    `folder`, check it holds only regular files of one name, then rename each of them into `folder` from
+    descriptor to descriptor, each one replacing a regular file of its name (never a link, a device or a folder).
+    A file there is always the old complete one or the new complete one, and renaming or replacing the private
+    folder meanwhile redirects nothing. Returns the names written."""
+    with Folder.open(folder) as target, staging_folder(target, prefix) as staged:
+        write(staged.here)
+        staged.check_tree(folder)
+        names = sorted(os.listdir(staged.fd))
+        for name in names:
+            staged.move_file(name, target)
+    return names
+
+
+def open_for_upload(folder: str, name: str) -> BinaryIO:
+    """The file `name` of `folder`, opened once for reading (folder and file without following a link at their
+    last component, without blocking on a FIFO) and checked through its descriptor to be a regular file with one
+    name: what is uploaded is read from this descriptor, never from the name again. OutputError (one line) for a
+    symbolic link, a hard link (a second name of another file), a FIFO, a device or a folder."""
+    shown = os.path.join(folder, name)
+    with Folder.open(folder) as opened:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=opened.fd)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise OutputError(f"{shown!r} is a symbolic link; only plain files are uploaded: replace it by the "
+                                  "file itself") from None
+            raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = _kind(info.st_mode) if not stat.S_ISREG(info.st_mode) else \
+            f"a file with {info.st_nlink} hard links (another file's name too)"
+        raise OutputError(f"{shown!r} is {what}; only plain files of one name are uploaded: replace it by a copy")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def check_writable(destination: str) -> None:
+    """Before a long computation whose result goes to `destination`: WriteError naming it now, rather than after,
+    when its folder cannot take a file (read-only, full, over quota). A block is written, fsync'd and deleted in a
+    private folder (nothing appears at `destination`)."""
+    destination = os.path.abspath(destination)
+    try:
+        with staging_folder(os.path.dirname(destination)) as staged:
+            fd = os.open("probe", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=staged.fd)
+            try:
+                os.write(fd, bytes(4096))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except OSError as error:
+        raise write_error(error, destination) from None
 
 
 @contextlib.contextmanager
@@ -519,5 +615,6 @@ def write_bytes(destination: str, data: bytes | str, overwrite: bool = True, opt
 
 
 __all__ = ["DISK_ERRNOS", "OutputError", "PARTIAL", "Terminated", "WriteError", "atomic_file", "check_folder",
+           "check_writable", "open_for_upload",
            "check_target", "clear_stops", "Folder", "fsync_folder", "make_folder", "new_folder_mode", "open_append", "raise_if_stopped",
-           "record_stop", "staging_folder", "write_bytes", "write_error"]
+           "record_stop", "save_into", "staging_folder", "write_bytes", "write_error"]

@@ -17,7 +17,7 @@ import torch
 from .. import PRESETS, SwitchHeadConfig
 from ..integrity import LOCK_NAME, MANIFEST, FolderLock, atomic_file, make_folder, open_append, read_manifest, \
     write_manifest
-from ..integrity.files import PARTIAL, Folder, check_target, staging_folder
+from ..integrity.files import PARTIAL, check_target, save_into
 from .checkpoint_files import checkpoint_dirs
 from .checkpoints import (EVENTS, Resume, _write_failure, choose_checkpoint, merge_resumed_config,
                           read_checkpoint_state)
@@ -338,12 +338,5 @@ def _save_model(model, state_dict, tokenizer, output_dir: str) -> None:
 
 
 def _save_into(output_dir: str, write) -> None:
-    """Let `write` fill a private folder (`integrity.files.staging_folder`: a random name, mode 0700, reached
-    through its descriptor), check it holds only regular files of one name, then rename each file into
-    `output_dir` from descriptor to descriptor: a file there is always either the old complete one or the new
-    complete one, and renaming or replacing the private folder meanwhile moves nothing of anyone else's."""
-    with Folder.open(output_dir) as folder, staging_folder(folder, ".tmp-save-") as staged:
-        write(staged.here)
-        staged.check_tree(output_dir)
-        for name in sorted(os.listdir(staged.fd)):
-            staged.move_file(name, folder)
+    """Let `write` fill a private folder, then move each file into `output_dir` (`integrity.files.save_into`)."""
+    save_into(output_dir, write, ".tmp-save-")
