@@ -249,8 +249,10 @@ class Folder:
     @classmethod
     def open(cls, path: str) -> Folder:
         """Open the folder `path` (refused: a link at its last component, not a folder, absent)."""
+        # `here` of a folder opened before (/proc/self/fd/N) is the one link followed: it is that folder itself
+        by_descriptor = _HAS_BY_DESCRIPTOR and os.path.dirname(path) == _BY_DESCRIPTOR
         try:
-            fd = os.open(path, _DIRECTORY)
+            fd = os.open(path, _DIRECTORY & ~os.O_NOFOLLOW if by_descriptor else _DIRECTORY)
         except OSError as error:
             if error.errno in (errno.ELOOP, errno.ENOTDIR):
                 check_folder(path)  # a link or a file: the refusal that names it
@@ -316,6 +318,10 @@ class Folder:
                 os.mkdir(name, 0o700, dir_fd=self.fd)
             except FileExistsError:
                 continue
+            except BaseException:  # a signal just after the folder was made: it does not stay (nobody else's name)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=self.fd)
+                raise
             break
         else:
             raise OutputError(f"cannot create a private folder in {self.path!r}")
