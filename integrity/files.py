@@ -1,10 +1,18 @@
-"""How every command writes its outputs: `atomic_file`, `open_append`, `make_folder`, and the refusals they share.
+"""How every command writes its outputs (the only way: `atomic_file`, `write_bytes`, `save_into`, `staging_folder`,
+`open_append`, `make_folder`), how `publish` reads what it uploads (`open_for_upload`), and the refusals they share.
 
-Every file a command writes over (`export --overwrite`, `eval --output --overwrite`, `card --overwrite`, a run's
-log and manifests) is written beside its destination under a fresh name, flushed to disk, then renamed over it:
-killed at any moment, the user has the old file or the new one, never none and never half of one. The fresh name
-is created with O_EXCL | O_NOFOLLOW (`tempfile.mkstemp`), so a link planted at a predictable name is never
-written through, and it is checked to be a regular file of one name (no link) before it is renamed into place.
+Every file a command writes (`export`, `card`, `eval --output / --plots`, `convert`, `upcycle`, a run's files, a
+checkpoint, the final save, `finetune`'s outputs) is written into a private folder made inside the destination's
+folder, then renamed over the destination: killed at any moment, the user has the old file or the new one, never
+none and never half of one. The destination's folder is opened once (`Folder`) and everything after is done
+relative to its descriptor (`dir_fd=`): the private folder is created there under a random name with mode 0700
+and reopened by descriptor (checked to be the one just made: ours, private, empty), the temporary file is created
+in it with O_CREAT | O_EXCL | O_NOFOLLOW, a library that writes by name is given the private folder as
+/proc/self/fd/N (that very folder, whatever is later renamed or linked at its name), and the rename goes from the
+private folder's descriptor to the destination folder's. Before it, every file is checked to be a regular file of
+one name (no link at any depth) and fsync'd; a folder output is checked to be the same folder (device, inode)
+right before and right after its rename. Someone else writing into the output folder meanwhile can make the
+command fail (`OutputError`, one line), never redirect a write.
 
 What is never written: a destination that is a symbolic link (the rename would replace the link, but the user
 meant the file it points to, and a link the command did not create is not the command's to replace), or anything
@@ -620,7 +628,7 @@ def write_bytes(destination: str, data: bytes | str, overwrite: bool = True, opt
             view = view[os.write(fd, view):]
 
 
-__all__ = ["DISK_ERRNOS", "OutputError", "PARTIAL", "Terminated", "WriteError", "atomic_file", "check_folder",
-           "check_writable", "open_for_upload",
-           "check_target", "clear_stops", "Folder", "fsync_folder", "make_folder", "new_folder_mode", "open_append", "raise_if_stopped",
-           "record_stop", "save_into", "staging_folder", "write_bytes", "write_error"]
+__all__ = ["DISK_ERRNOS", "Folder", "OutputError", "PARTIAL", "Terminated", "WriteError", "atomic_file",
+           "check_folder", "check_target", "check_writable", "clear_stops", "fsync_folder", "make_folder",
+           "new_folder_mode", "open_append", "open_for_upload", "raise_if_stopped", "record_stop", "save_into",
+           "staging_folder", "write_bytes", "write_error"]
