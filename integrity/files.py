@@ -251,6 +251,7 @@ class Folder:
 
     def __init__(self, path: str, fd: int, name: str | None = None, parent: Folder | None = None):
         self.path, self.fd, self.name, self.parent = path, fd, name, parent
+        self.published = False
         info = os.fstat(fd)
         self.identity = (info.st_dev, info.st_ino)
 
@@ -397,6 +398,9 @@ class Folder:
         this folder (a folder renamed to its name meanwhile is left alone), then close it."""
         if self.fd < 0:
             return
+        if self.published:  # renamed into place: it is the output now, not a staging folder
+            self.close()
+            return
         with contextlib.suppress(OSError):
             for name in os.listdir(self.fd):
                 info = self.lstat(name)
@@ -474,7 +478,7 @@ class Folder:
                 with contextlib.suppress(OSError):
                     os.unlink(target_name, dir_fd=parent.fd)
             raise _replaced(self.path)
-        self.name = target_name
+        self.name, self.published = target_name, True
         with contextlib.suppress(OSError):
             os.fsync(parent.fd)
 

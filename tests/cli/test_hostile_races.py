@@ -504,3 +504,15 @@ def test_finetune_merge_and_json_never_write_through_links_planted_during_the_ru
                  "--batch-size", "2", "--block-size", "16", "--merge"])
     outcome(code, capsys, "finetune")
     victim.untouched()
+
+
+def test_a_folder_output_published_without_interference_keeps_every_file(tmp_path):
+    with files.staging_folder(str(tmp_path)) as staged:
+        Path(staged.here, "config.json").write_text("{}")
+        Path(staged.here, "sub").mkdir()
+        Path(staged.here, "sub", "a.bin").write_bytes(b"a")
+        staged.publish_as("model", mode=files.new_folder_mode())
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+    assert (tmp_path / "model" / "config.json").read_text() == "{}"
+    assert (tmp_path / "model" / "sub" / "a.bin").read_bytes() == b"a"
+    assert stat.S_IMODE(os.stat(tmp_path / "model").st_mode) == files.new_folder_mode()
