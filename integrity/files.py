@@ -98,6 +98,14 @@ def check_target(path: str, overwrite: bool = True, option: str = "--overwrite")
         return
     except NotADirectoryError:  # a parent is a file: the write fails with its own error
         return
+    _refuse_existing(info, path, overwrite, option)
+
+
+def _refuse_existing(info: os.stat_result | None, path: str, overwrite: bool, option: str) -> None:
+    """OutputError unless what `info` describes at `path` may be written over (absent, or a regular file with
+    `overwrite`)."""
+    if info is None:
+        return
     if stat.S_ISLNK(info.st_mode):
         raise OutputError(f"output {path!r} is a symbolic link; outputs are never written through a link: remove it "
                           "or choose another path")
@@ -306,17 +314,7 @@ class Folder:
     def check_target(self, name: str, overwrite: bool = True, option: str = "--overwrite",
                      shown: str | None = None) -> None:
         """`check_target` of `name` in this folder, looked up through the descriptor."""
-        shown = shown or os.path.join(self.path, name)
-        info = self.lstat(name)
-        if info is None:
-            return
-        if stat.S_ISLNK(info.st_mode):
-            raise OutputError(f"output {shown!r} is a symbolic link; outputs are never written through a link: "
-                              "remove it or choose another path")
-        if not stat.S_ISREG(info.st_mode):
-            raise OutputError(f"output {shown!r} is {_kind(info.st_mode)}, not a regular file; choose a file path")
-        if not overwrite:
-            raise OutputError(f"output {shown!r} already exists; pass {option} to replace it, or choose another path")
+        _refuse_existing(self.lstat(name), shown or os.path.join(self.path, name), overwrite, option)
 
     def private(self, prefix: str) -> Folder:
         """A new folder inside this one, named `prefix` + 16 random hex digits (nobody can plant anything at the

@@ -26,7 +26,7 @@ from switchhead.integrity import LOCK_NAME, OutputError, Terminated, WriteError
 from switchhead.integrity import files
 from switchhead.integrity.files import atomic_file
 
-from test_hostile_outputs import MINE, leftovers, one_error_line
+from test_hostile_outputs import MINE, leftovers, model_dir, one_error_line, plotted  # noqa: F401 - fixtures
 
 SECRET = b"the user's secret\n"
 
@@ -251,14 +251,13 @@ def test_folder_lock_on_a_full_disk_leaves_neither_its_file_nor_the_folder_it_ma
 
 
 # ================================================================================================ commands
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
+def striking(write, attacker: Attacker):
+    """`write` (a library's writer by name), the attacker striking just before it runs."""
+    def wrapped(*args, **kwargs):
+        attacker.strike()
+        return write(*args, **kwargs)
 
-    folder = tmp_path_factory.mktemp("model") / "tiny"
-    torch.manual_seed(0)
-    SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("tiny-switchhead", vocab_size=64)).save_pretrained(folder)
-    return folder
+    return wrapped
 
 
 def _striking_write_text(monkeypatch, attacker: Attacker) -> None:
@@ -297,14 +296,9 @@ def test_upcycle_and_convert_staging_swapped_for_a_link_receive_nothing(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     attacker = Attacker(out, victim)
-    real_save = SwitchHeadForCausalLM.save_pretrained
-
-    def save_pretrained(self, folder, *args, **kwargs):
-        attacker.strike()
-        return real_save(self, folder, *args, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(SwitchHeadForCausalLM, "save_pretrained", save_pretrained)
+        patch.setattr(SwitchHeadForCausalLM, "save_pretrained", striking(SwitchHeadForCausalLM.save_pretrained,
+                                                                         attacker))
         code = main(["upcycle", str(dense), str(out / "up"), "--heads", "2", "--experts", "2", "--k", "1"])
     capsys.readouterr() if code == 0 else outcome(code, capsys, "upcycle")
     assert attacker.struck
@@ -312,37 +306,13 @@ def test_upcycle_and_convert_staging_swapped_for_a_link_receive_nothing(tmp_path
     if code == 0:
         assert (out / "up").is_dir() and not (out / "up").is_symlink() and (out / "up" / "config.json").is_file()
 
-    real_torch_save = torch.save
-
-    def torch_save(obj, path, *args, **kwargs):
-        attacker.strike()
-        return real_torch_save(obj, path, *args, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "save", torch_save)
+        patch.setattr(torch, "save", striking(torch.save, attacker))
         code = main(["convert", "hf-to-authors", str(dense), str(out / "authors.pt")])
     capsys.readouterr() if code == 0 else outcome(code, capsys, "convert")
     victim.untouched()
     if code == 0:
         assert not (out / "authors.pt").is_symlink() and (out / "authors.pt").stat().st_size > 0
-
-
-@pytest.fixture(scope="module")
-def plotted(model_dir):
-    """The model with a tiny word-level tokenizer, for `eval --plots` and `eval --perplexity`."""
-    import shutil
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = model_dir.parent / "with-tokenizer"
-    if not folder.exists():
-        shutil.copytree(model_dir, folder)
-        words = ["[UNK]", *"the cat sat on a mat because it was tired".split()]
-        tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="[UNK]"))
-        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-        PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
-    return folder
 
 
 def test_eval_output_and_plots_swapped_for_links_write_only_their_own_files(plotted, tmp_path, capsys, monkeypatch):
@@ -353,13 +323,7 @@ def test_eval_output_and_plots_swapped_for_links_write_only_their_own_files(plot
     out.mkdir()
     attacker = Attacker(out, victim)
     _striking_write_text(monkeypatch, attacker)
-    real_savefig = Figure.savefig
-
-    def savefig(self, *args, **kwargs):
-        attacker.strike()
-        return real_savefig(self, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", savefig)
+    monkeypatch.setattr(Figure, "savefig", striking(Figure.savefig, attacker))
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on a mat because it was tired " * 10)
     code = main(["eval", str(plotted), "--perplexity", str(text), "--output", str(out / "results.json")])
@@ -410,13 +374,7 @@ def test_export_whose_temporary_is_swapped_for_a_link_writes_only_the_onnx_file(
     out.mkdir()
     (out / "model.onnx").write_bytes(b"old")
     attacker = Attacker(out, victim)
-    real_save = torch.onnx.ONNXProgram.save
-
-    def save(self, destination, *args, **kwargs):
-        attacker.strike()
-        return real_save(self, destination, *args, **kwargs)
-
-    monkeypatch.setattr(torch.onnx.ONNXProgram, "save", save)
+    monkeypatch.setattr(torch.onnx.ONNXProgram, "save", striking(torch.onnx.ONNXProgram.save, attacker))
     code = main(["export", str(model_dir), str(out / "model.onnx"), "--overwrite"])
     capsys.readouterr() if code == 0 else outcome(code, capsys, "export")
     assert attacker.struck
