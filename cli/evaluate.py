@@ -133,6 +133,10 @@ def run_eval(args) -> int:
         raise UsageError(f"model folder {args.model!r} has no config.json; give a save_pretrained folder")
     if args.output:
         refuse_existing_output(args.output, args.overwrite, model=args.model)
+        if os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+            from switchhead.integrity.files import check_writable
+
+            check_writable(args.output)  # a read-only or full disk is found now, not after the whole evaluation
     if args.batch_size < 1:
         raise UsageError("--batch-size must be >= 1")
     if not args.perplexity:  # refused, not ignored: they shape perplexity windows only

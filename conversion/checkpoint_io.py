@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 
@@ -27,8 +25,8 @@ from safetensors.torch import load_file
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM
 from switchhead.checkpoint_format import rename_old_keys
-from switchhead.integrity import atomic_file, check_saved_model, raise_if_stopped
-from switchhead.integrity.files import check_target, fsync_folder, write_error
+from switchhead.integrity import atomic_file, check_saved_model
+from switchhead.integrity.files import check_target, new_folder_mode, staging_folder, write_error
 from switchhead.integrity.loading import weight_files
 
 
@@ -98,33 +96,14 @@ def atomic_output(destination: str, is_dir: bool, overwrite: bool = False) -> It
             yield target
         return
     try:
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(destination)}.partial-", dir=parent)
-    except OSError as error:
-        raise write_error(error, destination) from None
-    try:
-        yield staging
-        _fsync_tree(staging)
-        raise_if_stopped()
-        if os.path.isdir(destination):
-            os.rmdir(destination)  # an empty folder made by the user: replace it
-        os.replace(staging, destination)
-        fsync_folder(parent)
-    except Exception as error:  # a full or read-only disk: one line naming the output (the CLI's `cannot write`)
+        with staging_folder(parent) as staged:  # private, reached through its descriptor (integrity.files)
+            yield staged.here
+            staged.publish_as(os.path.basename(destination), mode=new_folder_mode())
+    except BaseException as error:  # a full or read-only disk: one line naming the output (the CLI's `cannot write`)
         failure = write_error(error, destination)
         if failure is not error:
             raise failure from None
         raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _fsync_tree(folder: str) -> None:
-    """fsync every file under `folder` (and the folders), so that the rename publishes complete files."""
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as handle:
-                os.fsync(handle.fileno())
-        fsync_folder(root)
 
 
 def save_hf_folder(state_dict: dict[str, torch.Tensor], config: SwitchHeadConfig, output: str,

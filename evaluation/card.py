@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -265,11 +266,18 @@ def publish(model_dir: str | Path, repo_id: str, card, *, api=None, private: boo
     if not REPO_ID.match(repo_id):
         raise ValueError(f"repository id must look like 'owner/name', got {repo_id!r}")
     names = publish_files(model_dir)
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(model_dir / name)) for name in names]
+    # each file opened once and uploaded from that descriptor (integrity.files.open_for_upload): a name swapped for
+    # a link while the Hub call is pending, or a hard link to another file, sends nothing of it
+    from switchhead.integrity.files import open_for_upload
+
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=open_for_upload(str(model_dir), name))
+                  for name in names]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode("utf-8")))
     if results is not None:
         load_results(results)  # a results file only, checked before anything is sent
-        operations.append(CommitOperationAdd(path_in_repo=RESULTS_NAME, path_or_fileobj=Path(results).read_bytes()))
+        results = os.path.abspath(results)
+        with open_for_upload(os.path.dirname(results), os.path.basename(results)) as handle:
+            operations.append(CommitOperationAdd(path_in_repo=RESULTS_NAME, path_or_fileobj=handle.read()))
     if api is None:
         from huggingface_hub import HfApi
 

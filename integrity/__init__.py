@@ -8,8 +8,10 @@
   built from scratch.
 - `trust`: `check_remote_code`, the one place that decides `trust_remote_code` for every command: the user's
   `--trust-remote-code` as a bool (Transformers never prompts); a folder asking for its own code is refused without it.
-- `files`: how a command writes its outputs: `atomic_file` (write beside, fsync, rename), `open_append`,
-  `make_folder`; links, devices and FIFOs are refused (`OutputError`), a full or read-only disk is a `WriteError`.
+- `files`: the one way a command writes its outputs: `atomic_file` / `write_bytes` / `save_into` (a private folder
+  reached through its descriptor, fsync, rename from descriptor to descriptor), `open_append`, `make_folder`; and
+  `open_for_upload` for `publish`; links, devices and FIFOs are refused (`OutputError`), a full or read-only disk is
+  a `WriteError`.
 - `lock`: `FolderLock`, one writer per folder, taken by train, finetune, convert, upcycle and eval --plots.
 
 Why a package of its own: its users are spread over training, evaluation, conversion, serving and the command

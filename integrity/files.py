@@ -1,10 +1,18 @@
-"""How every command writes its outputs: `atomic_file`, `open_append`, `make_folder`, and the refusals they share.
+"""How every command writes its outputs (the only way: `atomic_file`, `write_bytes`, `save_into`, `staging_folder`,
+`open_append`, `make_folder`), how `publish` reads what it uploads (`open_for_upload`), and the refusals they share.
 
-Every file a command writes over (`export --overwrite`, `eval --output --overwrite`, `card --overwrite`, a run's
-log and manifests) is written beside its destination under a fresh name, flushed to disk, then renamed over it:
-killed at any moment, the user has the old file or the new one, never none and never half of one. The fresh name
-is created with O_EXCL | O_NOFOLLOW (`tempfile.mkstemp`), so a link planted at a predictable name is never
-written through, and it is checked to be a regular file of one name (no link) before it is renamed into place.
+Every file a command writes (`export`, `card`, `eval --output / --plots`, `convert`, `upcycle`, a run's files, a
+checkpoint, the final save, `finetune`'s outputs) is written into a private folder made inside the destination's
+folder, then renamed over the destination: killed at any moment, the user has the old file or the new one, never
+none and never half of one. The destination's folder is opened once (`Folder`) and everything after is done
+relative to its descriptor (`dir_fd=`): the private folder is created there under a random name with mode 0700
+and reopened by descriptor (checked to be the one just made: ours, private, empty), the temporary file is created
+in it with O_CREAT | O_EXCL | O_NOFOLLOW, a library that writes by name is given the private folder as
+/proc/self/fd/N (that very folder, whatever is later renamed or linked at its name), and the rename goes from the
+private folder's descriptor to the destination folder's. Before it, every file is checked to be a regular file of
+one name (no link at any depth) and fsync'd; a folder output is checked to be the same folder (device, inode)
+right before and right after its rename. Someone else writing into the output folder meanwhile can make the
+command fail (`OutputError`, one line), never redirect a write.
 
 What is never written: a destination that is a symbolic link (the rename would replace the link, but the user
 meant the file it points to, and a link the command did not create is not the command's to replace), or anything
@@ -23,8 +31,10 @@ import contextlib
 import errno
 import os
 import stat
-import tempfile
-from collections.abc import Iterator
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 PARTIAL = ".partial-"  # the start of every temporary file's name
 
@@ -87,6 +97,14 @@ def check_target(path: str, overwrite: bool = True, option: str = "--overwrite")
     except FileNotFoundError:
         return
     except NotADirectoryError:  # a parent is a file: the write fails with its own error
+        return
+    _refuse_existing(info, path, overwrite, option)
+
+
+def _refuse_existing(info: os.stat_result | None, path: str, overwrite: bool, option: str) -> None:
+    """OutputError unless what `info` describes at `path` may be written over (absent, or a regular file with
+    `overwrite`)."""
+    if info is None:
         return
     if stat.S_ISLNK(info.st_mode):
         raise OutputError(f"output {path!r} is a symbolic link; outputs are never written through a link: remove it "
@@ -201,63 +219,418 @@ def _mode(destination: str) -> int:
         return 0o666 & ~mask
 
 
+# ------------------------------------------------------------------------------------------ writing by descriptor
+# A test may set this to a callable taking (step, name): the writer calls it between its steps ("staged": a private
+# folder was made; "written": the caller's bytes are in it; "publish": just before a rename into place), so that a
+# test can swap a name for a link at that very moment. The product never sets it.
+race_hook: Callable[[str, str], None] | None = None
+
+_DIRECTORY = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_CLOEXEC
+# a folder's open descriptor as a path (Linux): a library that writes by name, given this path, writes into the very
+# folder that was opened, whatever has since been renamed or planted at the folder's name
+_BY_DESCRIPTOR = "/proc/self/fd"
+_HAS_BY_DESCRIPTOR = os.path.isdir(_BY_DESCRIPTOR)
+
+
+def _at(step: str, name: str) -> None:
+    if race_hook is not None:
+        race_hook(step, name)
+
+
+# a rename onto these fails whatever is retried: a bind-mounted file (EBUSY), a folder, another file system
+_UNREPLACEABLE = frozenset({errno.EBUSY, errno.EISDIR, errno.ENOTDIR, errno.EXDEV, errno.ENOTEMPTY, errno.EEXIST})
+
+
+def _identity(info: os.stat_result | None) -> tuple[int, int] | None:
+    return None if info is None else (info.st_dev, info.st_ino)
+
+
+def _replaced(path: str) -> OutputError:
+    return OutputError(f"{path!r} was replaced while it was written (by another program writing into the same "
+                       "folder); nothing was written through it: rerun when nothing else writes there")
+
+
+class Folder:
+    """A folder opened once: every name asked about is looked up inside it, relative to its descriptor
+    (`dir_fd=`), so that a link planted at the folder's name (or above it) cannot redirect what is done in it.
+
+    `path` is the name it was opened by (for messages and for what runs in another process); `entry(name)` is the
+    path a library that writes by name is given: through the descriptor where the platform has /proc/self/fd."""
+
+    def __init__(self, path: str, fd: int, name: str | None = None, parent: Folder | None = None):
+        self.path, self.fd, self.name, self.parent = path, fd, name, parent
+        self.published = False
+        info = os.fstat(fd)
+        self.identity = (info.st_dev, info.st_ino)
+
+    @classmethod
+    def open(cls, path: str) -> Folder:
+        """Open the folder `path` (refused: a link at its last component, not a folder, absent)."""
+        # `here` of a folder opened before (/proc/self/fd/N) is the one link followed: it is that folder itself
+        by_descriptor = _HAS_BY_DESCRIPTOR and os.path.dirname(path) == _BY_DESCRIPTOR
+        try:
+            fd = os.open(path, _DIRECTORY & ~os.O_NOFOLLOW if by_descriptor else _DIRECTORY)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.ENOTDIR):
+                check_folder(path)  # a link or a file: the refusal that names it
+            raise write_error(error, path) from None
+        return cls(path, fd)
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def here(self) -> str:
+        """This folder as a path a library can write into: through the descriptor where possible."""
+        return f"{_BY_DESCRIPTOR}/{self.fd}" if _HAS_BY_DESCRIPTOR else self.path
+
+    def entry(self, name: str) -> str:
+        return os.path.join(self.here, name)
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        try:
+            return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def holds(self, name: str, identity: tuple[int, int]) -> bool:
+        """Whether `name` here is (without following a link) the file or folder `identity` (device, inode)."""
+        info = self.lstat(name)
+        return info is not None and (info.st_dev, info.st_ino) == identity
+
+    def still_named(self) -> bool:
+        """Whether this (private) folder is still at its name in its parent: nothing was renamed or planted there."""
+        return self.parent is None or (self.name is not None and self.parent.holds(self.name, self.identity))
+
+    def check_target(self, name: str, overwrite: bool = True, option: str = "--overwrite",
+                     shown: str | None = None) -> None:
+        """`check_target` of `name` in this folder, looked up through the descriptor."""
+        _refuse_existing(self.lstat(name), shown or os.path.join(self.path, name), overwrite, option)
+
+    def private(self, prefix: str) -> Folder:
+        """A new folder inside this one, named `prefix` + 16 random hex digits (nobody can plant anything at the
+        name beforehand), mode 0700 (nobody else can create, rename or link anything inside it), opened once."""
+        for _ in range(64):
+            name = f"{prefix}{secrets.token_hex(8)}"
+            try:
+                os.mkdir(name, 0o700, dir_fd=self.fd)
+            except FileExistsError:
+                continue
+            except BaseException:  # a signal just after the folder was made: it does not stay (nobody else's name)
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=self.fd)
+                raise
+            break
+        else:
+            raise OutputError(f"cannot create a private folder in {self.path!r}")
+        path = os.path.join(self.path, name)
+        fd = -1
+        try:
+            _at("staged", name)
+            try:
+                fd = os.open(name, _DIRECTORY, dir_fd=self.fd)
+            except OSError:
+                raise _replaced(path) from None
+            folder = Folder(path, fd, name, self)
+            info = os.fstat(fd)
+            # what was opened is the folder just made: ours, private and empty (not one renamed to its name since)
+            if info.st_uid != os.geteuid() or info.st_mode & 0o077 or os.listdir(fd):
+                raise _replaced(path)
+        except BaseException:  # Ctrl-C or SIGTERM included: the folder just made does not stay behind
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) == \
+                            _identity(self.lstat(name)) and not os.listdir(fd):
+                        os.rmdir(name, dir_fd=self.fd)
+                    os.close(fd)
+            raise
+        return folder
+
+    def check_tree(self, shown: str | None = None) -> None:
+        """OutputError if anything inside (at any depth) is a link, a hard link, or not a regular file or folder:
+        what a library wrote here by name is then published as it is."""
+        shown = shown or self.path
+        for name in os.listdir(self.fd):
+            info = self.lstat(name)
+            if info is None:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                try:
+                    inner = Folder(os.path.join(shown, name), os.open(name, _DIRECTORY, dir_fd=self.fd))
+                except OSError:
+                    raise _replaced(os.path.join(shown, name)) from None
+                with inner:
+                    inner.check_tree()
+            elif not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+                raise _replaced(os.path.join(shown, name))
+
+    def fsync_tree(self) -> None:
+        """fsync every file under this folder and the folders themselves, through descriptors."""
+        for name in os.listdir(self.fd):
+            info = self.lstat(name)
+            if info is None:
+                continue
+            flags = _DIRECTORY if stat.S_ISDIR(info.st_mode) else os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(name, flags, dir_fd=self.fd)
+            try:
+                if stat.S_ISDIR(info.st_mode):
+                    Folder(name, fd).fsync_tree()
+                else:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.fsync(self.fd)
+
+    def remove(self) -> None:
+        """Delete this private folder: its contents through its descriptor, then its name only if that is still
+        this folder (a folder renamed to its name meanwhile is left alone), then close it."""
+        if self.fd < 0:
+            return
+        if self.published:  # renamed into place: it is the output now, not a staging folder
+            self.close()
+            return
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.fd):
+                info = self.lstat(name)
+                if info is not None and stat.S_ISDIR(info.st_mode):
+                    shutil.rmtree(name, ignore_errors=True, dir_fd=self.fd)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=self.fd)
+        if self.parent is not None and self.name is not None and self.still_named():
+            with contextlib.suppress(OSError):
+                os.rmdir(self.name, dir_fd=self.parent.fd)
+        self.close()
+
+    def move_file(self, name: str, target: Folder, target_name: str | None = None, overwrite: bool = True,
+                  option: str = "--overwrite") -> None:
+        """Rename the regular file `name` of this (private) folder to `target_name` in `target`, both looked up
+        through their descriptors: fsync'd first, refused when the destination is a link, a device or a folder."""
+        target_name = target_name or name
+        shown = os.path.join(target.path, target_name)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.ENOENT):
+                raise _replaced(os.path.join(self.path, name)) from None
+            raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+                raise _replaced(os.path.join(self.path, name))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        target.check_target(target_name, overwrite, option, shown)
+        raise_if_stopped()
+        _at("publish", target_name)
+        try:
+            os.rename(name, target_name, src_dir_fd=self.fd, dst_dir_fd=target.fd)
+        except OSError as error:
+            if error.errno in _UNREPLACEABLE:
+                raise OutputError(f"cannot replace {shown!r}: {error.strerror} (a mount point, a file in use or a "
+                                  "folder); choose another path") from None
+            raise write_error(error, shown) from None
+
+    def publish_as(self, target_name: str, mode: int | None = None) -> None:
+        """Rename this private folder to `target_name` in its parent (absent, or an empty folder the user made):
+        checked, right before and right after the rename, to be this very folder at both names."""
+        parent = self.parent
+        assert parent is not None and self.name is not None
+        shown = os.path.join(parent.path, target_name)
+        self.check_tree(shown)
+        self.fsync_tree()
+        if mode is not None:
+            os.fchmod(self.fd, mode)
+        raise_if_stopped()
+        existing = parent.lstat(target_name)
+        if existing is not None and stat.S_ISDIR(existing.st_mode):
+            try:
+                os.rmdir(target_name, dir_fd=parent.fd)  # an empty folder made by the user: replaced
+            except OSError:
+                raise OutputError(f"output {shown!r} already exists; choose a new path or delete it first") from None
+        elif existing is not None:
+            check_target(shown, overwrite=False)
+        _at("publish", target_name)
+        if not self.still_named():
+            raise _replaced(self.path)
+        try:
+            os.rename(self.name, target_name, src_dir_fd=parent.fd, dst_dir_fd=parent.fd)
+        except OSError as error:
+            if error.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise OutputError(f"output {shown!r} appeared while it was written; nothing was replaced") from None
+            raise write_error(error, shown) from None
+        if not parent.holds(target_name, self.identity):  # something else was renamed in the instant between
+            info = parent.lstat(target_name)
+            if info is not None and stat.S_ISLNK(info.st_mode):
+                with contextlib.suppress(OSError):
+                    os.unlink(target_name, dir_fd=parent.fd)
+            raise _replaced(self.path)
+        self.name, self.published = target_name, True
+        with contextlib.suppress(OSError):
+            os.fsync(parent.fd)
+
+
+def new_folder_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
 @contextlib.contextmanager
-def atomic_file(destination: str, overwrite: bool = True, option: str = "--overwrite") -> Iterator[str]:
-    """Yield a temporary path beside `destination` for the caller to write; when the block ends without an error,
-    fsync it and rename it over `destination`; on any error (Ctrl-C and SIGTERM included), delete it.
-
-        with atomic_file("results.json") as path:
-            Path(path).write_text(text)
-
-    `destination` must be absent or, with `overwrite`, a regular file (`check_target`, checked before the block
-    and again just before the rename). A failed write of the disk is raised as WriteError naming `destination`.
-    """
-    destination = os.path.abspath(destination)
-    check_target(destination, overwrite, option)
-    folder = os.path.dirname(destination)
-    # ".partial-XXXX-NAME": hidden, and the same extension as NAME for writers that choose a format by it (the end
-    # of a long NAME only, so that the temporary name fits where NAME does)
+def staging_folder(folder: str | Folder, prefix: str = PARTIAL) -> Iterator[Folder]:
+    """A private folder (`Folder.private`) inside `folder`, removed at the end whatever happened: libraries that
+    write by name write into `staged.here`, the result goes into place by `move_file` / `publish_as`."""
+    parent = Folder.open(folder) if isinstance(folder, str) else folder
+    staged = None
     try:
-        fd, temporary = tempfile.mkstemp(prefix=PARTIAL, suffix=f"-{os.path.basename(destination)[-200:]}",
-                                         dir=folder)
+        with _signals_held():  # a signal now is raised once `staged` is set, so the folder is removed
+            staged = parent.private(prefix)
+        yield staged
+    finally:
+        if staged is not None:
+            staged.remove()
+        if isinstance(folder, str):
+            parent.close()
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back (in the main thread, where Python runs their handlers) until the block ends."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def save_into(folder: str, write: Callable[[str], None], prefix: str = PARTIAL) -> list[str]:
+    """Let `write` (a library that writes by name: save_pretrained, a tokenizer's) fill a private folder made in
+    `folder`, check it holds only regular files of one name, then rename each of them into `folder` from
+    descriptor to descriptor, each one replacing a regular file of its name (never a link, a device or a folder).
+    A file there is always the old complete one or the new complete one, and renaming or replacing the private
+    folder meanwhile redirects nothing. Returns the names written."""
+    with Folder.open(folder) as target, staging_folder(target, prefix) as staged:
+        write(staged.here)
+        staged.check_tree(folder)
+        names = sorted(os.listdir(staged.fd))
+        for name in names:
+            staged.move_file(name, target)
+    return names
+
+
+def open_for_upload(folder: str, name: str) -> BinaryIO:
+    """The file `name` of `folder`, opened once for reading (folder and file without following a link at their
+    last component, without blocking on a FIFO) and checked through its descriptor to be a regular file with one
+    name: what is uploaded is read from this descriptor, never from the name again. OutputError (one line) for a
+    symbolic link, a hard link (a second name of another file), a FIFO, a device or a folder."""
+    shown = os.path.join(folder, name)
+    with Folder.open(folder) as opened:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=opened.fd)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise OutputError(f"{shown!r} is a symbolic link; only plain files are uploaded: replace it by the "
+                                  "file itself") from None
+            raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = _kind(info.st_mode) if not stat.S_ISREG(info.st_mode) else \
+            f"a file with {info.st_nlink} hard links (another file's name too)"
+        raise OutputError(f"{shown!r} is {what}; only plain files of one name are uploaded: replace it by a copy")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def check_writable(destination: str) -> None:
+    """Before a long computation whose result goes to `destination`: WriteError naming it now, rather than after,
+    when its folder cannot take a file (read-only, full, over quota). A block is written, fsync'd and deleted in a
+    private folder (nothing appears at `destination`)."""
+    destination = os.path.abspath(destination)
+    try:
+        with staging_folder(os.path.dirname(destination)) as staged:
+            fd = os.open("probe", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=staged.fd)
+            try:
+                os.write(fd, bytes(4096))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except OSError as error:
         raise write_error(error, destination) from None
+
+
+@contextlib.contextmanager
+def _file_in_staging(destination: str, overwrite: bool, option: str) -> Iterator[tuple[Folder, str, int]]:
+    destination = os.path.abspath(destination)
+    check_target(destination, overwrite, option)
+    final = os.path.basename(destination)
+    name = PARTIAL + final[-200:]  # the same extension as NAME, for writers that choose a format by it
     try:
-        os.fchmod(fd, _mode(destination))  # mkstemp makes it 0600: give it what a plain open() would
-        os.close(fd)
-        fd = None
-        yield temporary
-        # still a regular file of one name (a writer may have replaced it by its own rename; a link or a hard link
-        # to another file is refused): what is renamed into place is what was written here
-        try:
-            fd = os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            info = os.fstat(fd)
-        except OSError as error:
-            if error.errno != errno.ELOOP:
-                raise
-            info = None
-        if info is None or not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            raise OutputError(f"the temporary file {temporary!r} was replaced while it was written; nothing was "
-                              f"written to {destination!r}")
-        os.fsync(fd)
-        os.close(fd)
-        fd = None
-        check_target(destination, overwrite, option)  # something planted at the name while the file was written
-        raise_if_stopped()
-        os.replace(temporary, destination)
+        with staging_folder(os.path.dirname(destination)) as staged:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _mode(destination),
+                         dir_fd=staged.fd)
+            try:
+                yield staged, name, fd
+            finally:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            _at("written", name)
+            staged.move_file(name, staged.parent, final, overwrite, option)
     except BaseException as error:
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(OSError):  # the name only (a link there is removed, never followed)
-            os.unlink(temporary)
         failure = write_error(error, destination)
         if failure is not error:
             raise failure from None
         raise
-    fsync_folder(folder)
 
 
-__all__ = ["DISK_ERRNOS", "OutputError", "PARTIAL", "Terminated", "WriteError", "atomic_file", "check_folder",
-           "check_target", "clear_stops", "fsync_folder", "make_folder", "open_append", "raise_if_stopped",
-           "record_stop", "write_error"]
+@contextlib.contextmanager
+def atomic_file(destination: str, overwrite: bool = True, option: str = "--overwrite") -> Iterator[str]:
+    """Yield a path for the caller (or a library) to write by name; when the block ends without an error, fsync
+    the file and rename it over `destination`; on any error (Ctrl-C and SIGTERM included), delete it.
+
+        with atomic_file("results.json") as path:
+            Path(path).write_text(text)
+
+    The path is inside a private folder made beside `destination` (`Folder.private`: a random name, mode 0700),
+    reached through that folder's descriptor, and the rename goes from that descriptor to the one of
+    `destination`'s folder: nobody else can plant a link where the bytes go or redirect the rename.
+    `destination` must be absent or, with `overwrite`, a regular file (`check_target`, checked before the block
+    and again just before the rename). A failed write of the disk is raised as WriteError naming `destination`.
+    """
+    with _file_in_staging(destination, overwrite, option) as (staged, name, _):
+        yield staged.entry(name)
+
+
+def write_bytes(destination: str, data: bytes | str, overwrite: bool = True, option: str = "--overwrite") -> None:
+    """Write `data` (str: UTF-8) to `destination` as `atomic_file` does, through the descriptor the temporary
+    file was created with."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    with _file_in_staging(destination, overwrite, option) as (_, _, fd):
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+
+
+__all__ = ["DISK_ERRNOS", "Folder", "OutputError", "PARTIAL", "Terminated", "WriteError", "atomic_file",
+           "check_folder", "check_target", "check_writable", "clear_stops", "fsync_folder", "make_folder",
+           "new_folder_mode", "open_append", "open_for_upload", "raise_if_stopped", "record_stop", "save_into",
+           "staging_folder", "write_bytes", "write_error"]

@@ -113,13 +113,16 @@ class FolderLock:
                 raise NotADirectoryError(f"{self.folder!r} is a file, not a folder")
             os.makedirs(self.folder)
             self._created_folder = True
+        fd = None  # the lock file this process opened and holds, until it is recorded in self._fd
         try:
             while True:
+                fd = None
                 fd = _open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     os.close(fd)
+                    fd = None  # another's lock: never deleted here
                     raise FolderLocked(f"{self.folder!r} is being written by {self._holder()}; wait for it to "
                                        "finish or stop it (one writer per folder)") from None
                 except OSError:  # no flock here: decide by the recorded process id
@@ -127,6 +130,7 @@ class FolderLock:
                     if "process " in holder and not holder.endswith("not running)") and \
                             not holder.startswith(f"process {os.getpid()} "):
                         os.close(fd)
+                        fd = None
                         raise FolderLocked(f"{self.folder!r} is being written by {holder}; wait for it to finish "
                                            "or stop it (one writer per folder)") from None
                 try:  # a holder that was releasing may have deleted the file we opened: lock the current one
@@ -136,13 +140,22 @@ class FolderLock:
                 if same:
                     break
                 os.close(fd)
+                fd = None
             record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
                                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
             os.ftruncate(fd, 0)
             os.pwrite(fd, record.encode(), 0)
             self._fd = fd
-        except BaseException:
+        except BaseException as error:
+            if fd is not None:  # ours, locked, its record unwritten (a full disk): it does not stay behind
+                self._fd = fd
+                self.release()
             self._remove_created_folder()
+            from .files import write_error
+
+            failure = write_error(error, self.path)
+            if failure is not error:
+                raise failure from None
             raise
         return self
 

@@ -10,11 +10,13 @@ import errno
 import json
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..integrity import make_folder, open_append, write_manifest
+from ..integrity.files import Folder, new_folder_mode, write_bytes
 from .checkpoint_files import (CHECKPOINT_STATE, MAX_PROCESSES, RngStateError, checkpoint_dirs, inspect_checkpoint,
                                read_memory, read_rng_state, restore_rng_state, unloadable_file, write_process_states)
 from .run_config import CHANGEABLE_ON_RESUME, TrainingConfig, TrainingError
@@ -39,13 +41,20 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
     placement = placement or AcceleratePlacement(accelerator)
     root = os.path.join(output_dir, "checkpoints")
     final = os.path.join(root, f"step-{step:07d}")
-    temporary = os.path.join(root, f".tmp-step-{step:07d}")
-    if accelerator.is_main_process:
-        make_folder(root)  # checkpoints/ is the run's own: a link to another folder is refused, nothing entered
+    folder = staged = None
     try:
         if accelerator.is_main_process:
-            shutil.rmtree(temporary, ignore_errors=True)  # leftovers of a save that was killed
-            os.makedirs(temporary)
+            make_folder(root)  # checkpoints/ is the run's own: a link to another folder is refused, nothing entered
+            folder = Folder.open(root)
+            # a private folder of a random name (integrity.files): nothing can be planted there beforehand, and a
+            # folder renamed or linked to its name meanwhile is refused by `publish_as`
+            staged = folder.private(f".tmp-step-{step:07d}-")
+        if accelerator.num_processes > 1:  # every process writes into it by name: it learns the name, the main
+            from accelerate.utils import broadcast_object_list  # process checks the folder before publishing it
+
+            temporary = os.path.join(root, broadcast_object_list([staged.name if staged else None])[0])
+        else:
+            temporary = staged.here  # through the descriptor: the folder itself, whatever is at its name
         accelerator.wait_for_everyone()
         placement.save_state(temporary)
         write_process_states(accelerator, temporary, memory)
@@ -53,19 +62,16 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
         if accelerator.is_main_process:
             state = dict(step=step, num_processes=accelerator.num_processes, config=config.to_dict(),
                          skipped_updates=skipped_updates)
-            with open(os.path.join(temporary, CHECKPOINT_STATE), "w") as handle:
-                json.dump(state, handle, indent=1)
-                handle.flush()
-                os.fsync(handle.fileno())
+            write_bytes(os.path.join(temporary, CHECKPOINT_STATE), json.dumps(state, indent=1))
             write_manifest(temporary)  # last: its presence marks the checkpoint complete
-            if os.path.exists(final):  # the same step saved again (a resumed run): replace the whole folder
-                shutil.rmtree(final)
-            os.replace(temporary, final)
+            name = os.path.basename(final)
+            existing = folder.lstat(name)
+            if existing is not None and stat.S_ISDIR(existing.st_mode):  # the same step saved again (a resumed
+                shutil.rmtree(name, dir_fd=folder.fd)  # run): replace the whole folder (never through a link)
+            staged.publish_as(name, mode=new_folder_mode())
             for old in checkpoint_dirs(output_dir)[: -config.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
     except Exception as error:  # noqa: BLE001 - only write failures are turned into a message, see _write_failure
-        if accelerator.is_main_process:  # an incomplete checkpoint is never left behind, whatever failed
-            shutil.rmtree(temporary, ignore_errors=True)  # gives the space back; earlier checkpoints are untouched
         reason = _write_failure(error)
         if reason is None:
             raise
@@ -73,6 +79,11 @@ def save_checkpoint(accelerator, output_dir: str, step: int, config: TrainingCon
         raise TrainingError(f"cannot write the checkpoint of step {step} into {root!r} ({reason}); earlier "
                             f"checkpoints are intact ({'newest: ' + found[-1] if found else 'none yet'}); free some "
                             "space and resume with --resume") from None
+    finally:  # an incomplete checkpoint is never left behind, whatever failed; earlier checkpoints are untouched
+        if staged is not None:
+            staged.remove()
+        if folder is not None:
+            folder.close()
     accelerator.wait_for_everyone()
     return final
 

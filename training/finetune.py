@@ -498,36 +498,47 @@ def _finetune(model_dir, data, output_dir, r, lora_alpha, target_modules, target
     from .run_card import with_context
 
     with_context(tokenizer, model.config)  # the saved tokenizers truncate to what the model reads
-    peft_model.save_pretrained(output_dir, save_embedding_layers=False)  # the adapter only, even with lm_head
-    tokenizer.save_pretrained(output_dir)
+    from ..integrity.files import new_folder_mode, save_into, staging_folder, write_bytes
+
+    def save_adapter(folder: str) -> None:
+        peft_model.save_pretrained(folder, save_embedding_layers=False)  # the adapter only, even with lm_head
+        tokenizer.save_pretrained(folder)
+
+    # every output through integrity.files: written in a private folder, renamed into place by descriptor, so that
+    # nothing planted in output_dir meanwhile (a link at a file's name or at merged/) receives a byte
+    save_into(output_dir, save_adapter)
+    result = FinetuneResult(max_steps, losses, before, after, trainable, total, output_dir)
+    settings = dict(data=data, rank=r, lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
+                    target_modules=target_modules or "default",
+                    max_steps=max_steps, batch_size=batch_size, block_size=block_size,
+                    learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed, quantize=quantize)
     if merge:
         merged = peft_model.merge_and_unload()
-        merged.save_pretrained(os.path.join(output_dir, "merged"))
-        tokenizer.save_pretrained(os.path.join(output_dir, "merged"))
-    result = FinetuneResult(max_steps, losses, before, after, trainable, total, output_dir)
-    _write_cards(output_dir, model_dir, model.config, merge, losses, before, after,
-                 dict(data=data, rank=r, lora_alpha=lora_alpha if lora_alpha is not None else 2 * r,
-                      target_modules=target_modules or "default",
-                      max_steps=max_steps, batch_size=batch_size, block_size=block_size,
-                      learning_rate=learning_rate, warmup_steps=warmup_steps, seed=seed, quantize=quantize))
-    with open(os.path.join(output_dir, "finetune.json"), "w", encoding="utf-8") as handle:
-        json.dump({"base_model": os.path.abspath(model_dir), "data": data, "rank": r, "steps": max_steps,
-                   "quantize": quantize,
-                   "train_losses": losses, "valid_loss_before": before, "valid_loss_after": after,
-                   "trainable_parameters": trainable, "total_parameters": total}, handle, indent=2)
+        with staging_folder(output_dir, ".tmp-merged-") as staged:
+            merged.save_pretrained(staged.here)
+            tokenizer.save_pretrained(staged.here)
+            _write_cards(output_dir, staged.here, model_dir, model.config, losses, before, after, settings)
+            staged.publish_as("merged", mode=new_folder_mode())
+    else:
+        _write_cards(output_dir, None, model_dir, model.config, losses, before, after, settings)
+    write_bytes(os.path.join(output_dir, "finetune.json"),
+                json.dumps({"base_model": os.path.abspath(model_dir), "data": data, "rank": r, "steps": max_steps,
+                            "quantize": quantize,
+                            "train_losses": losses, "valid_loss_before": before, "valid_loss_after": after,
+                            "trainable_parameters": trainable, "total_parameters": total}, indent=2))
     import shutil
 
     shutil.rmtree(os.path.join(output_dir, "trainer"), ignore_errors=True)
     return result
 
 
-def _write_cards(output_dir, model_dir, config, merge, losses, before, after, settings) -> None:
-    """README.md of the adapter folder (in place of PEFT's placeholder card) and of the merged model."""
+def _write_cards(output_dir, merged_dir, model_dir, config, losses, before, after, settings) -> None:
+    """README.md of the adapter folder (in place of PEFT's placeholder card) and of the merged model (written into
+    `merged_dir`, its folder before it is renamed into place; None without --merge)."""
     from .run_card import finetune_card, write_card
 
     name = os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
-    folders = [(output_dir, name, True)] + ([(os.path.join(output_dir, "merged"), f"{name}-merged", False)]
-                                            if merge else [])
+    folders = [(output_dir, name, True)] + ([(merged_dir, f"{name}-merged", False)] if merged_dir else [])
     for folder, title, adapter in folders:
         write_card(folder, finetune_card(config, name=title, base_model=model_dir, settings=settings, losses=losses,
                                          valid_before=before, valid_after=after, adapter=adapter), replace=True)

@@ -9,7 +9,6 @@ import csv
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from .. import PRESETS, SwitchHeadConfig
 from ..integrity import LOCK_NAME, MANIFEST, FolderLock, atomic_file, make_folder, open_append, read_manifest, \
     write_manifest
-from ..integrity.files import PARTIAL, check_target
+from ..integrity.files import PARTIAL, check_target, save_into
 from .checkpoint_files import checkpoint_dirs
 from .checkpoints import (EVENTS, Resume, _write_failure, choose_checkpoint, merge_resumed_config,
                           read_checkpoint_state)
@@ -339,17 +338,5 @@ def _save_model(model, state_dict, tokenizer, output_dir: str) -> None:
 
 
 def _save_into(output_dir: str, write) -> None:
-    """Let `write` fill a temporary folder, then move each file into `output_dir` with an atomic rename: a file
-    there is always either the old complete one or the new complete one."""
-    temporary = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)  # a fresh name: no planted link is entered
-    try:
-        write(temporary)
-        for name in os.listdir(temporary):
-            target = os.path.join(output_dir, name)
-            if not os.path.isdir(os.path.join(temporary, name)):
-                check_target(target)  # a link or a device planted at a file's name is refused, not replaced
-            os.replace(os.path.join(temporary, name), target)
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)  # nothing half-written stays behind (a full disk)
-
-
+    """Let `write` fill a private folder, then move each file into `output_dir` (`integrity.files.save_into`)."""
+    save_into(output_dir, write, ".tmp-save-")

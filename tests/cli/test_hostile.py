@@ -1043,7 +1043,7 @@ def test_a_failed_save_of_any_kind_leaves_no_temporary_folder(corpus, tmp_path, 
     calls = []
 
     def fails_on_the_second_checkpoint(folder, *args):
-        if os.path.basename(folder).startswith(".tmp-step-"):
+        if os.path.isfile(os.path.join(folder, checkpoints.CHECKPOINT_STATE)):  # a checkpoint's staging folder
             calls.append(folder)
             if len(calls) == 2:
                 raise KeyError("an unexpected failure")

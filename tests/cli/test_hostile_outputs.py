@@ -278,7 +278,7 @@ def test_a_read_only_folder_is_a_write_error_and_leaves_nothing(tmp_path, monkey
     if ROOT:  # root ignores permission bits: the file system says EROFS instead
         def read_only(*args, **kwargs):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(folder / "x"))
-        monkeypatch.setattr(tempfile, "mkstemp", read_only)
+        monkeypatch.setattr(os, "mkdir", read_only)
     else:
         folder.chmod(0o555)
     try:
@@ -293,10 +293,10 @@ def test_a_read_only_folder_is_a_write_error_and_leaves_nothing(tmp_path, monkey
 def test_a_rename_refused_by_a_read_only_disk_leaves_no_temporary_file(tmp_path, monkeypatch):
     target = users_file(tmp_path, "out.txt")
 
-    def read_only(source, destination):
+    def read_only(source, destination, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), source)
 
-    monkeypatch.setattr(os, "replace", read_only)
+    monkeypatch.setattr(os, "rename", read_only)
     with pytest.raises(WriteError, match="Read-only"):
         write(target)
     monkeypatch.undo()
@@ -507,7 +507,7 @@ def test_card_in_a_read_only_folder_exits_2_in_one_line(model_dir, tmp_path, cap
     if ROOT:
         def read_only(*args, **kwargs):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-        monkeypatch.setattr(tempfile, "mkstemp", read_only)
+        monkeypatch.setattr(os, "mkdir", read_only)
     else:
         folder.chmod(0o555)
     try:
@@ -635,8 +635,7 @@ def test_upcycle_and_convert_on_a_read_only_disk_exit_2_and_leave_nothing(model_
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "x"))
 
     with monkeypatch.context() as patch:
-        patch.setattr(tempfile, "mkdtemp", read_only)
-        patch.setattr(tempfile, "mkstemp", read_only)
+        patch.setattr(os, "mkdir", read_only)
         assert main(["upcycle", str(dense), str(out), "--heads", "2", "--experts", "2", "--k", "1"]) == 2
         assert one_error_line(capsys, "upcycle") == f"switchhead upcycle: error: cannot write {out}: " \
                                                     f"{os.strerror(errno.EROFS)}"

@@ -34,7 +34,8 @@ class RecordingHub:
         self.calls.append(("create_commit", kwargs))
         for operation in operations:
             source = operation.path_or_fileobj
-            self.files[operation.path_in_repo] = source if isinstance(source, bytes) else Path(source).read_bytes()
+            self.files[operation.path_in_repo] = source if isinstance(source, bytes) else \
+                source.read() if hasattr(source, "read") else Path(source).read_bytes()
 
     def __getattr__(self, name):  # any other way of uploading (upload_folder, upload_file, ...) is a failure
         raise AssertionError(f"publish called HfApi.{name}")
