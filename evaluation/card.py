@@ -274,10 +274,17 @@ def publish(model_dir: str | Path, repo_id: str, card, *, api=None, private: boo
                   for name in names]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode("utf-8")))
     if results is not None:
-        load_results(results)  # a results file only, checked before anything is sent
+        # read once through a descriptor; the bytes checked are the bytes uploaded (a name swapped between a check
+        # by name and the read could otherwise send a file that was never checked)
+        from switchhead.integrity.user_json import MAX_BYTES, parse_json_object
+
+        if not Path(results).is_file():
+            raise FileNotFoundError(f"evaluation result file {results} does not exist")
         results = os.path.abspath(results)
         with open_for_upload(os.path.dirname(results), os.path.basename(results)) as handle:
-            operations.append(CommitOperationAdd(path_in_repo=RESULTS_NAME, path_or_fileobj=handle.read()))
+            data = handle.read(MAX_BYTES + 1)  # parse_json refuses more than MAX_BYTES
+        check_results(parse_json_object(data, f"evaluation result file {results}"), str(results))
+        operations.append(CommitOperationAdd(path_in_repo=RESULTS_NAME, path_or_fileobj=data))
     if api is None:
         from huggingface_hub import HfApi
 

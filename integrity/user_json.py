@@ -44,9 +44,17 @@ def read_json(path: str | os.PathLike, what: str | None = None):
     name = what or os.fspath(path)
     if os.path.getsize(path) > MAX_BYTES:
         raise ValueError(f"{name} is larger than {MAX_BYTES >> 20} MiB: not a JSON settings file")
+    with open(path, "rb") as handle:
+        return parse_json(handle.read(), name)
+
+
+def parse_json(data: bytes, name: str):
+    """`read_json` of bytes already read (e.g. from a descriptor that is then uploaded): the same checks, naming
+    `name`."""
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"{name} is larger than {MAX_BYTES >> 20} MiB: not a JSON settings file")
     try:
-        with open(path, encoding="utf-8") as handle:
-            value = json.load(handle)
+        value = json.loads(data.decode("utf-8"))
     except RecursionError:
         raise ValueError(f"{name} is nested too deeply to be read (at most {MAX_DEPTH} levels)") from None
     except UnicodeDecodeError as error:
@@ -60,10 +68,18 @@ def read_json(path: str | os.PathLike, what: str | None = None):
 
 def read_json_object(path: str | os.PathLike, what: str | None = None) -> dict:
     """`read_json` of a file that must hold one JSON object (a dict), else ValueError naming what it holds."""
-    value = read_json(path, what)
+    return _json_object(read_json(path, what), what or os.fspath(path))
+
+
+def parse_json_object(data: bytes, name: str) -> dict:
+    """`parse_json` of bytes that must hold one JSON object (a dict)."""
+    return _json_object(parse_json(data, name), name)
+
+
+def _json_object(value, name: str) -> dict:
     if not isinstance(value, dict):
         kind = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
-        raise ValueError(f"{what or os.fspath(path)} must hold a JSON object, but holds {kind}")
+        raise ValueError(f"{name} must hold a JSON object, but holds {kind}")
     return value
 
 

@@ -426,6 +426,33 @@ def test_publish_uploads_the_bytes_it_checked_when_a_file_is_swapped_for_a_link_
     assert hub.files["config.json"] == config and SECRET not in hub.files.values()
 
 
+def test_publish_checks_the_results_bytes_it_uploads_when_the_file_is_replaced_after_a_check_by_name(
+        model_dir, tmp_path, monkeypatch):
+    import json
+
+    from switchhead.evaluation.card import publish
+    from switchhead.integrity import files
+
+    folder, _ = _publishable(tmp_path, model_dir)
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"results": {"switchhead_lambada": {"acc": 0.5}}}))
+    credentials = tmp_path / "credentials.json"
+    credentials.write_text(json.dumps({"token": SECRET.decode("latin-1")}))
+    opened = files.open_for_upload
+
+    def replaced_first(folder_name, name):
+        # a plain file (one name, no link) put in the results file's place once any check by name has passed
+        if os.path.join(folder_name, name) == str(results) and credentials.exists():
+            os.replace(credentials, results)
+        return opened(folder_name, name)
+
+    monkeypatch.setattr(files, "open_for_upload", replaced_first)
+    hub = _Hub()
+    with pytest.raises(ValueError, match="no 'results' mapping"):
+        publish(folder, "me/tiny", "card", api=hub, results=results)
+    assert not hub.files
+
+
 def test_publish_refuses_a_hard_link_in_the_folder_in_one_line(model_dir, tmp_path, capsys, monkeypatch):
     import huggingface_hub
 
