@@ -252,3 +252,17 @@ def test_the_727m_profile_builds_582m_parameters():
     with torch.device("meta"):
         model = SwitchHeadForCausalLM(SwitchHeadConfig.from_preset("moeut-727m"))
     assert round(sum(p.numel() for p in model.parameters()) / 1e6) == 582
+
+
+def test_a_saved_moeut_folder_passes_the_load_checks_and_counts_distinct_blocks(tmp_path):
+    from switchhead.integrity.loading import check_saved_model, parameter_count
+    model = _model()
+    model.save_pretrained(tmp_path)
+    check_saved_model(str(tmp_path))  # the saved blocks (G of them) belong to this config.json
+    assert parameter_count(model.config) == sum(p.numel() for p in model.parameters())
+
+
+def test_the_vllm_plugin_refuses_shared_layers_in_one_sentence():
+    from switchhead.vllm.support import check_supported
+    with pytest.raises(ValueError, match="shared layers and peri-LayerNorm .* serve this model with `switchhead serve`"):
+        check_supported(SwitchHeadConfig.from_preset("tiny-moeut"))
