@@ -266,3 +266,55 @@ def test_the_vllm_plugin_refuses_shared_layers_in_one_sentence():
     from switchhead.vllm.support import check_supported
     with pytest.raises(ValueError, match="shared layers and peri-LayerNorm .* serve this model with `switchhead serve`"):
         check_supported(SwitchHeadConfig.from_preset("tiny-moeut"))
+
+
+# ------------------------------------------------------------------------------------- the authors' module's names
+def _authors_state(args, seed=0):
+    """Random tensors under the names and shapes of the authors' `MoEUTLM(**args).state_dict()` (their module)."""
+    g = torch.Generator().manual_seed(seed)
+    d, heads, dh = args["d_model"], args["n_heads"], args["d_head"]
+    he, experts, size = heads * args["att_n_experts"], args["ff_n_experts"], args.get("ff_expert_size", 128)
+    shapes = {"embedding.weight": (args["n_tokens"], d), "out_norm.weight": (d,), "out_norm.bias": (d,),
+              "lm_head.weight": (args["n_tokens"], d), "lm_head.bias": (args["n_tokens"],)}
+    for m in range(args["group_size"]):
+        p = f"transformer.layers.{m}."
+        shapes.update({p + "attention.q.weight": (heads * dh, d), p + "attention.k.weight": (heads * dh, d),
+                       p + "attention.v": (he, d, dh), p + "attention.o": (he, dh, d), p + "attention.sel_v": (he, d),
+                       p + "attention.sel_o": (he, d), p + "ffn.keys": (experts, d, size),
+                       p + "ffn.values": (experts, size, d), p + "ffn.expert_sel": (experts, d),
+                       p + "ln1.weight": (d,), p + "ln1.bias": (d,), p + "ln2.weight": (d,), p + "ln2.bias": (d,)})
+    return {name: torch.randn(shape, generator=g) / math.sqrt(shape[-1] if len(shape) < 3 else shape[-2])
+            for name, shape in shapes.items()}
+
+
+AUTHORS_ARGS = dict(n_tokens=97, d_model=32, n_layers=6, n_heads=2, ff_n_experts=6, att_n_experts=3, d_head=8,
+                    group_size=3, ff_k=2, att_k=2, ff_expert_size=16)
+
+
+def test_the_authors_state_dict_loads_strictly_runs_as_the_reference_and_goes_back_bit_exactly():
+    from switchhead.conversion.moeut_format import config_from_moeut_args, state_dict_from_moeut, state_dict_to_moeut
+    config = config_from_moeut_args(**AUTHORS_ARGS)
+    assert (config.layer_group_size, config.num_layer_groups, config.entropy_reg_coef) == (3, 2, 0.01)
+    theirs = _authors_state(AUTHORS_ARGS)
+    model = SwitchHeadForCausalLM(config).eval()
+    model.load_state_dict(state_dict_from_moeut(theirs, config), strict=True)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(model(ids).logits, _reference(model, ids)[0], **TOL)
+    back = state_dict_to_moeut(model.state_dict(), config)
+    assert back.keys() == theirs.keys() and all(torch.equal(back[name], theirs[name]) for name in theirs)
+
+
+def test_the_authors_profiles_give_the_presets_and_unconvertible_variants_are_refused():
+    from switchhead.conversion.moeut_format import config_from_moeut_args, state_dict_from_moeut
+    profile_44m = dict(d_model=412, n_layers=16, n_heads=4, ff_n_experts=155, att_n_experts=8, d_head=82, ff_k=12,
+                       group_size=2)  # profiles.py's MoEUT_44M
+    converted = config_from_moeut_args(8000, **profile_44m, max_position_embeddings=1024).to_dict()
+    preset = SwitchHeadConfig.from_preset("moeut-44m").to_dict()
+    assert {k: v for k, v in converted.items() if k != "transformers_version"} == \
+        {k: v for k, v in preset.items() if k != "transformers_version"}
+    with pytest.raises(ValueError, match="att_n_experts=1: the authors' one-expert attention"):
+        config_from_moeut_args(**{**AUTHORS_ARGS, "att_n_experts": 1})
+    with pytest.raises(ValueError, match="missing .*transformer.layers.2.ffn.keys"):
+        state = _authors_state(AUTHORS_ARGS)
+        del state["transformer.layers.2.ffn.keys"]
+        state_dict_from_moeut(state, config_from_moeut_args(**AUTHORS_ARGS))
