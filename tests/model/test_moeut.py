@@ -318,3 +318,17 @@ def test_the_authors_profiles_give_the_presets_and_unconvertible_variants_are_re
         state = _authors_state(AUTHORS_ARGS)
         del state["transformer.layers.2.ffn.keys"]
         state_dict_from_moeut(state, config_from_moeut_args(**AUTHORS_ARGS))
+
+
+# ------------------------------------------------------------------------------------------------ switchhead flops
+def test_flops_counts_every_application_and_says_the_blocks_are_shared(capsys):
+    from switchhead.cli import main
+    from switchhead.evaluation.accounting import attention_macs, mlp_macs, model_forward_macs
+    config = SwitchHeadConfig.from_preset("moeut-44m")
+    macs = model_forward_macs(config, 1024)
+    per_application = attention_macs(config, 1024) + mlp_macs(config, 1024)
+    assert macs["total"] == 16 * per_application + 1024 * 412 * 8000  # 16 applications of the 2 blocks
+    assert main(["flops", "moeut-44m"]) == 0
+    text = capsys.readouterr().out
+    assert "shared layers (MoEUT): 2 distinct blocks applied 8 times = 16 layer applications" in text
+    assert "KV cache: 41,984 bytes per token" in text  # 16 applications x K,V x 4 heads x 82 x 4 bytes
