@@ -14,7 +14,8 @@ from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUBPACKAGES = {"kernels": "kernels", "integrity": "integrity", "training": "training", "evaluation": "evaluation",
-               "conversion": "conversion", "serving": "serving", "cli": "cli", "vllm": "vllm_plugin"}
+               "conversion": "conversion", "serving": "serving", "cli": "cli", "vllm": "vllm_plugin",
+               "layers": "layers"}
 
 package_dir = {"switchhead": "modeling_switchhead"}
 packages = ["switchhead"]

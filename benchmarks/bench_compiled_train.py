@@ -34,7 +34,7 @@ import torch._functorch.config as functorch_config  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model  # noqa: E402
 from switchhead import modeling_switchhead  # noqa: E402
-from machine import describe  # noqa: E402
+from machine import describe, portable_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         return statistics.median(samples["compiled"]) / statistics.median(samples["eager"])
 
     ratios = {name: {v: ratio(f"{name}/{v}") for v in variants} for name in models}
-    report = dict(machine=describe(torch.device("cpu")), settings={k: str(v) for k, v in vars(args).items()},
+    report = dict(machine=describe(torch.device("cpu")), settings={k: portable_path(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()},
                   load_average=os.getloadavg(), runs=runs, ratios=ratios)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -388,6 +388,14 @@ def bench_layers(device, dtype, token_override, reps, only, deadline=float("inf"
                    speedup_over_reference=timings["torch"] / timings["auto"])
 
 
+def _portable(path: Path) -> str:
+    """`path` as the results file records it (relative to the checkout; machine.portable_path)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import portable_path
+
+    return portable_path(path)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -471,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                       dtype=str(dtype), cvmm_backend=backend, full_paper_shapes=args.full, tokens_override=tokens,
                       torch=torch.__version__, triton=triton_version, timing="triton.testing.do_bench median"
                       if device.type == "cuda" else f"wall-clock median of {args.reps}",
-                      authors_cvmm=str(args.authors_cvmm) if args.authors_cvmm else None,
+                      authors_cvmm=_portable(args.authors_cvmm) if args.authors_cvmm else None,
                       autotune=autotune_choices(), seconds=time.perf_counter() - started, not_run=not_run,
                       results=rows)
         tmp = path.with_name(path.name + ".tmp")

@@ -298,7 +298,7 @@ def summarise(ranks: list[dict]) -> dict:
 def markdown(report: dict) -> str:
     machine = report["machine"]
     mib = 2 ** 20
-    lines = ["# Scaling out on this machine: memory, step time and bytes communicated per process", "",
+    lines = ["# Scaling out on one machine: memory, step time and bytes communicated per process", "",
              f"Measured on {machine['device']} ({report['cores']} cores, host `{machine['machine']}`), torch "
              f"{machine['torch']}, Transformers {machine['transformers']}, gloo, one thread per process, fp32, "
              f"AdamW; global batch {report['batch']} x {report['context']} tokens in every row, "

@@ -7,7 +7,7 @@ against `torch.compile`: the step time and the self time of every kernel, from t
 profiling on). On the Xeon measured here (AVX-512) inductor fuses the ReLU with the boolean mask its backward keeps,
 and that kernel, which stores a 16-lane boolean mask per step, takes many times eager's `clamp_min`; the backward's
 read of the mask is slower than eager's `threshold_backward` too. Every model here has this MLP (SwitchHead and
-dense alike), which is why compiled training is slower than eager for all of them on this machine.
+dense alike), which is why compiled training is slower than eager for all of them on the CPU measured.
 `--simdlen 8` (AVX2 code) shows how much of it is the AVX-512 path. Writes a JSON beside the other results.
 """
 

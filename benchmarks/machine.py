@@ -45,6 +45,21 @@ def describe(device, interpreted: bool = False) -> dict:
     return info
 
 
+def portable_path(path) -> str:
+    """`path` as a results file records it: relative to the checkout when inside it (or `../...` beside it), else
+    only its last component, so that no result names the folders of the machine that made it."""
+    import os
+
+    absolute = Path(os.path.abspath(path))
+    repo = Path(__file__).resolve().parent.parent
+    for base, prefix in ((repo, ""), (repo.parent, "../")):
+        try:
+            return prefix + absolute.relative_to(base).as_posix()
+        except ValueError:
+            continue
+    return absolute.name
+
+
 def file_slug(name: str) -> str:
     """A CPU or device name as part of a result file's name: lower case, other characters as '-', 40 at most."""
     return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")[:40]

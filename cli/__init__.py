@@ -66,7 +66,11 @@ class _LibraryNoise:
     Transformers warning that a config of another model type is read as ours (our own check names the problem)."""
 
     MESSAGES = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward",
-                "transformers.configuration_utils": "You are using a model of type"}
+                "transformers.configuration_utils": "You are using a model of type",
+                # a long --prompt or perplexity text: our own check names the model's length
+                "transformers.tokenization_utils_base": "Token indices sequence length",
+                # export: an ONNX table entry for torchvision ops, whose absence changes nothing for our model
+                "torch.onnx._internal.exporter._registration": "torchvision is not installed"}
 
     def filter(self, record) -> bool:
         start = self.MESSAGES.get(record.name)
@@ -191,9 +195,12 @@ def _raise_on_stop_signals() -> dict:
         record_stop(error)
         raise error
 
+    import switchhead
+
     previous = {}
     for number, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
-        if signal.getsignal(number) is default:
+        # the package's own handler for the seconds of its import counts as the default
+        if signal.getsignal(number) in (default, getattr(switchhead, "_early_stop", None)):
             previous[number] = signal.signal(number, stop)
     return previous
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import torch
 
@@ -50,6 +51,19 @@ def _format(number: float) -> str:
     return f"{number:.0f}"
 
 
+def results_table(rows) -> list[str]:
+    """The demo's table: one (label, parameters, validation perplexity, attention MACs, attention memory, wall
+    seconds, CPU seconds) row per model, then what the two times are (neither is a speed comparison)."""
+    lines = [f"{'model':28s} {'params':>8s} {'valid ppl':>10s} {'attn MACs':>10s} {'attn memory':>12s} "
+             f"{'wall min':>8s} {'CPU min':>8s}"]
+    for label, parameters, perplexity, macs, memory, wall, cpu in rows:
+        lines.append(f"{label:28s} {_format(parameters):>8s} {perplexity:10.2f} {_format(macs):>10s} "
+                     f"{_format(memory):>12s} {wall / 60:8.1f} {cpu / 60:8.1f}")
+    lines.append("(wall min: elapsed time, which other work on the machine stretches; CPU min: the processor time "
+                 "the training took. Neither compares speed: benchmarks/ times the models interleaved.)")
+    return lines
+
+
 def run_demo(output_dir: str = "runs/demo", **training_overrides) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,19 +93,19 @@ def run_demo(output_dir: str = "runs/demo", **training_overrides) -> int:
         print(f"demo: training {label}: {what} (preset {preset})")
         config = dataclasses.replace(base, preset=preset, output_dir=os.path.join(output_dir, folder),
                                      tokenizer=tokenizer_dir, model={**base.model, **model_overrides})
+        cpu_started = time.process_time()
         result = train(config)
+        cpu_seconds = time.process_time() - cpu_started  # CPU time: a busy machine does not stretch it
         model_config = SwitchHeadConfig.from_pretrained(result.output_dir)
         macs = attention_macs(model_config, config.block_size)
         memory = attention_memory(model_config, config.block_size)
-        rows.append((label, result, macs, memory, result.output_dir))
+        rows.append((label, result, macs, memory, result.output_dir, cpu_seconds))
 
     print(f"\nvalidation on held-out standard library text, context {base.block_size}, {base.max_steps} steps "
           f"(unigram perplexity {rows[0][1].unigram_perplexity:.1f}); attention cost per layer and sequence "
           "(the paper's table formulas, as `switchhead flops` computes them):")
-    print(f"{'model':28s} {'params':>8s} {'valid ppl':>10s} {'attn MACs':>10s} {'attn memory':>12s} {'minutes':>8s}")
-    for label, result, macs, memory, _ in rows:
-        print(f"{label:28s} {_format(result.num_parameters):>8s} {result.valid_perplexity:10.2f} {_format(macs):>10s} "
-              f"{_format(memory):>12s} {result.seconds / 60:8.1f}")
+    print("\n".join(results_table([(label, result.num_parameters, result.valid_perplexity, macs, memory,
+                                     result.seconds, cpu) for label, result, macs, memory, _, cpu in rows])))
     dense_macs, dense_memory = rows[1][2], rows[1][3]
     print(f"SwitchHead uses {rows[0][2] / dense_macs:.0%} of the dense attention MACs and "
           f"{rows[0][3] / dense_memory:.0%} of its attention memory.")

@@ -195,7 +195,7 @@ def run_eval(args) -> int:
             raise UsageError(f"--stride {args.stride} is longer than --context {args.context}: the windows would "
                                "skip tokens")
 
-    report: dict = {"model": str(Path(args.model).resolve()), "protocol": args.protocol, "limit": args.limit,
+    report: dict = {"model": args.model, "protocol": args.protocol, "limit": args.limit,
                     "results": {}, "perplexity": []}
     lm_eval_tasks = tasks
     model = tokenizer = None
@@ -257,7 +257,10 @@ def load_config(spec: str, assignments: list[str]):
     """A SwitchHeadConfig from a preset name, a config.json or a model folder, with FIELD=VALUE overrides."""
     from switchhead import PRESETS, SwitchHeadConfig
 
+    from switchhead.integrity.user_json import check_config_numbers, read_json_object
+
     overrides = parse_field_assignments(assignments)
+    check_config_numbers(overrides, "--set")
     if spec in PRESETS:
         return SwitchHeadConfig.from_preset(spec, **overrides)
     path = Path(spec)
@@ -265,7 +268,8 @@ def load_config(spec: str, assignments: list[str]):
         path = path / "config.json"
     if not path.is_file():
         raise UsageError(f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config file/folder")
-    fields = json.loads(path.read_text(encoding="utf-8"))
+    fields = read_json_object(path, str(path))  # a list, a cut-short file, 10^5 levels: one line
+    check_config_numbers(fields, str(path))
     if fields.get("model_type", "switchhead") != "switchhead":
         raise UsageError(f"{path} describes a {fields['model_type']!r} model, not a switchhead one")
     fields.update(overrides)
@@ -295,6 +299,12 @@ def _card(args, repo_id):
     from switchhead.evaluation.card import build_card, load_results
     from switchhead.integrity import check_remote_code
 
+    from switchhead.integrity.user_json import check_folder_json
+
+    try:  # JSON Transformers would fail on with a traceback: cut short, 10^5 levels, a 401-digit size, ...
+        check_folder_json(args.model)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     check_remote_code(args.model)  # a card reads config.json only: never with the folder's own code
 
     evaluation = load_results(args.results) if args.results else None

@@ -9,7 +9,11 @@ from .common import UsageError
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="generate text from a saved model folder")
+    parser = subparsers.add_parser(
+        "generate", help="generate text from a saved model folder",
+        description="Continue a prompt with a saved model folder (any AutoModelForCausalLM folder with its "
+                    "tokenizer, e.g. a `switchhead train` run): greedy decoding by default, sampling with "
+                    "--temperature > 0; the text is printed to stdout.")
     parser.add_argument("model", help="a save_pretrained folder (with its tokenizer)")
     parser.add_argument("--prompt", default="The", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate after the prompt (40)")
@@ -51,6 +55,9 @@ def run(args) -> int:
     # --no-verify skips the manifest, not the rest: pickled or missing weights, sizes past this machine's memory,
     # weights that do not fit config.json, NaN weights; code from the folder only with --trust-remote-code
     trust = check_saved_model(args.model, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
+    from switchhead.integrity.loading import check_decoding_method
+
+    check_decoding_method(args.model)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=trust)
     inputs = tokenizer(args.prompt, return_tensors="pt")

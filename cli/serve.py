@@ -7,7 +7,9 @@ paged-cache sizes below 1 or past the machine's memory, a `--device` the machine
 `switchhead.integrity.check_saved_model` refuses (a manifest that does not verify unless `--no-verify`, pickled or
 missing weights, weights that do not fit config.json, NaN weights: as generate and eval refuse them), missing
 serving dependencies; with `--engine vllm`: vLLM not installed, options only Transformers' server has,
-`--vllm-args` that do not parse.
+`--vllm-args` that do not parse. A Hub id gets the same checks on the snapshot the local Hub cache holds for it (an
+id not in the cache is refused) and is then loaded offline; a generation_config.json asking for a decoding method
+Transformers runs only as Hub code (contrastive search, DoLa, group beam search) is refused.
 """
 
 from __future__ import annotations
@@ -150,24 +152,32 @@ def run(args) -> int:
             probe.bind((args.host, args.port))
         except OSError as error:
             fail(f"cannot listen on {args.host}:{args.port} ({error.strerror}); pick another --port or --host")
-    if os.path.isdir(checkpoint):
-        from switchhead.integrity import check_fits_memory, check_saved_model
-        from switchhead.integrity.loading import read_config
+    from switchhead.integrity import check_fits_memory, check_saved_model
+    from switchhead.integrity.loading import check_hub_model, hub_offline, read_config
 
-        # last, as it reads every tensor; as generate and eval: the manifest (unless --no-verify), safetensors
-        # weights only, sizes within memory, weights that fit config.json, finite values (Transformers would load
-        # a damaged folder and serve garbage)
+    # last, as it reads every tensor; as generate and eval: the manifest (unless --no-verify), safetensors
+    # weights only, sizes within memory, weights that fit config.json, finite values (Transformers would load
+    # a damaged folder and serve garbage). A Hub id gets the same checks on the cached snapshot it resolves to,
+    # and is then loaded offline, so that the snapshot served is the one checked.
+    folder = checkpoint
+    if not os.path.isdir(checkpoint):
+        folder, _ = check_hub_model(checkpoint, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
+        hub_offline()
+    else:
         check_saved_model(checkpoint, verify=not args.no_verify, trust_remote_code=args.trust_remote_code)
-        if args.cb_num_blocks is not None and args.continuous_batching:
-            cache = paged_cache_bytes(read_config(checkpoint, args.trust_remote_code), args.cb_num_blocks,
-                                      args.cb_block_size)
-            check_fits_memory(cache, f"--cb-num-blocks {args.cb_num_blocks}: the paged KV cache")
-        elif args.cb_block_size is not None and args.continuous_batching and str(args.device).startswith("cpu"):
-            from switchhead.serving import CPU_CACHE_BLOCKS  # the blocks a CPU server gets when none are given
+    from switchhead.integrity.loading import check_decoding_method
 
-            cache = paged_cache_bytes(read_config(checkpoint), CPU_CACHE_BLOCKS, args.cb_block_size)
-            check_fits_memory(cache, f"--cb-block-size {args.cb_block_size}: the paged KV cache of "
-                                     f"{CPU_CACHE_BLOCKS} blocks")
+    check_decoding_method(folder)  # else every request would fail with HTTP 500
+    if args.cb_num_blocks is not None and args.continuous_batching:
+        cache = paged_cache_bytes(read_config(folder, args.trust_remote_code), args.cb_num_blocks,
+                                  args.cb_block_size)
+        check_fits_memory(cache, f"--cb-num-blocks {args.cb_num_blocks}: the paged KV cache")
+    elif args.cb_block_size is not None and args.continuous_batching and str(args.device).startswith("cpu"):
+        from switchhead.serving import CPU_CACHE_BLOCKS  # the blocks a CPU server gets when none are given
+
+        cache = paged_cache_bytes(read_config(folder), CPU_CACHE_BLOCKS, args.cb_block_size)
+        check_fits_memory(cache, f"--cb-block-size {args.cb_block_size}: the paged KV cache of "
+                                 f"{CPU_CACHE_BLOCKS} blocks")
     if args.engine == "vllm":
         return run_vllm(args)
     from transformers.utils.import_utils import is_serve_available

@@ -2,7 +2,8 @@
 
 - `convert_authors_checkpoint` / `export_authors_checkpoint`: the paper's training code (RobertCsordas/moe_attention).
 - `convert_module_checkpoint` / `export_module_checkpoint`: models built around the user-facing SwitchHead module
-  (RobertCsordas/switchhead), given the layer prefix of its attention layers and prefix renames for the rest.
+  (RobertCsordas/switchhead) or our drop-in layers (`switchhead.layers`; `config_fields_from_layers` reads their
+  config), given the layer prefix of its attention layers and prefix renames for the rest.
 - `authors_format`: the key/shape mapping (documented there as a table) on in-memory state dicts.
 
 Loading is safe by default (`torch.load(weights_only=True)`); see `checkpoint_io`. CLI: `switchhead convert`.
@@ -11,6 +12,7 @@ Loading is safe by default (`torch.load(weights_only=True)`); see `checkpoint_io
 from .authors_format import (
     authors_checkpoint,
     config_and_state_from_authors_checkpoint,
+    config_fields_from_layers,
     config_from_authors_args,
     state_dict_from_authors,
     state_dict_from_module,
@@ -29,6 +31,7 @@ __all__ = [
     "ConversionError",
     "authors_checkpoint",
     "config_and_state_from_authors_checkpoint",
+    "config_fields_from_layers",
     "config_from_authors_args",
     "convert_authors_checkpoint",
     "convert_module_checkpoint",

@@ -132,6 +132,33 @@ def module_names(config: SwitchHeadConfig) -> dict[str, str]:
     raise ConversionError("the authors' SwitchHead module has no equivalent of a dense attention without an output "
                           "gate; its one-expert form (n_experts=1) is attention_type='dense' with "
                           "attention_output_gate=True")
+# the config fields a drop-in layer (`switchhead.layers`) describes: it carries the config of the layer it wraps
+_ATTENTION_FIELDS = ("hidden_size", "num_attention_heads", "head_dim", "attention_type", "attention_output_gate",
+                     "num_attention_experts", "num_attention_experts_per_tok", "attention_expert_dropout",
+                     "position_encoding", "partial_rotary_factor", "rope_parameters")
+_MLP_FIELDS = ("mlp_type", "num_mlp_experts", "mlp_expert_size", "num_mlp_experts_per_tok", "mlp_expert_dropout",
+               "hidden_act")
+
+
+def config_fields_from_layers(attention, mlp=None) -> dict[str, Any]:
+    """The `SwitchHeadConfig` fields that a model's drop-in attention layer (`switchhead.SwitchHeadRope` /
+    `SwitchHeadXL`) and, if given, its sigma-MoE (`switchhead.SigmaMoE`) describe; the caller adds the rest
+    (`vocab_size`, `num_hidden_layers`, a dense MLP's `intermediate_size`, ...). The module conversion
+    (`state_dict_from_module` with `layer_prefix` at the attention layers) then maps their tensors."""
+    from switchhead.layers import SigmaMoE, SwitchHeadRope, SwitchHeadXL
+
+    if not isinstance(attention, (SwitchHeadRope, SwitchHeadXL)):
+        raise ConversionError(f"attention is a {type(attention).__name__}; config_fields_from_layers reads "
+                              "switchhead.SwitchHeadRope or SwitchHeadXL (for the authors' own module, give the "
+                              "config's fields yourself)")
+    fields = {name: getattr(attention.config, name) for name in _ATTENTION_FIELDS}
+    if mlp is not None:
+        if not isinstance(mlp, SigmaMoE):
+            raise ConversionError(f"mlp is a {type(mlp).__name__}; config_fields_from_layers reads switchhead.SigmaMoE")
+        fields.update({name: getattr(mlp.config, name) for name in _MLP_FIELDS})
+    return fields
+
+
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -552,6 +579,6 @@ def state_dict_to_module(state_dict: dict[str, torch.Tensor], config: SwitchHead
 __all__ = [
     "authors_checkpoint", "authors_args_from_config", "authors_sinusoid", "check_tensors",
     "config_and_state_from_authors_checkpoint", "config_from_authors_args", "expected_shapes", "parse_renames",
-    "check_position_encoding", "module_names", "state_dict_from_authors", "state_dict_from_module", "state_dict_to_authors",
+    "check_position_encoding", "config_fields_from_layers", "module_names", "state_dict_from_authors", "state_dict_from_module", "state_dict_to_authors",
     "state_dict_to_module",
 ]

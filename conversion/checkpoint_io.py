@@ -66,8 +66,9 @@ def load_torch_checkpoint(path: str, allow_pickle: bool = False):
                 f"{' (' + detail[0] + ')' if detail else ''}; rerun with --allow-pickle only if you trust the file's "
                 f"source (full unpickling can execute arbitrary code)"
             ) from None
-    except (RuntimeError, EOFError, OSError) as error:
-        raise ConversionError(f"{path} is not a readable torch checkpoint ({error})") from None
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, IndexError, TypeError) as error:
+        # KeyError / ValueError / IndexError: a file that is no checkpoint at all (a text file read as a pickle)
+        raise ConversionError(f"{path} is not a readable torch checkpoint ({type(error).__name__}: {error})") from None
     warnings.warn(f"--allow-pickle: fully unpickling {path}; this runs any code stored in the file", stacklevel=2)
     try:
         return torch.load(path, map_location="cpu", weights_only=False)

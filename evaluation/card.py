@@ -11,6 +11,7 @@ Evaluation results come from the JSON file `switchhead eval --output` writes:
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -38,15 +39,66 @@ def load_results(path: str | Path) -> dict:
     from switchhead.integrity.user_json import read_json_object
 
     data = read_json_object(path, f"evaluation result file {path}")
-    if not isinstance(data.get("results", {}), dict):
-        raise ValueError(f"{path} is not a `switchhead eval --output` file (expected a 'results' mapping)")
+    check_results(data, str(path))
     return data
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_results(evaluation: dict, what: str = "the evaluation results") -> None:
+    """ValueError (one line naming the entry) unless `evaluation` has the shape `switchhead eval --output` writes:
+    a 'results' mapping of {task: {metric: number}}, an optional 'perplexity' list of runs with their numbers, an
+    optional 'limit' (null or a number). Every number must be finite: a NaN or infinite score (a diverged model, a
+    damaged file) is never written into a card as a result. Any other JSON file (a credentials file, a config) is
+    refused, so it is never uploaded as evaluation results."""
+    def refuse(problem: str):
+        raise ValueError(f"{what} is not a `switchhead eval --output` file: {problem}")
+
+    results = evaluation.get("results")
+    if not isinstance(results, dict):
+        refuse("it has no 'results' mapping" if results is None else
+               f"'results' is {type(results).__name__}, not a mapping of task to metrics")
+    for task, metrics in results.items():
+        if not isinstance(metrics, dict):
+            refuse(f"results[{task!r}] is {type(metrics).__name__}, not a mapping of metric to number")
+        for metric, value in metrics.items():
+            if not _number(value):
+                refuse(f"results[{task!r}][{metric!r}] is {type(value).__name__}, not a number")
+            if not math.isfinite(value):
+                raise ValueError(f"{what}: results[{task!r}][{metric!r}] is {value}; a NaN or infinite score is not "
+                                 "a result (re-run the evaluation, or remove the entry)")
+    limit = evaluation.get("limit")
+    if limit is not None and (not _number(limit) or not math.isfinite(limit) or limit <= 0):
+        refuse(f"'limit' is {limit!r}, not null or a positive number")
+    protocol = evaluation.get("protocol")
+    if protocol is not None and not isinstance(protocol, str):
+        refuse(f"'protocol' is {type(protocol).__name__}, not a string")
+    runs = evaluation.get("perplexity", [])
+    if not isinstance(runs, list):
+        refuse(f"'perplexity' is {type(runs).__name__}, not a list of runs")
+    for number, run in enumerate(runs):
+        if not isinstance(run, dict):
+            refuse(f"perplexity[{number}] is {type(run).__name__}, not an object")
+        for key in ("data", "protocol"):
+            if not isinstance(run.get(key), str):
+                refuse(f"perplexity[{number}][{key!r}] is {type(run.get(key)).__name__}, not a string")
+        for key in ("perplexity", "bits_per_byte", "context"):
+            value = run.get(key)
+            if not _number(value):
+                refuse(f"perplexity[{number}][{key!r}] is {type(value).__name__}, not a number")
+            if not math.isfinite(value):
+                raise ValueError(f"{what}: perplexity[{number}][{key!r}] is {value}; a NaN or infinite score is "
+                                 "not a result (re-run the evaluation, or remove the entry)")
 
 
 def eval_results(evaluation: dict, model_name: str):
     """model-index entries (`huggingface_hub.EvalResult`) for every known metric in an evaluation file."""
     from huggingface_hub import EvalResult
 
+    if evaluation:  # {}: no evaluation given
+        check_results(evaluation)
     results = dict(evaluation.get("results", {}))
     paradigms = [m["acc"] for t, m in results.items() if t.startswith("switchhead_blimp_") and "acc" in m]
     if "switchhead_blimp" not in results and paradigms:
@@ -122,8 +174,13 @@ RESULTS_NAME = "eval_results.json"
 def _weight_files(model_dir: Path) -> list[str]:
     """The safetensors weights: one file, or the shards an index names (every one must be there)."""
     if (model_dir / WEIGHTS_INDEX).is_file():
-        index = json.loads((model_dir / WEIGHTS_INDEX).read_text(encoding="utf-8"))
-        shards = sorted(set(index.get("weight_map", {}).values()))
+        from switchhead.integrity.user_json import read_json_object
+
+        weight_map = read_json_object(model_dir / WEIGHTS_INDEX, str(model_dir / WEIGHTS_INDEX)).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{model_dir / WEIGHTS_INDEX}: weight_map is {type(weight_map).__name__}, not an object "
+                             "of tensor name to shard")
+        shards = sorted({str(name) for name in weight_map.values()})
         bad = [name for name in shards if Path(name).name != name or not name.endswith(".safetensors")]
         if not shards or bad:
             raise ValueError(f"{model_dir / WEIGHTS_INDEX} does not name safetensors shards of this folder"
@@ -143,10 +200,15 @@ def _code_files(model_dir: Path) -> list[str]:
     tokenizer_config.json name, and every file they import relatively (what Transformers copies, and fetches)."""
     import ast
 
+    from switchhead.integrity.user_json import read_json_object
+
     modules: list[str] = []
     for name in ("config.json", "tokenizer_config.json"):
         if (model_dir / name).is_file():
-            auto_map = json.loads((model_dir / name).read_text(encoding="utf-8")).get("auto_map") or {}
+            auto_map = read_json_object(model_dir / name, f"{name} of {model_dir}").get("auto_map") or {}
+            if not isinstance(auto_map, dict):
+                raise ValueError(f"{model_dir / name}: auto_map is {type(auto_map).__name__}, not an object of "
+                                 "class name to module reference")
             for reference in auto_map.values():
                 for entry in reference if isinstance(reference, (list, tuple)) else [reference]:
                     if isinstance(entry, str) and "--" not in entry:  # "owner/repo--module.Class": code of another repo
@@ -161,7 +223,13 @@ def _code_files(model_dir: Path) -> list[str]:
             raise FileNotFoundError(f"{model_dir} lacks {filename}, which its auto_map loads (directly or through "
                                     "a relative import)")
         found.append(filename)
-        for node in ast.walk(ast.parse((model_dir / filename).read_text(encoding="utf-8"), filename)):
+        try:
+            tree = ast.parse((model_dir / filename).read_text(encoding="utf-8"), filename)
+        except (SyntaxError, ValueError) as error:  # ValueError: a NUL byte, text that is not UTF-8
+            raise ValueError(f"{model_dir / filename}, which its auto_map loads, is not valid Python "
+                             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); fix "
+                             "or remove it") from None
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 modules += [node.module] if node.module else [alias.name for alias in node.names]
     return sorted(found)
@@ -170,7 +238,7 @@ def _code_files(model_dir: Path) -> list[str]:
 def publish_files(model_dir: str | Path) -> list[str]:
     """The files of `model_dir` that `publish` uploads, by name (all at the top level of the folder): config,
     generation config, safetensors weights (and index), tokenizer files and the model code. Everything else stays
-    on this machine. A chosen file that is a symbolic link is refused rather than followed."""
+    local. A chosen file that is a symbolic link is refused rather than followed."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a complete save_pretrained folder: missing config.json"
@@ -208,4 +276,12 @@ def publish(model_dir: str | Path, repo_id: str, card, *, api=None, private: boo
         api = HfApi(token=token)
     api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
     api.create_commit(repo_id=repo_id, repo_type="model", operations=operations, commit_message=commit_message)
-    return f"https://huggingface.co/{repo_id}"
+    return repo_url(repo_id)
+
+
+def repo_url(repo_id: str) -> str:
+    """The web address of a model repository on the Hub that `HfApi` talks to: HF_ENDPOINT (e.g. a private Hub
+    mirror) when set, not always huggingface.co."""
+    from huggingface_hub import constants
+
+    return f"{constants.ENDPOINT.rstrip('/')}/{repo_id}"

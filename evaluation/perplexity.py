@@ -96,7 +96,9 @@ def evaluate_perplexity(model, tokenizer, text: str, context: int | None = None,
 
     context = context or getattr(model.config, "max_position_embeddings", 1024)
     stride = (stride or max(1, context // 2)) if protocol == "sliding" else context
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+    # the whole text at once, longer than the model's context by design (it is scored in windows below):
+    # verbose=False keeps Transformers from warning that the ids would overflow the model
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False).input_ids, dtype=torch.long)
     if ids.numel() < 2:
         raise ValueError("the text has fewer than 2 tokens; nothing to score")
     spans = windows(ids.numel(), context, stride, protocol)

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import subprocess
 from dataclasses import dataclass
 
@@ -126,9 +127,10 @@ def run_lm_eval(model: str, tasks: list[str], *, limit: int | float | None = Non
     """`lm_eval.simple_evaluate` on a saved model folder with our task folder; returns lm-eval's result dict.
 
     The numbers are those of `lm-eval run --model hf --model_args pretrained=MODEL,trust_remote_code=True ...`
-    (the same HFLM, built from the same argument string). What differs is the output: one progress line or bar per
-    request type for the whole run (`progress=False`: none) instead of lm-eval's bar per task and per batch of
-    rolling windows, and without its per-task "Custom kwargs" warning that our local-file tasks trigger.
+    (the same HFLM, built from the same arguments, given as keywords so that no folder name is parsed). What differs
+    is the output: one progress line or bar per request type for the whole run (`progress=False`: none) instead of
+    lm-eval's bar per task and per batch of rolling windows, and without its per-task "Custom kwargs" warning that
+    our local-file tasks trigger.
     `trust_remote_code` is the caller's decision (`switchhead.integrity.check_remote_code`): our own folders need
     none, since `import switchhead` registers the model type.
     """
@@ -137,12 +139,17 @@ def run_lm_eval(model: str, tasks: list[str], *, limit: int | float | None = Non
 
     if trust_remote_code is not True and trust_remote_code is not False:
         raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
-    model_args = f"pretrained={model},trust_remote_code={trust_remote_code}" + (f",dtype={dtype}" if dtype else "")
     manager = TaskManager(include_path=str(TASKS_DIR), metadata=metadata or {})
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise ValueError(f"unknown lm-eval task(s) {', '.join(unknown)} in {TASKS_DIR}")
-    lm = _one_bar_hflm_class().create_from_arg_string(model_args, {"batch_size": batch_size, "device": device})
+    # the folder goes in as one keyword argument, never inside lm-eval's comma-joined argument string: a folder
+    # named 'm,pretrained=other' or 'm,peft=adapter' would make lm-eval parse its name into other arguments and
+    # score a model nobody checked. backend: our checked folders are causal LMs (also keeps HFLM from warning that
+    # the model type is in neither of Transformers' registries)
+    options = {"dtype": dtype} if dtype else {}
+    lm = _one_bar_hflm_class()(pretrained=os.fspath(model), backend="causal", trust_remote_code=trust_remote_code,
+                               batch_size=batch_size, device=device, **options)
     lm.show_progress = progress
     with _quiet_lm_eval():
         return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,

@@ -42,23 +42,19 @@ Results: benchmarks/results/experts_vs_gate.{json,md} and experts_vs_gate.png.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
 import math
 import os
-import re
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import replicate  # noqa: E402  (the run machinery: run_one, the model fields)
 import replicate_cpu  # noqa: E402  (the resumable grid's run child, records, timing and plots)
+import grid_driver  # noqa: E402  (the loop every grid shares)
 
 REPO = replicate.REPO
 RESULTS_DIR = replicate.RESULTS_DIR
@@ -109,6 +105,15 @@ def arm_fields(arm: str) -> tuple[str, dict, bool]:
         return (f"dense H={s.dense_heads} dh={s.dense_head_dim}, sigmoid output gate per head, no value gate, no "
                 "experts (the earlier gated control)",
                 replicate.dense_fields(s, "rope", s.dense_heads, s.dense_head_dim, gate=True), True)
+    # the arms of the second grid (routing_vs_projection.py): which half of A's difference from B matters
+    if arm == "D":
+        return (f"SwitchHead shape H={s.heads} dh={s.head_dim}, E=2 k=2 (both experts always active: two gated "
+                "projections per side, no choice among them), sigmoid expert gates on value and output",
+                replicate.switchhead_fields(s, "rope", 2, 2), True)
+    if arm == "E":
+        return (f"SwitchHead shape H={s.heads} dh={s.head_dim}, E={s.experts} k=1 (a choice among {s.experts} experts, "
+                "one active projection per side), sigmoid expert gates on value and output",
+                replicate.switchhead_fields(s, "rope", s.experts, 1), True)
     raise ValueError(f"unknown arm {arm!r}")
 
 
@@ -176,15 +181,21 @@ def plan(records: dict[str, dict]) -> tuple[list[replicate.RunSpec], list[str]]:
     return runs, undecided
 
 
-def finished_records(out: Path, results_dir: Path | None = None) -> dict[str, dict]:
-    """The finished runs: those of the committed results page (runs an earlier machine finished) when it was written
-    at this scale, then those of the run folders under `out`, which take precedence."""
-    records = {}
-    committed = results_dir / f"{STEM}.json" if results_dir is not None else None
+def committed_records(results_dir: Path | None, stem: str = STEM) -> dict[str, dict]:
+    """The runs of the committed results page `results_dir/<stem>.json` (runs an earlier machine finished) when it
+    was written at this scale; none otherwise."""
+    committed = results_dir / f"{stem}.json" if results_dir is not None else None
     if committed is not None and committed.is_file():
         page = json.loads(committed.read_text())
         if page.get("scale") == json.loads(json.dumps(dataclasses.asdict(SCALE))):
-            records.update(page.get("runs", {}))
+            return dict(page.get("runs", {}))
+    return {}
+
+
+def finished_records(out: Path, results_dir: Path | None = None, stem: str = STEM) -> dict[str, dict]:
+    """The finished runs: those of the committed results page (runs an earlier machine finished) when it was written
+    at this scale, then those of the run folders under `out`, which take precedence."""
+    records = committed_records(results_dir, stem)
     records.update(replicate_cpu.finished_records(out))
     return records
 
@@ -288,8 +299,9 @@ VERDICT_WORDS = {
 }
 
 
-def verdict_words(pair: tuple[str, str], stat: dict) -> str:
-    words = VERDICT_WORDS[pair].get(stat["verdict"], stat["verdict"])
+def verdict_words(pair: tuple[str, str], stat: dict, vocabulary: dict = VERDICT_WORDS) -> str:
+    """The verdict of `stat` in the words of `vocabulary[pair]`, with an interval above 0 named beside it."""
+    words = vocabulary[pair].get(stat["verdict"], stat["verdict"])
     if stat.get("above_zero"):
         words += f" ({pair[0]} worse: the 95% interval lies above 0)"
     return words
@@ -317,20 +329,10 @@ def summarise(records: dict[str, dict]) -> dict:
         if x not in at_best or y not in at_best:
             continue
         seeds = sorted(set(at_best[x]) & set(at_best[y]))
-        stat = paired_statistic([test_nll(at_best[x][s]) - test_nll(at_best[y][s]) for s in seeds])
-        stat.update(pair=f"{x} - {y}", seeds=seeds, final=len(seeds) >= min(SEEDS[x], SEEDS[y]),
-                    words=verdict_words((x, y), stat))
-        curve = []
-        steps = sorted(set.intersection(*(set(at_best[a][s]["curve"]["valid_step"]) for a in (x, y) for s in seeds))
-                       ) if seeds else []
-        for step in steps:
-            def loss(arm: str, seed: int) -> float:
-                c = at_best[arm][seed]["curve"]
-                return c["valid_loss"][c["valid_step"].index(step)]
-            point = paired_statistic([loss(x, s) - loss(y, s) for s in seeds])
-            curve.append(dict(step=step, mean=point["mean"], ci95=point["ci95"]))
-        stat["valid_curve"] = curve
-        summary["comparisons"].append(stat)
+        summary["comparisons"].append(paired_comparison(
+            at_best[x], at_best[y], seeds, lambda stat: dict(
+                pair=f"{x} - {y}", seeds=seeds, final=len(seeds) >= min(SEEDS[x], SEEDS[y]),
+                words=verdict_words((x, y), stat))))
     for arm, runs in at_best.items():
         by_step: dict[int, list[float]] = {}
         for r in runs.values():
@@ -339,6 +341,25 @@ def summarise(records: dict[str, dict]) -> dict:
         summary["curves"][arm] = {str(step): dict(n=len(v), mean_valid_loss=sum(v) / len(v))
                                   for step, v in sorted(by_step.items())}
     return summary
+
+
+def paired_comparison(x_runs: dict[int, dict], y_runs: dict[int, dict], seeds: list[int], labels) -> dict:
+    """STATISTIC on test NLL of X − Y over `seeds` (records of each arm by seed), then `labels(stat)` (the pair's
+    names and verdict words, added in that order), then the same paired differences of validation loss at every
+    step both arms evaluated (`valid_curve`, descriptive)."""
+    stat = paired_statistic([test_nll(x_runs[s]) - test_nll(y_runs[s]) for s in seeds])
+    stat.update(labels(stat))
+    curve = []
+    steps = sorted(set.intersection(*(set(runs[s]["curve"]["valid_step"]) for runs in (x_runs, y_runs)
+                                      for s in seeds))) if seeds else []
+    for step in steps:
+        def loss(runs: dict[int, dict], seed: int) -> float:
+            c = runs[seed]["curve"]
+            return c["valid_loss"][c["valid_step"].index(step)]
+        point = paired_statistic([loss(x_runs, s) - loss(y_runs, s) for s in seeds])
+        curve.append(dict(step=step, mean=point["mean"], ci95=point["ci95"]))
+    stat["valid_curve"] = curve
+    return stat
 
 
 # ================================================================================================ results pages
@@ -355,10 +376,10 @@ def arm_costs(records: dict[str, dict], arm: str) -> dict | None:
     return None
 
 
-def code_state() -> dict:
+def code_state(stem: str = STEM) -> dict:
+    """The checkout's commit and its changes other than the grid's own results pages (benchmarks/results/<stem>*)."""
     state = replicate_cpu.git_state()
-    state["dirty"] = [p for p in replicate_cpu.changes_to_code(state["dirty"])
-                      if not (Path(p).parent.name == "results" and Path(p).name.startswith(STEM))]
+    state["dirty"] = code_state_dirty(state, stem)
     return state
 
 
@@ -372,25 +393,13 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
     not_finished = [name for name in planned if name not in records]
     done = [name for name in planned if name in records]
     complete = bool(planned) and not not_finished and not undecided
-    commit = code["commit"][:12] + (" with uncommitted changes to " + ", ".join(code["dirty"]) if code["dirty"] else "")
-    lines = ["# Do the experts matter beyond the gate? (`cpu` scale, WikiText-2)", "",
-             f"Generated by `experiments/experts_vs_gate.py` at commit {commit}, {written}, from the run folders "
-             "(`python experiments/experts_vs_gate.py --out OUT --report-only` regenerates it). The grid runs in the "
-             "background: `experiments/run_experts_vs_gate.sh OUT` starts or resumes it (finished runs are skipped, "
-             "an interrupted one continues from its checkpoint); `kill -STOP -$(cat OUT/grid.pgid)` pauses it and "
-             "`kill -CONT -$(cat OUT/grid.pgid)` resumes it.", "",
-             (f"**Complete: all {len(planned)} runs have finished.**" if complete
-              else f"**Progress: {len(done)} of the {len(planned)} runs decided so far have finished**"
-              + (f"; next: {', '.join(not_finished[:3])}" if not_finished else "") + "."
-              + (" Not yet decided: " + "; ".join(undecided) + "." if undecided else "")), ""]
-    timed = [r for r in records.values() if r.get("timing_complete") and not math.isnan(r.get("wall_seconds", math.nan))]
-    if timed:
-        wall, cpu = (statistics.mean(r[k] for r in timed) / 60 for k in ("wall_seconds", "cpu_seconds"))
-        lines += [f"Measured: the {len(timed)} run(s) timed from start to end took {wall:.0f} wall-minutes and {cpu:.0f} "
-                  "CPU-minutes on average (training and evaluation, 1 torch thread at nice 19 on a shared machine)."
-                  + (f" Estimate, not a measurement: the {len(not_finished)} runs decided but not finished need about "
-                     f"{len(not_finished) * wall / 60:.1f} h more at that pace (more if a sweep extends)."
-                     if not complete else ""), ""]
+    lines = page_head("Do the experts matter beyond the gate?", STEM, "run_experts_vs_gate.sh", code, written) + [
+        (f"**Complete: all {len(planned)} runs have finished.**" if complete
+         else f"**Progress: {len(done)} of the {len(planned)} runs decided so far have finished**"
+         + (f"; next: {', '.join(not_finished[:3])}" if not_finished else "") + "."
+         + (" Not yet decided: " + "; ".join(undecided) + "." if undecided else "")), ""]
+    lines += timing_lines(records, None if complete else len(not_finished), "decided but not finished",
+                          " (more if a sweep extends)")
     if failed:
         lines += [f"Failed (left out after {MAX_ATTEMPTS} tries): {', '.join(failed)}.", ""]
     lines += ["## Arms", "", "Parameter-matched to A through the MLP width (d_ff). Attention MACs and memory per layer "
@@ -415,28 +424,9 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
     if not summary["comparisons"]:
         lines += ["No comparison has runs at both arms' best lr yet: no verdict.", ""]
     else:
-        lines += ["| comparison | seeds | delta per seed (nats) | mean | sd | 95% interval | 90% interval | "
-                  "verdict |", "|---|---|---|---|---|---|---|---|"]
-        for c in summary["comparisons"]:
-            lines.append(f"| {c['pair']} | {c['n']} ({', '.join(f's{x}' for x in c['seeds'])}) | "
-                         + ", ".join(f"{d:+.4f}" for d in c["deltas"]) + " | "
-                         + (f"{c['mean']:+.4f}" if c["mean"] is not None else "-") + " | "
-                         + (f"{c['sd']:.4f}" if c["sd"] is not None else "-") + f" | {_fmt_interval(c['ci95'])} | "
-                         f"{_fmt_interval(c['ci90'])} | {c['words']}"
-                         + ("" if c["final"] else " (interim: not every seed has finished)") + " |")
-        lines.append("")
+        lines += verdict_table(summary["comparisons"])
 
-    lines += ["## Learning-rate sweep (seed 0; validation perplexity chooses)", ""]
-    all_lrs = sorted({lr for arm in ARMS for lr in sweep_of(arm, records)[0]})
-    lines += ["| arm | " + " | ".join(f"lr {lr:g}" for lr in all_lrs) + " | chosen |",
-              "|---" * (len(all_lrs) + 2) + "|"]
-    for arm in ARMS:
-        row = summary["sweep"].get(arm, {})
-        cells = [f"{row[t]['valid']:.2f} (test {row[t]['test']:.2f})" if (t := replicate_cpu.lr_tag(lr)) in row
-                 else "-" for lr in all_lrs]
-        chosen = summary["best_lr"].get(arm)
-        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {f'{chosen:g}' if chosen else 'not yet'} |")
-    lines += ["", "Cells: validation perplexity and, in brackets, test perplexity (never used to choose).", ""]
+    lines += ["## Learning-rate sweep (seed 0; validation perplexity chooses)", ""] + sweep_table(ARMS, records, summary)
 
     lines += ["## Seeds at each arm's best lr", "", "| arm | lr | seeds | test ppl mean ± sd | test NLL per seed |",
               "|---|---|---|---|---|"]
@@ -468,10 +458,69 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
     else:
         lines += ["No finished run at a best lr yet.", ""]
 
-    lines += ["## Every finished run", "", "| run | code | params | valid ppl | test ppl | test NLL | s/step (median) | "
-              "CPU min | wall min | routing entropy mean / min |", "|---" * 10 + "|"]
+    lines += ["## Every finished run", ""] + finished_runs_table(records, STEM) + [
+              "Not finished yet (in grid order): " + (", ".join(not_finished) or "none") + ".", ""]
+    return lines
+
+
+def page_head(title: str, script: str, launcher: str, code: dict, written: str) -> list[str]:
+    """The first lines of a grid's results page: its title, what generated it, how to run and pause the grid."""
+    commit = code["commit"][:12] + (" with uncommitted changes to " + ", ".join(code["dirty"]) if code["dirty"] else "")
+    return [f"# {title} (`cpu` scale, WikiText-2)", "",
+            f"Generated by `experiments/{script}.py` at commit {commit}, {written}, from the run folders "
+            f"(`python experiments/{script}.py --out OUT --report-only` regenerates it). The grid runs in the "
+            f"background: `experiments/{launcher} OUT` starts or resumes it (finished runs are skipped, "
+            "an interrupted one continues from its checkpoint); `kill -STOP -$(cat OUT/grid.pgid)` pauses it and "
+            "`kill -CONT -$(cat OUT/grid.pgid)` resumes it.", ""]
+
+
+def timing_lines(records: dict[str, dict], left: int | None, which: str, caveat: str = "") -> list[str]:
+    """The measured time per run and, when `left` (the runs `which`) is not None, the estimate of what is left."""
+    timed = [r for r in records.values() if r.get("timing_complete") and not math.isnan(r.get("wall_seconds", math.nan))]
+    if not timed:
+        return []
+    wall, cpu = (statistics.mean(r[k] for r in timed) / 60 for k in ("wall_seconds", "cpu_seconds"))
+    return [f"Measured: the {len(timed)} run(s) timed from start to end took {wall:.0f} wall-minutes and {cpu:.0f} "
+            "CPU-minutes on average (training and evaluation, 1 torch thread at nice 19 on a shared machine)."
+            + (f" Estimate, not a measurement: the {left} runs {which} need about {left * wall / 60:.1f} h more at "
+               f"that pace{caveat}." if left is not None else ""), ""]
+
+
+def verdict_table(comparisons: list[dict], column: tuple[str, str] | None = None) -> list[str]:
+    """The verdicts' table (lines); `column`: (heading, key) of an extra column after the pair."""
+    extra = f" {column[0]} |" if column else ""
+    lines = [f"| comparison |{extra} seeds | delta per seed (nats) | mean | sd | 95% interval | 90% interval | "
+             "verdict |", "|---" * (8 + bool(column)) + "|"]
+    for c in comparisons:
+        lines.append(f"| {c['pair']} |" + (f" {c[column[1]]} |" if column else "")
+                     + f" {c['n']} ({', '.join(f's{x}' for x in c['seeds'])}) | "
+                     + ", ".join(f"{d:+.4f}" for d in c["deltas"]) + " | "
+                     + (f"{c['mean']:+.4f}" if c["mean"] is not None else "-") + " | "
+                     + (f"{c['sd']:.4f}" if c["sd"] is not None else "-") + f" | {_fmt_interval(c['ci95'])} | "
+                     f"{_fmt_interval(c['ci90'])} | {c['words']}"
+                     + ("" if c["final"] else " (interim: not every seed has finished)") + " |")
+    return lines + [""]
+
+
+def sweep_table(arms: tuple[str, ...], records: dict[str, dict], summary: dict) -> list[str]:
+    """The seed-0 lr sweeps of `arms` (lines): validation and test perplexity at each lr, and the chosen lr."""
+    all_lrs = sorted({lr for arm in arms for lr in sweep_of(arm, records)[0]})
+    lines = ["| arm | " + " | ".join(f"lr {lr:g}" for lr in all_lrs) + " | chosen |", "|---" * (len(all_lrs) + 2) + "|"]
+    for arm in arms:
+        row = summary["sweep"].get(arm, {})
+        cells = [f"{row[t]['valid']:.2f} (test {row[t]['test']:.2f})" if (t := replicate_cpu.lr_tag(lr)) in row
+                 else "-" for lr in all_lrs]
+        chosen = summary["best_lr"].get(arm)
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {f'{chosen:g}' if chosen else 'not yet'} |")
+    return lines + ["", "Cells: validation perplexity and, in brackets, test perplexity (never used to choose).", ""]
+
+
+def finished_runs_table(records: dict[str, dict], stem: str) -> list[str]:
+    """The results page's table of every finished run (lines, with the note under it)."""
+    lines = ["| run | code | params | valid ppl | test ppl | test NLL | s/step (median) | "
+             "CPU min | wall min | routing entropy mean / min |", "|---" * 10 + "|"]
     for name, r in records.items():
-        dirty = any(code_state_dirty(start) for start in r["code"])
+        dirty = any(code_state_dirty(start, stem) for start in r["code"])
         started = r["code"][0]["commit"][:8] + ("+dirty" if dirty else "") + (
             f" (+{len(r['code']) - 1} resumes)" if len(r["code"]) > 1 else "")
         rs = r.get("routing_summary")
@@ -481,15 +530,15 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
                      f"{r['step_seconds_median']:.2f} | {complete}{r.get('cpu_seconds', math.nan) / 60:.1f} | "
                      f"{complete}{r.get('wall_seconds', math.nan) / 60:.1f} | "
                      + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min']:.3f}" if rs else "-") + " |")
-    lines += ["", "Code: the commit each run started from (+dirty: a start had uncommitted changes other than the "
-              "results pages; every start is in the JSON). Times: 1 torch thread at nice 19 on a shared machine.", "",
-              "Not finished yet (in grid order): " + (", ".join(not_finished) or "none") + ".", ""]
-    return lines
+    return lines + ["", "Code: the commit each run started from (+dirty: a start had uncommitted changes other than "
+                    "the results pages; every start is in the JSON). Times: 1 torch thread at nice 19 on a shared "
+                    "machine.", ""]
 
 
-def code_state_dirty(start: dict) -> list[str]:
+def code_state_dirty(start: dict, stem: str = STEM) -> list[str]:
+    """A start's changed paths other than the results pages (benchmarks/results/<stem>*, rewritten by the grid)."""
     return [p for p in replicate_cpu.changes_to_code(start["dirty"])
-            if not (Path(p).parent.name == "results" and Path(p).name.startswith(STEM))]
+            if not (Path(p).parent.name == "results" and Path(p).name.startswith(stem))]
 
 
 def scrub(value, replacements: dict[str, str]):
@@ -505,34 +554,45 @@ def scrub(value, replacements: dict[str, str]):
     return value
 
 
-def write_results(out: Path, results_dir: Path, data: str | None = None, code: dict | None = None) -> dict:
-    """Rewrite the results pages from the finished runs; `code`: the state stamped on them (default: the
-    checkout's, from git)."""
+def write_results(out: Path, results_dir: Path, data: str | None = None, code: dict | None = None,
+                  written: str | None = None, machine: dict | None = None) -> dict:
+    """Rewrite the results pages from the finished runs; `code`, `written`, `machine`: the stamp on them (default:
+    the checkout's state from git, now, this machine)."""
     records = finished_records(out, results_dir)
     replicate_cpu.add_timing(out, records)
     runs, undecided = plan(records)
     summary = summarise(records)
     failed = replicate_cpu.failures(out)
     code = code_state() if code is None else code
-    written = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    written = written or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    machine = machine or {k: v for k, v in replicate.machine().items() if k != "host"}
     report = dict(scale=dataclasses.asdict(SCALE), learning_rates=[lr_of(r) for r in SWEEP_RUNGS], seeds=SEEDS,
-                  effect=EFFECT, code=code, machine={k: v for k, v in replicate.machine().items() if k != "host"},
+                  effect=EFFECT, code=code, machine=machine,
                   written=written, finished=list(records),
                   planned=[spec.name for spec in runs], undecided=undecided, failed=failed, summary=summary,
                   runs=records)
+    lines = render(records, runs, undecided, failed, summary, code, written)
+    best = summary["best_lr"]
+    curves = [r for r in records.values() if r["role"] in best and r["learning_rate"] == best[r["role"]]]
+    return publish(report, lines, results_dir, STEM, out, data, curves,
+                   "Validation perplexity at each arm's best lr (one line per seed)")
+
+
+def publish(report: dict, lines: list[str], results_dir: Path, stem: str, out: Path, data: str | None,
+            curves: list[dict], title: str) -> dict:
+    """Write a grid's results pages: `report` as <stem>.json with the run and data folders and the checkout
+    replaced by placeholders, the validation `curves` as <stem>.png, and `lines` as <stem>.md, keeping what is
+    written below its reading marker. Returns the report as written."""
     folders = {str(out): "OUT", str(Path(data or replicate.DEFAULT_DATA).resolve()): "DATA",
                str(Path(data or replicate.DEFAULT_DATA)): "DATA", str(REPO): "REPO"}
     report = scrub(report, {k: v for k, v in sorted(folders.items(), key=lambda kv: -len(kv[0]))})
     results_dir.mkdir(parents=True, exist_ok=True)
-    replicate_cpu.write_json(results_dir / f"{STEM}.json", report)
-    lines = render(records, runs, undecided, failed, summary, code, written)
+    replicate_cpu.write_json(results_dir / f"{stem}.json", report)
     replicate_cpu.SCALE = SCALE  # its plot reads the scale's tokens per step and validation batches
-    best = summary["best_lr"]
-    curves = [r for r in records.values() if r["role"] in best and r["learning_rate"] == best[r["role"]]]
-    image = results_dir / f"{STEM}.png"
-    if replicate_cpu.plot("Validation perplexity at each arm's best lr (one line per seed)", curves, image):
-        lines += [f"![validation curves]({image.name})", ""]
-    target = results_dir / f"{STEM}.md"
+    image = results_dir / f"{stem}.png"
+    if replicate_cpu.plot(title, curves, image):
+        lines = lines + [f"![validation curves]({image.name})", ""]
+    target = results_dir / f"{stem}.md"
     kept = ""
     if target.is_file() and replicate.READING_MARKER in target.read_text():
         kept = target.read_text().split(replicate.READING_MARKER, 1)[1]
@@ -587,92 +647,25 @@ def update_docs(report: dict, page: Path = DOCS_PAGE) -> None:
 
 # ================================================================================================ driver
 def run_grid(args) -> int:
-    """Run the next unfinished run until none is left; every decision is re-read from the run folders."""
-    specs_dir = args.out / "specs"
-    specs_dir.mkdir(exist_ok=True)
-    attempts_file = args.out / "attempts.json"
-    tiny = ["--tiny"] if args.tiny else []
-    while True:
-        records = finished_records(args.out, args.results_dir)
-        runs, undecided = plan(records)
-        failed = set(replicate_cpu.failures(args.out))
-        todo = [s for s in runs if s.name not in records and s.name not in failed]
-        if args.only:
-            todo = [s for s in todo if re.search(args.only, s.name)]
-        if not todo:
-            print(f"[grid] nothing left to run ({len(records)} finished; undecided: {undecided or 'none'}; "
-                  f"failed: {sorted(failed) or 'none'})", flush=True)
-            return 0 if not failed else 1
-        spec = todo[0]
-        spec_file = specs_dir / f"{spec.name}.json"
-        if spec_file.is_file() and json.loads(spec_file.read_text()) != dataclasses.asdict(spec):
-            raise SystemExit(f"{spec_file} differs from the grid's spec of {spec.name}: the grid changed under a "
-                             "started run; move its folder away or restore the grid")
-        replicate_cpu.write_json(spec_file, dataclasses.asdict(spec))
-        starts_file = specs_dir / f"{spec.name}.starts.json"
-        starts = json.loads(starts_file.read_text()) if starts_file.is_file() else []
-        replicate_cpu.write_json(starts_file, starts + [replicate_cpu.git_state()])
-        print(f"[grid] {datetime.datetime.now(datetime.timezone.utc):%FT%TZ} {spec.name}: "
-              f"{'resuming' if starts else 'starting'} ({spec.label})", flush=True)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        started = time.time()
-        code = subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data",
-                                args.data, "--threads", str(args.threads), "--run", spec.name] + tiny)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        wall = time.time() - started
-        print(f"[grid] {spec.name}: exit {code} after {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
-        timing = replicate_cpu.read_timing(specs_dir, spec.name)  # the layout replicate_cpu.add_timing reads
-        replicate_cpu.write_json(specs_dir / f"{spec.name}.cpu.json", dict(
-            cpu_seconds=timing["cpu_seconds"] + cpu, wall_seconds=timing["wall_seconds"] + wall,
-            attempts=timing["attempts"] + 1))
-        if code != 0 or not (args.out / spec.name / FINISHED).is_file():
-            counts = json.loads(attempts_file.read_text()) if attempts_file.is_file() else {}
-            counts[spec.name] = counts.get(spec.name, 0) + 1
-            replicate_cpu.write_json(attempts_file, counts)
-        if not args.no_report:  # in a fresh process: the pages come from the code as it is now
-            subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data", args.data,
-                             "--results-dir", str(args.results_dir), "--report-only"] + tiny)
+    return grid_driver.run_grid(args, Path(__file__).resolve(), lambda: finished_records(args.out, args.results_dir),
+                                plan)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "experts-vs-gate", help="run folders")
-    parser.add_argument("--data", default=replicate.DEFAULT_DATA, help="WikiText-2 folder")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
-    parser.add_argument("--only", default=None, help="regular expression: run only the matching run names")
-    parser.add_argument("--pgid-file", type=Path, default=None,
-                        help="write this process group's id here (the launcher uses OUT/grid.pgid)")
-    parser.add_argument("--no-report", action="store_true", help="do not rewrite the results pages after a run")
-    parser.add_argument("--report-only", action="store_true", help="only rewrite the results pages")
+    parser = grid_driver.parser(__doc__.split("\n\n")[0], REPO / "runs" / "experts-vs-gate")
     parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, default=None, metavar="PAGE",
                         help="with --report-only: also rewrite the generated section of PAGE (default "
                         "docs/results.md)")
-    parser.add_argument("--list", action="store_true", help="print the grid as decided now and exit")
-    parser.add_argument("--tiny", action="store_true", help="tiny models and runs (for the tests)")
-    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in a child process
     args = parser.parse_args(argv)
     if args.tiny:
         use_tiny()
-    replicate_cpu.SCALE = SCALE  # replicate_cpu's run child and plot read their module's scale
-    args.out = args.out.resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-    replicate.split_file(args.data, "train")
-    if args.run is not None:
-        return replicate_cpu.run_child(args.run, args.out, args.data, args.threads)
-    if args.pgid_file is not None:
-        args.pgid_file.write_text(f"{os.getpgid(0)}\n")
+    if (code := grid_driver.start(args, SCALE)) is not None:
+        return code
     if args.list:
-        records = finished_records(args.out, args.results_dir)
-        runs, undecided = plan(records)
-        for spec in runs:
-            print(f"{spec.name:22s} {'finished' if spec.name in records else '-':9s} {spec.label}")
-        for line in undecided:
-            print(f"undecided: {line}")
-        return 0
+        return grid_driver.print_plan(finished_records(args.out, args.results_dir), plan)
     if args.report_only:
-        report = write_results(args.out, args.results_dir, args.data)
+        stamp = grid_driver.committed_stamp(args.results_dir, STEM) if args.same_stamp else {}
+        report = write_results(args.out, args.results_dir, args.data, **stamp)
         if args.docs is not None:
             update_docs(report, args.docs)
         return 0

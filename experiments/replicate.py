@@ -19,12 +19,12 @@ LAMBADA (the package's lm-eval tasks, `run_lm_eval`), attention MACs / memory pe
 finished run leaves `run.json` in its folder and is skipped next time; an interrupted run resumes from its
 latest checkpoint. After every run the results files are rewritten from all finished runs.
 
-    python experiments/replicate.py --scale session --out /tmp/replication   # the grid of benchmarks/results
+    python experiments/replicate.py --scale small --out RUNS                 # the grid of benchmarks/results
     python experiments/replicate.py --scale cpu                              # the cpu shapes; the cpu grid runs them
                                                                             # with replicate_cpu.py (its own order)
     python experiments/replicate.py --scale gpu                              # the paper's 45M/47M sizes
-    python experiments/replicate.py --smoke --out /tmp/smoke --results-dir /tmp/smoke/results
-    python experiments/replicate.py --scale session --report-only            # rewrite the results files
+    python experiments/replicate.py --smoke --out runs/smoke --results-dir runs/smoke/results
+    python experiments/replicate.py --scale small --report-only              # rewrite the results files
 
 Results: `<results-dir>/replication.json` (every run: settings, parameters, costs, curves, numbers),
 `replication.md` (tables), `replication_<comparison>.png` (loss curves).
@@ -114,7 +114,7 @@ class Scale:
 
 SCALES = {
     # the grid of benchmarks/results/replication.md: 1 torch thread on a 2-core machine shared with other jobs
-    "session": Scale("session", "d=128, 4 layers, ~2.9M parameters (2.1M of them embeddings/output), T=256, "
+    "small": Scale("small", "d=128, 4 layers, ~2.9M parameters (2.1M of them embeddings/output), T=256, "
                      "160 steps x 8 x 256 = 328K tokens (0.12 epoch of WikiText-2)",
                      d=128, layers=4, d_ff=512, heads=2, experts=5, k=2, head_dim=24, dense_heads=8,
                      dense_head_dim=16, mlp_experts=16, mlp_expert_size=32, block_size=256, batch_size=8,
@@ -429,6 +429,7 @@ def run_one(spec: RunSpec, scale: Scale, out: Path, data: str, tokenizer_dir: Pa
                   seed=spec.seed, scale=scale.name, fields=fields, parameters=summary["num_parameters"],
                   costs=cost_report(config, context=scale.block_size).as_dict(), train=summary, perplexity=perplexity, zero_shot=zero,
                   curve=curve, training_settings=json.loads((run_dir / "training_config.json").read_text()))
+    record = portable_paths(record, out)
     (run_dir / RUN_RECORD).write_text(json.dumps(record, indent=1))
     return record
 
@@ -541,6 +542,30 @@ def interleaved_throughput(scale: Scale, vocab_size: int, repetitions: int = 5, 
 
 
 # ================================================================================================ results
+RUNS_PLACEHOLDER = "RUNS"  # what a results file writes for the grid's run folder (--out)
+
+
+def portable_paths(value, out: Path):
+    """`value` (a record: dicts, lists, strings) with every absolute path made one that reads the same on any
+    machine: under the run folder `out` as RUNS/..., under the checkout relative to it, beside the checkout as
+    ../..., anything else as its last component. Results files never carry the folders of the machine that ran."""
+    if isinstance(value, dict):
+        return {key: portable_paths(item, out) for key, item in value.items()}
+    if isinstance(value, list):
+        return [portable_paths(item, out) for item in value]
+    if not isinstance(value, str) or not os.path.isabs(value):
+        return value
+    path = Path(os.path.normpath(value))
+    for base, prefix in ((Path(os.path.normpath(out)), RUNS_PLACEHOLDER), (REPO, None), (REPO.parent, "..")):
+        try:
+            relative = path.relative_to(base)
+        except ValueError:
+            continue
+        parts = [p for p in (prefix, relative.as_posix()) if p and p != "."]
+        return "/".join(parts) or "."
+    return path.name
+
+
 def machine() -> dict:
     import torch
 
@@ -696,7 +721,7 @@ def write_results(scale: Scale, out: Path, results_dir: Path, command: str) -> d
     from switchhead.evaluation.accounting import format_count
 
     specs = plan(scale)
-    records = [json.loads((out / s.name / RUN_RECORD).read_text()) for s in specs
+    records = [portable_paths(json.loads((out / s.name / RUN_RECORD).read_text()), out) for s in specs
                if (out / s.name / RUN_RECORD).is_file()]
     missing = [s.name for s in specs if not (out / s.name / RUN_RECORD).is_file()]
     models = aggregate(records)
@@ -828,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
     split_file(args.data, "train")
     specs = {s.name: s for s in plan(scale)}
     command = "python experiments/replicate.py " + " ".join(
-        a for a in (argv if argv is not None else sys.argv[1:]))
+        str(portable_paths(a, args.out)) for a in (argv if argv is not None else sys.argv[1:]))
 
     if args.run is not None:  # child: one run
         if args.run not in specs:

@@ -37,13 +37,11 @@ Results: benchmarks/results/replication_cpu.{json,md} and replication_cpu_<compa
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -51,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import replicate  # noqa: E402  (the session grid's run machinery, shared)
+import replicate  # noqa: E402  (the small grid's run machinery, shared)
 
 REPO = replicate.REPO
 RESULTS_DIR = replicate.RESULTS_DIR
@@ -73,7 +71,7 @@ SCALE = dataclasses.replace(
     replicate.SCALES["cpu"], max_steps=STEPS, warmup_steps=20, eval_every=48, eval_batches=6, save_every=60, seeds=3,
     valid_fraction=0.5, about=f"d=192, 6 layers, ~5.8M parameters (3.1M of them embeddings/output), T=256, {STEPS} "
     f"steps x 16 x 256 = {STEPS * 16 * 256 / 1e6:.2f}M tokens")
-LEARNING_RATES = (8e-3, 4e-3, 1.6e-2)  # the session grid's best (8e-3) first, then one factor of 2 either side
+LEARNING_RATES = (8e-3, 4e-3, 1.6e-2)  # the small grid's best (8e-3) first, then one factor of 2 either side
 MAX_EXTENSIONS = 2
 
 
@@ -139,7 +137,7 @@ def finished_records(out: Path, results_dir: Path | None = None) -> dict[str, di
         if page.get("scale") == json.loads(json.dumps(dataclasses.asdict(SCALE))):  # as the page stores it
             records.update(page.get("runs", {}))
     for path in sorted(out.glob(f"*/{FINISHED}")):
-        record = json.loads(path.read_text())
+        record = replicate.portable_paths(json.loads(path.read_text()), out)
         records[record["name"]] = record
     return records
 
@@ -262,7 +260,7 @@ ANALYSIS = """\
   main comparison are read as no difference.
 * **XL pair** (seed 0, RoPE-chosen lrs): the same three models with Transformer-XL positions.
 * **Costs**: attention MACs and memory per layer and sequence (`cost_report`, the paper's accounting), parameters,
-  median wall-clock per training step on this machine (1 torch thread, nice 19, shared machine: the load is
+  median wall-clock per training step on the machine named below (1 torch thread, nice 19, shared machine: the load is
   recorded with each run), peak memory, process CPU seconds. Routing: per router and head the share of top-k
   picks per expert and its normalised entropy (1 = uniform) on 16K validation tokens.
 * **Zero-shot** BLiMP (67 paradigms x first 100 pairs) and LAMBADA (first 1,000 passages) of the 3-seed models,
@@ -377,7 +375,9 @@ def plot(title: str, runs: list[dict], path: Path) -> bool:
     return True
 
 
-def write_results(out: Path, results_dir: Path) -> dict:
+def write_results(out: Path, results_dir: Path, written: str | None = None, machine: dict | None = None) -> dict:
+    """Rewrite the results pages from the finished runs; `written`, `machine`: the stamp on them (default: now,
+    this machine)."""
     from switchhead.evaluation.accounting import format_count
 
     records = finished_records(out, results_dir)
@@ -386,8 +386,9 @@ def write_results(out: Path, results_dir: Path) -> dict:
     summary = summarise(records)
     failed = failures(out)
     report = dict(scale=dataclasses.asdict(SCALE), steps_note=STEPS_NOTE, learning_rates=list(LEARNING_RATES),
-                  machine=replicate.machine(), written=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                      timespec="seconds"), finished=list(records), planned_not_finished=[
+                  machine=dict(machine) if machine else replicate.machine(),
+                  written=written or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  finished=list(records), planned_not_finished=[
                       s.name for s in runs if s.name not in records], undecided=undecided, failed=failed,
                   summary=summary, runs=records)
     # the runs' thread count, not this report-writing process's
@@ -559,57 +560,10 @@ def add_timing(out: Path, records: dict[str, dict]) -> None:
 
 
 def run_grid(args) -> int:
-    """Run the next unfinished run until none is left; every decision is re-read from the run folders."""
-    specs_dir = args.out / "specs"
-    specs_dir.mkdir(exist_ok=True)
-    attempts_file = args.out / "attempts.json"
-    while True:
-        records = finished_records(args.out, args.results_dir)
-        runs, undecided = plan(records)
-        failed = set(failures(args.out))
-        todo = [s for s in runs if s.name not in records and s.name not in failed]
-        if args.only:
-            import re
+    import grid_driver  # here, not at the top: grid_driver imports this module
 
-            todo = [s for s in todo if re.search(args.only, s.name)]
-        if not todo:
-            print(f"[grid] nothing left to run ({len(records)} finished; undecided: {undecided or 'none'}; "
-                  f"failed: {sorted(failed) or 'none'})", flush=True)
-            return 0 if not failed else 1
-        spec = todo[0]
-        spec_file = specs_dir / f"{spec.name}.json"
-        if spec_file.is_file() and json.loads(spec_file.read_text()) != dataclasses.asdict(spec):
-            raise SystemExit(f"{spec_file} differs from the grid's spec of {spec.name}: the grid changed under a "
-                             "started run; move its folder away or restore the grid")
-        spec_file.write_text(json.dumps(dataclasses.asdict(spec), indent=1))
-        starts_file = specs_dir / f"{spec.name}.starts.json"
-        starts = json.loads(starts_file.read_text()) if starts_file.is_file() else []
-        starts_file.write_text(json.dumps(starts + [git_state()], indent=1))
-        print(f"[grid] {spec.name}: {'resuming' if starts else 'starting'} ({spec.label})", flush=True)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        started = time.time()
-        code = subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data",
-                                args.data, "--threads", str(args.threads), "--run", spec.name]
-                               + (["--tiny"] if args.tiny else []))
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        print(f"[grid] {spec.name}: exit {code} after {time.time() - started:.0f} s wall, {cpu:.0f} s CPU",
-              flush=True)
-        # CPU and wall seconds of the attempts this driver saw end (a driver killed with its child never writes
-        # them: then the run's accounting is incomplete, and the results page says so)
-        timing = read_timing(specs_dir, spec.name)
-        timing = dict(cpu_seconds=timing["cpu_seconds"] + cpu, wall_seconds=timing["wall_seconds"] + time.time() -
-                      started, attempts=timing["attempts"] + 1)
-        write_json(specs_dir / f"{spec.name}.cpu.json", timing)
-        if code != 0 or not (args.out / spec.name / FINISHED).is_file():
-            # counted; the next pass resumes it from its checkpoint, until MAX_ATTEMPTS
-            counts = json.loads(attempts_file.read_text()) if attempts_file.is_file() else {}
-            counts[spec.name] = counts.get(spec.name, 0) + 1
-            attempts_file.write_text(json.dumps(counts, indent=1))
-        if not args.no_report:  # in a fresh process: the pages come from the code as it is now, not as it was
-            subprocess.call([sys.executable, os.path.abspath(__file__), "--out", str(args.out), "--data", args.data,
-                             "--results-dir", str(args.results_dir), "--report-only"]
-                            + (["--tiny"] if args.tiny else []))
+    return grid_driver.run_grid(args, Path(__file__).resolve(), lambda: finished_records(args.out, args.results_dir),
+                                plan)
 
 
 def unscored(record: dict | None) -> bool:
@@ -645,21 +599,12 @@ def zero_shot(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "replication-cpu", help="run folders")
-    parser.add_argument("--data", default=replicate.DEFAULT_DATA, help="WikiText-2 folder")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
-    parser.add_argument("--only", default=None, help="regular expression: run only the matching run names")
-    parser.add_argument("--pgid-file", type=Path, default=None, help="write this process group's id here")
-    parser.add_argument("--no-report", action="store_true", help="do not rewrite the results pages after a run")
-    parser.add_argument("--report-only", action="store_true", help="only rewrite the results pages")
-    parser.add_argument("--list", action="store_true", help="print the grid as decided now and exit")
+    import grid_driver  # here, not at the top: grid_driver imports this module
+
+    parser = grid_driver.parser(__doc__.split("\n\n")[0], REPO / "runs" / "replication-cpu")
     parser.add_argument("--zero-shot", action="store_true", help="BLiMP / LAMBADA of the 3-seed models")
     parser.add_argument("--then-zero-shot", action="store_true",
                         help="when every run of the grid has finished, go on with --zero-shot")
-    parser.add_argument("--tiny", action="store_true", help="tiny models and runs (for the tests)")
-    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # one run, in a child process
     args = parser.parse_args(argv)
     if args.tiny:
         use_tiny()
@@ -672,15 +617,10 @@ def main(argv: list[str] | None = None) -> int:
         args.pgid_file.write_text(f"{os.getpgid(0)}\n")
     replicate.ensure_tokenizer(args.out, args.data, SCALE.vocab_size)
     if args.list:
-        records = finished_records(args.out, args.results_dir)
-        runs, undecided = plan(records)
-        for spec in runs:
-            print(f"{spec.name:32s} {'finished' if spec.name in records else '-':9s} {spec.label}")
-        for line in undecided:
-            print(f"undecided: {line}")
-        return 0
+        return grid_driver.print_plan(finished_records(args.out, args.results_dir), plan, 32)
     if args.report_only:
-        write_results(args.out, args.results_dir)
+        stamp = grid_driver.committed_stamp(args.results_dir, STEM) if args.same_stamp else {}
+        write_results(args.out, args.results_dir, **stamp)
         return 0
     if args.zero_shot:
         return zero_shot(args)

@@ -433,5 +433,81 @@ def check_saved_model(folder: str, verify: bool = True, trust_remote_code: bool 
     return trust
 
 
-__all__ = ["UnloadableModel", "check_fits_memory", "check_model_size", "check_saved_model", "meta_model",
-           "parameter_count", "physical_memory_bytes", "read_config", "weight_files", "weight_problem", "weight_source"]
+def check_decoding_method(folder: str) -> None:
+    """UnloadableModel when the folder's generation_config.json asks for a decoding method that Transformers no
+    longer ships but downloads as Hub code (contrastive search, DoLa, group or constrained beam search): every
+    generation would fail (HTTP 500 on every request of a server), or run code from the Hub."""
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        return
+    import warnings
+
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its notices on these methods are said by the line below
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mode = GenerationConfig.from_pretrained(folder).get_generation_mode()
+    except (ValueError, TypeError, OSError) as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnloadableModel(f"model folder {folder!r}: generation_config.json does not load ({text})") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    method = GENERATION_MODES_MAPPING.get(mode, "")
+    if "/" in method:
+        name = str(getattr(mode, "value", mode)).replace("_", " ")
+        raise UnloadableModel(f"model folder {folder!r}: generation_config.json asks for {name}, which "
+                              f"Transformers runs only as Hub code ({method}); set its "
+                              "decoding options (penalty_alpha, dola_layers, num_beam_groups, constraints) back to "
+                              "greedy or sampling")
+
+
+def cached_snapshot(repo_id: str) -> str:
+    """The folder of the local Hub cache that Transformers would load `repo_id` (owner/name) from offline: the
+    snapshot its `main` ref names. UnloadableModel when the cache has none: a repository that is not on this machine
+    cannot be checked before it loads, so it is not downloaded behind the checks either."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise UnloadableModel(f"{repo_id!r} is neither a model folder nor a repository in the local Hub cache; "
+                              f"download it first (`hf download {repo_id}`), so that its files are checked before "
+                              "they load") from None
+    except (HFValidationError, ValueError, OSError) as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnloadableModel(f"{repo_id!r} is not a usable Hub repository id ({text})") from None
+
+
+def check_hub_model(repo_id: str, verify: bool = True, trust_remote_code: bool = False,
+                    model_type: str | None = "switchhead") -> tuple[str, bool]:
+    """`check_saved_model` for a Hub repository id, on the cached snapshot it resolves to (`cached_snapshot`): a
+    cached repository gets exactly the checks a folder gets. Returns (the snapshot folder, the trust_remote_code
+    bool); messages name the repository id. Load it offline afterwards (`hub_offline`), so that the files loaded
+    are the ones checked and not a newer revision."""
+    snapshot = cached_snapshot(repo_id)
+    try:
+        trust = check_saved_model(snapshot, verify=verify, trust_remote_code=trust_remote_code,
+                                  model_type=model_type)
+    except ValueError as error:  # UnloadableModel, the manifest's ValueError: the same line, naming the repository
+        raise UnloadableModel(str(error).replace(repr(snapshot), f"{repo_id!r} (its cached snapshot)")
+                              .replace(snapshot, repo_id)) from None
+    return snapshot, trust
+
+
+def hub_offline() -> None:
+    """From now on this process (and a process it starts with its environment) loads from the local Hub cache only:
+    after `check_hub_model`, Transformers then loads the snapshot that was checked."""
+    import huggingface_hub.constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+
+
+__all__ = ["UnloadableModel", "cached_snapshot", "check_decoding_method", "check_fits_memory", "check_hub_model",
+           "check_model_size", "check_saved_model", "hub_offline", "meta_model", "parameter_count",
+           "physical_memory_bytes", "read_config", "weight_files", "weight_problem", "weight_source"]

@@ -91,6 +91,103 @@ def check_folder_json(folder: str | os.PathLike, expected_model_type: str | None
     if expected_model_type is not None and model_type != expected_model_type and _is_transformers_type(model_type):
         raise ValueError(f"config.json of {folder!r}: model_type {model_type!r} is not a SwitchHead model "
                          f"(expected {expected_model_type!r})")
+    check_config_numbers(config, f"config.json of {folder!r}")
+    _check_architectures(config, f"config.json of {folder!r}")
+    generation = os.path.join(folder, "generation_config.json")
+    generation = read_json_object(generation, f"generation_config.json of {folder!r}") \
+        if os.path.isfile(generation) else {}
+    vocab = config.get("vocab_size")
+    for source, fields, name in ((config, TOKEN_ID_FIELDS, "config.json"),
+                                 (generation, TOKEN_ID_FIELDS, "generation_config.json")):
+        for field in fields:
+            _check_token_ids(source.get(field), vocab, f"{name} of {folder!r}: {field}")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            _check_special_tokens(read_json_object(path, f"{name} of {folder!r}"), f"{name} of {folder!r}")
+
+
+# token ids a config or generation config may give: each must be a token of the vocabulary (Transformers indexes
+# the logits with them, an IndexError in the middle of generation)
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "forced_bos_token_id", "forced_eos_token_id",
+                   "decoder_start_token_id")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+LARGEST_INTEGER = 2**63 - 1  # torch sizes and indices are 64-bit
+
+
+def _check_token_ids(value, vocab, what: str) -> None:
+    if value is None:
+        return
+    for token in value if isinstance(value, list) else [value]:
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise ValueError(f"{what} is {token!r}, not a token id (a whole number)")
+        if token < 0 or (isinstance(vocab, int) and not isinstance(vocab, bool) and 0 < vocab <= token):
+            raise ValueError(f"{what} {token} is not a token of the vocabulary (0 to "
+                             f"{vocab - 1 if isinstance(vocab, int) else '?'})")
+
+
+def _check_special_tokens(tokenizer_config: dict, what: str) -> None:
+    """Each special token a string, or an added-token object with a string `content` (Transformers raised a
+    TypeError on anything else)."""
+    def check(value, where: str) -> None:
+        if value is None or isinstance(value, str):
+            return
+        if isinstance(value, dict) and isinstance(value.get("content"), str):
+            return
+        raise ValueError(f"{what}: {where} is {json.dumps(value)[:60]}, not a token (a string, or an object with a "
+                         "string 'content')")
+
+    for name in SPECIAL_TOKENS:
+        check(tokenizer_config.get(name), name)
+    extra = tokenizer_config.get("additional_special_tokens")
+    if extra is not None:
+        if not isinstance(extra, list):
+            raise ValueError(f"{what}: additional_special_tokens is {type(extra).__name__}, not a list of tokens")
+        for index, value in enumerate(extra):
+            check(value, f"additional_special_tokens[{index}]")
+
+
+def check_config_numbers(fields: dict, what: str) -> None:
+    """ValueError naming the first whole number in a config (at any depth) past what a 64-bit integer holds: a
+    401-digit hidden_size ended in OverflowError or in a TypeError from torch."""
+    stack = [(key, value) for key, value in fields.items()]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > LARGEST_INTEGER:
+            digits = len(str(abs(value)))
+            raise ValueError(f"{what}: {key} is a {digits}-digit number, past what a 64-bit integer holds; give a "
+                             "real size")
+        if isinstance(value, dict):
+            stack.extend((f"{key}.{child}", item) for child, item in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{key}[{index}]", item) for index, item in enumerate(value))
+
+
+def _check_architectures(config: dict, what: str) -> None:
+    """config.json's `architectures` naming a Transformers class of another model type ("LlamaForCausalLM" over
+    a switchhead config): the model would be built as that class from our fields (AttributeError)."""
+    architectures = config.get("architectures")
+    if architectures is None:
+        return
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise ValueError(f"{what}: architectures must be a list of class names, got {json.dumps(architectures)[:60]}")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or (model_type != "switchhead" and not _is_transformers_type(model_type)):
+        return  # a type Transformers does not know is the remote-code decision's (`switchhead.integrity.trust`)
+    import transformers
+
+    for name in architectures:
+        if name.startswith("SwitchHead"):
+            other = None if model_type == "switchhead" else "switchhead"
+        else:
+            try:
+                model_class = getattr(transformers, name, None)
+            except Exception:  # noqa: BLE001 - a lazy module that fails to import: not a class of this type
+                model_class = None
+            other = getattr(getattr(model_class, "config_class", None), "model_type", None)
+        if other and other != model_type:
+            raise ValueError(f"{what}: architectures names {name}, a {other!r} model, but model_type is "
+                             f"{model_type!r}; the weights would be loaded into the wrong class (fix architectures)")
 
 
 def _is_transformers_type(model_type) -> bool:
@@ -101,4 +198,4 @@ def _is_transformers_type(model_type) -> bool:
     return model_type in CONFIG_MAPPING_NAMES
 
 
-__all__ = ["MAX_DEPTH", "check_folder_json", "read_json", "read_json_object"]
+__all__ = ["MAX_DEPTH", "check_config_numbers", "check_folder_json", "read_json", "read_json_object"]

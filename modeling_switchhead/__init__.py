@@ -9,6 +9,26 @@ model.
 """
 
 import logging as _logging
+import os as _os
+import signal as _signal
+import sys as _sys
+import threading as _threading
+
+
+def _early_stop(number, frame):
+    """SIGTERM while the `switchhead` command line is still importing (torch and Transformers take seconds): end as
+    the command does on SIGTERM once it runs (one line, exit code 143), not killed silently with -15. Nothing has
+    been written yet, so there is nothing to clean up. The command line replaces this handler with its own."""
+    command = next((item for item in _sys.argv[1:] if not item.startswith("-")), "")
+    _sys.stderr.write(f"switchhead{' ' + command if command else ''}: terminated\n")
+    _sys.stderr.flush()
+    _os._exit(143)
+
+
+if _sys.argv and _os.path.basename(_sys.argv[0]) == "switchhead" \
+        and _threading.current_thread() is _threading.main_thread() \
+        and _signal.getsignal(_signal.SIGTERM) is _signal.SIG_DFL:
+    _signal.signal(_signal.SIGTERM, _early_stop)
 
 
 class _OptionalLibraryNoise(_logging.Filter):
@@ -79,3 +99,19 @@ __all__ = [
     "expert_projection",
     "__version__",
 ]
+
+# The drop-in layers for any Transformer (`switchhead.layers`: the authors' interface on these layers), imported on
+# first use only: `import switchhead` stays as light as before, and the model files never import them.
+_LAYER_NAMES = ("AttentionMask", "SigmaMoE", "SwitchHeadRope", "SwitchHeadXL")
+
+
+def __getattr__(name: str):
+    if name in _LAYER_NAMES:
+        from . import layers
+
+        return getattr(layers, name)
+    raise AttributeError(f"module 'switchhead' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAYER_NAMES])

@@ -81,8 +81,10 @@ def _expert_gated_sum(per_slot: torch.Tensor, gates: torch.Tensor | None, out_gr
     if gates is None:
         return per_slot
     n, s, d_out = per_slot.shape
-    weighted = per_slot * gates.unsqueeze(-1).to(per_slot.dtype)
-    return weighted.view(n, out_groups, s // out_groups, d_out).sum(2)
+    # the gates as they are (float32 from the router): under autocast the gated sum runs in float32, as eager's
+    # per-head mix does, and the result is rounded to the slots' dtype once
+    weighted = per_slot * gates.unsqueeze(-1)
+    return weighted.view(n, out_groups, s // out_groups, d_out).sum(2).to(per_slot.dtype)
 
 
 def _mixing_matrix(expert_index: torch.Tensor, gates: torch.Tensor, rows: int, num_experts: int, out_groups: int,
@@ -128,9 +130,12 @@ class _GroupedExperts(torch.autograd.Function):
         ctx.shape = (n, s, r, out_groups)
         if gates is None:
             return sorted_out.new_empty(n * s, d_out).index_copy_(0, order, sorted_out).view(n, s, d_out)
-        sorted_out.mul_(gates.reshape(-1).index_select(0, order).to(sorted_out.dtype).unsqueeze(-1))
-        out = sorted_out.new_zeros(n * out_groups, d_out).index_add_(0, order // (s // out_groups), sorted_out)
-        return out.view(n, out_groups, d_out)
+        # gated and summed in at least float32 (the matmul's own accumulator), rounded once: 16-bit slots summed in
+        # their own dtype would round after every slot added (H * k of them on SwitchHead's output side)
+        total = torch.promote_types(sorted_out.dtype, torch.float32)
+        gated = sorted_out.to(total).mul_(gates.reshape(-1).index_select(0, order).to(total).unsqueeze(-1))
+        out = gated.new_zeros(n * out_groups, d_out).index_add_(0, order // (s // out_groups), gated)
+        return out.to(sorted_out.dtype).view(n, out_groups, d_out)
 
     @staticmethod
     def backward(ctx, grad):
@@ -361,13 +366,14 @@ def fused_attention_inputs(tokens: torch.Tensor, dense_weights: list[torch.Tenso
     logits=...)` the value side's `ExpertSelection` (called, so that its logits are recorded) -> query, key
     `[N, H * dh]`, values `[N, H, dh]` (mixed by `mix_values_recomputed`), output-router logits `[N, H * E]`."""
     weight = fused_input_weight(dense_weights, value_experts)
+    mix_dtype = tokens.dtype  # the gates' dtype in eager's per-head mix: the tokens' own (float32 under autocast)
     tokens, weight = autocast_operands(tokens, weight)
     sizes = [dense_weights[0].shape[0], dense_weights[1].shape[0], value_experts.shape[0] * value_experts.shape[2],
              dense_weights[2].shape[0], dense_weights[3].shape[0]]
     query, key, every, value_logits, output_logits = F.linear(tokens, weight).split(sizes, dim=-1)
     _, gates, index = value_router(tokens, logits=value_logits)
     heads = value_experts.shape[0] // num_experts
-    dense_gates = dense_head_gates(index, gates, heads, num_experts, every.dtype)
+    dense_gates = dense_head_gates(index, gates, heads, num_experts, mix_dtype)
     values = mix_values_recomputed(every, dense_gates, tokens, weight[sizes[0] + sizes[1]: sum(sizes[:3])])
     return query, key, values, output_logits
 
@@ -377,7 +383,7 @@ class _MixRecomputed(torch.autograd.Function):
     def forward(ctx, every, gates, inputs, weight):
         n, heads, experts = gates.shape
         ctx.save_for_backward(gates, inputs, weight)  # inputs and weight: the GEMM's own operands, kept anyway
-        return (every.view(n, heads, experts, -1) * gates.unsqueeze(-1)).sum(2)
+        return _mix_rounded_once(every, gates)
 
     @staticmethod
     def backward(ctx, grad):  # grad [N, H, dh]
@@ -386,9 +392,10 @@ class _MixRecomputed(torch.autograd.Function):
         grad_every = grad_gates = None
         if ctx.needs_input_grad[0]:
             grad_every = (gates.unsqueeze(-1) * grad.unsqueeze(2)).view(n, heads * experts * grad.shape[-1])
+            grad_every = grad_every.to(weight.dtype)  # `every`'s dtype (the GEMM's)
         if ctx.needs_input_grad[1]:  # d gate[n, h, e] = <dy[n, h], x_n W_he>, W_he's values recomputed
             every = F.linear(inputs, weight).view(n, heads, experts, -1)
-            grad_gates = (every * grad.unsqueeze(2)).sum(-1)
+            grad_gates = (every * grad.unsqueeze(2)).sum(-1, dtype=gates.dtype)
         return grad_every, grad_gates, None, None
 
 
@@ -399,20 +406,30 @@ def mix_values_recomputed(every: torch.Tensor, gates: torch.Tensor, inputs: torc
     `weight` (which the caller's GEMM keeps too) instead of `every`, and recomputes `every` for the gates' gradient."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (every, gates)):
         return _MixRecomputed.apply(every, gates, inputs, weight)
+    return _mix_rounded_once(every, gates)
+
+
+def _mix_rounded_once(every: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """`every` `[N, H * E * dh]` mixed by dense gates `[N, H, E]` in the gates' dtype where it is wider (float32 gates
+    under autocast: the products and their sum in float32, as in eager's per-head mix), rounded to `every`'s dtype
+    once at the end."""
     n, heads, experts = gates.shape
-    return (every.view(n, heads, experts, -1) * gates.unsqueeze(-1)).sum(2)
+    return (every.view(n, heads, experts, -1) * gates.unsqueeze(-1)).sum(2).to(every.dtype)
 
 
 def _fused(inputs, expert_index, weight, gates, out_groups, grouped_routing=False):
     # One projection alone (the MLP, other MoE models, or an attention side the layer does not fuse): for SwitchHead's
     # per-head sides `_per_head` with its lean backwards, under autocast too; otherwise "eager"'s rule.
     if grouped_routing and gates is not None and min(inputs.shape[1], out_groups) == 1 and expert_index.shape[0]:
-        inputs, gates, weight = autocast_operands(inputs, gates, weight)
+        mix_dtype = inputs.dtype  # the values' gates as eager's per-head mix has them: in the inputs' own dtype
+        inputs, weight = autocast_operands(inputs, weight)
         heads = max(inputs.shape[1], out_groups)
-        dense = dense_head_gates(expert_index, gates, heads, weight.shape[0] // heads, inputs.dtype)
         if inputs.shape[1] == 1:
+            dense = dense_head_gates(expert_index, gates, heads, weight.shape[0] // heads, mix_dtype)
             linear = _as_linear_weight(weight)
             return mix_values_recomputed(F.linear(inputs[:, 0], linear), dense, inputs[:, 0], linear)
+        # the output side's gated rows in the rows' (autocast) dtype, as eager's: one dtype for the lean backward
+        dense = dense_head_gates(expert_index, gates, heads, weight.shape[0] // heads, inputs.dtype)
         return head_expert_output(inputs, dense, weight, lean=True).unsqueeze(1)
     return _eager(inputs, expert_index, weight, gates, out_groups, grouped_routing)
 

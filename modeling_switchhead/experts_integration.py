@@ -88,6 +88,14 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
     return out.to(hidden_states.dtype)
 
 
+def configured_implementation(config) -> str:
+    """The experts implementation a layer runs: `config._experts_implementation`, or where no model dispatched the
+    config (a layer built alone: None) the one a model would get by default. Transformers' own expert modules run
+    eager then; ours run the model's default, so a layer alone computes what it computes inside a model."""
+    name = config._experts_implementation
+    return default_experts_implementation(ALL_EXPERTS_FUNCTIONS) if name is None else name
+
+
 def register() -> None:
     """Register every table entry but "eager" as a Transformers experts function of the same name (idempotent)."""
     for name, project in EXPERTS_IMPLEMENTATIONS.items():
@@ -109,4 +117,4 @@ class ExpertsChoiceMixin:
         return super().get_correct_experts_implementation(requested_experts)
 
 
-__all__ = ["ExpertsChoiceMixin", "experts_forward", "local_routes", "register"]
+__all__ = ["ExpertsChoiceMixin", "configured_implementation", "experts_forward", "local_routes", "register"]

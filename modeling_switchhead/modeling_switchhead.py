@@ -44,7 +44,7 @@ try:
     from transformers import initialization as init
     from transformers.cache_utils import Cache
     from transformers.generation import GenerationMixin
-    from transformers.integrations.moe import use_experts_implementation
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
     from transformers.modeling_layers import GenericForTokenClassification, GradientCheckpointingLayer
@@ -60,7 +60,8 @@ from .checkpoint_format import SavedFolderMixin, register_renamed_keys
 from .configuration_switchhead import SwitchHeadConfig
 from .model_io import SwitchHeadCausalLMOutputWithPast, SwitchHeadModelOutputWithPast, check_inputs, embed_tokens
 from .expert_ops import EXPERTS_IMPLEMENTATIONS, fused_attention_inputs, lookup, relu
-from .experts_integration import ExpertsChoiceMixin, local_routes, register as register_experts_functions
+from .experts_integration import ExpertsChoiceMixin, configured_implementation, local_routes
+from .experts_integration import register as register_experts_functions
 from .routing import ExpertSelection, group_entropy_loss, mlp_router_logits, regularised, sigma_moe_entropy_loss
 from .tensor_parallel import ParallelPlansMixin, register_styles
 from .positions import (SwitchHeadRotaryEmbedding, apply_partial_rotary, check_xl_memory, create_xl_memory_mask,
@@ -177,7 +178,7 @@ class SwitchHeadAttentionBase(nn.Module):
         query_offset = sources.shape[1] - length if past_length is None else past_length
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+            self.config._attn_implementation or "eager", eager_attention_forward  # None: a layer built alone
         )
         attention_mask, extra = xl_attention_inputs(self, query, key.shape[2], attention_mask, query_offset, packed,
                                                     kwargs, attention_interface)  # XL's position term, if any
@@ -242,7 +243,7 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         values and both routers' logits from one GEMM (`expert_ops.fused_attention_inputs`), the values mixed with a
         recomputing backward; the output router's logits go on to `project_output`. Otherwise one projection at a
         time (under tensor parallelism each projection's own style moves its sharded weight)."""
-        if (self.config._experts_implementation != "switchhead_fused" or sources is not hidden_states
+        if (configured_implementation(self.config) != "switchhead_fused" or sources is not hidden_states
                 or not (self.expert_values and self.expert_output) or hasattr(self.q_proj.weight, "device_mesh")):
             return super().project_inputs(hidden_states, sources)
         batch, length, d = hidden_states.shape
@@ -260,7 +261,7 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         rows = hidden_states.reshape(-1, 1, d)  # one input row per token
         _, gates, index = self.value_selection(rows.view(-1, d))
-        project = lookup(self.config._experts_implementation)
+        project = lookup(configured_implementation(self.config))
         values = project(rows, index, self.value_experts, gates, self.num_heads, True)
         return values.view(batch, length, self.num_heads, self.head_dim)
 
@@ -270,7 +271,7 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
             return self.o_proj(attended.reshape(batch, length, -1))
         rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
         _, gates, index = self.output_selection(hidden_states.reshape(-1, d), logits=routing)
-        project = lookup(self.config._experts_implementation)
+        project = lookup(configured_implementation(self.config))
         return project(rows, index, self.output_experts, gates, 1, True).view(batch, length, -1)
 
 
@@ -312,7 +313,7 @@ def peri_attention_inputs(attention: SwitchHeadAttentionBase, normed: torch.Tens
     if not getattr(attention, "expert_values", False):
         return query, key, attention.v_proj(raw).view(shape), None
     _, gates, index = attention.value_selection(normed.reshape(-1, d))
-    project = lookup(attention.config._experts_implementation)
+    project = lookup(configured_implementation(attention.config))
     values = project(raw.reshape(-1, 1, d), index, attention.value_experts, gates, attention.num_heads, True)
     return query, key, values.view(shape), None
 
@@ -389,6 +390,11 @@ class SigmaMoeMLP(nn.Module):
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])  # [N, d]
         _, gates, index = self.gate(tokens)  # [N, k] each
+        if self.experts.config._experts_implementation is None:  # built alone: the default a model runs, called
+            # directly (Transformers' decorator would log and run eager, and its log breaks torch.compile's graph)
+            implementation = configured_implementation(self.experts.config)
+            experts = ALL_EXPERTS_FUNCTIONS.get(implementation, type(self.experts).forward)
+            return experts(self.experts, tokens, index, gates).view(shape)
         return self.experts(tokens, index, gates).view(shape)
 
 

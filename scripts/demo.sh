@@ -6,6 +6,8 @@
 # torch comes from the pinned CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/require_venv.sh
+require_venv scripts/demo.sh  # installs only into a virtual environment (or with SWITCHHEAD_ALLOW_SYSTEM_PYTHON=1)
 python -m pip install -q "torch==2.13.0" "triton==3.7.1"
 python -m pip install -q "transformers==5.23.0" -e ".[train]"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

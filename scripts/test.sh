@@ -9,6 +9,8 @@
 # the tests that need it are skipped and the run says so (SWITCHHEAD_REQUIRE_DATA=1, set by .ci/run: an error).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/require_venv.sh
+require_venv scripts/test.sh  # installs only into a virtual environment (or with SWITCHHEAD_ALLOW_SYSTEM_PYTHON=1)
 python -m pip install -q "torch==2.13.0" "triton==3.7.1"
 python -m pip install -q "transformers==5.23.0" -e ".[test]"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -53,6 +53,9 @@ GENERATION_CONFIG_KEYS = {
 # The lowest sampling temperature: generate() divides the float32 logits by it, and below float32's range (1e-300,
 # 5e-324) the divisor is 0 and the probabilities NaN (upstream answered HTTP 500). Temperature 0 is greedy decoding.
 MIN_SAMPLING_TEMPERATURE = 1e-4
+# seconds a chat template may take to render one request's messages: a template that loops (nested loops of
+# range(100000), recursive macros) is stopped there and the request gets 422, the server stays responsive
+CHAT_TEMPLATE_SECONDS = 5.0
 
 
 class RequestRefused(Exception):
@@ -382,9 +385,15 @@ class RequestChecker:
             raise RequestRefused(f"chat_template_kwargs.{reserved[0]} is an argument of the tokenizer's "
                                  "apply_chat_template, not a variable of the chat template; leave it out")
         try:
-            ids = tokenizer.apply_chat_template(converted, add_generation_prompt=True, tools=body.get("tools"),
-                                                tokenize=True, return_dict=True,
-                                                **{**self.state.chat_template_kwargs, **(extra_kwargs or {})})
+            ids = run_with_deadline(
+                lambda: tokenizer.apply_chat_template(converted, add_generation_prompt=True, tools=body.get("tools"),
+                                                      tokenize=True, return_dict=True,
+                                                      **{**self.state.chat_template_kwargs, **(extra_kwargs or {})}),
+                CHAT_TEMPLATE_SECONDS, "switchhead-chat-template")
+        except DeadlinePassed:
+            raise RequestRefused(f"the chat template did not finish rendering these messages within "
+                                 f"{CHAT_TEMPLATE_SECONDS:g} s (it loops); fix the model's chat template",
+                                 status=422) from None
         except Exception as error:  # noqa: BLE001 - a template raising on these messages (Jinja errors vary)
             text = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
             raise RequestRefused(f"the chat template cannot render these messages ({type(error).__name__}"
@@ -402,3 +411,41 @@ def _chat_template_arguments(tokenizer) -> set[str]:
 
     return {name for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
             if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)}
+
+
+class DeadlinePassed(Exception):
+    """Raised inside a `run_with_deadline` call that ran past its time, and by `run_with_deadline` itself."""
+
+
+def run_with_deadline(function, seconds: float, name: str):
+    """`function()` in a daemon thread, its result or exception; DeadlinePassed when it has not returned within
+    `seconds`. The late call is then interrupted at its next Python instruction (an asynchronous DeadlinePassed
+    raised in its thread: a Jinja render is Python code), and if it is stuck in native code it is abandoned: as a
+    daemon thread it never keeps the process alive, so SIGTERM still stops the server."""
+    import ctypes
+
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def target():
+        try:
+            value = function()
+            with lock:
+                box["value"] = value
+        except BaseException as error:  # noqa: BLE001 - handed to the caller (DeadlinePassed: nobody waits)
+            with lock:
+                box.setdefault("error", error)
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    with lock:
+        finished = "value" in box or "error" in box
+        if not finished:
+            box["error"] = DeadlinePassed()  # what the caller sees, whatever the thread does from now on
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(DeadlinePassed))
+    if not finished:
+        raise DeadlinePassed(f"{name} ran past {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -89,7 +89,7 @@ def split_model_revision(model_id_and_revision: str) -> tuple[str, str | None]:
         return model_id_and_revision, None
     if "@" not in model_id_and_revision:
         return model_id_and_revision, None
-    model_id, _, revision = model_id_and_revision.rpartition("@")  # the last "@": "/tmp/ckpt@1000@main"
+    model_id, _, revision = model_id_and_revision.rpartition("@")  # the last "@": "runs/ckpt@1000@main"
     return model_id, revision or None
 
 
@@ -234,7 +234,11 @@ def _shutdown(instance, state: ServerState, stop: threading.Event) -> None:
     stopper.start()
     stopper.join(timeout=max(0.1, deadline - time.monotonic()))
     stuck = [t.name for t in (thread, worker) if t is not None and t.is_alive()]
-    if stuck:  # both are non-daemon threads: the interpreter would wait for them at exit
+    # any other non-daemon thread still running (a request's check in the event loop's executor) would keep the
+    # interpreter waiting at exit as well
+    stuck += [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t not in (thread, worker)
+              and t is not threading.current_thread() and t is not threading.main_thread()]
+    if stuck:  # non-daemon threads: the interpreter would wait for them at exit
         _exit_now(0, f"switchhead serve: stopped (cut off: {', '.join(stuck)})")
     if any(t.is_alive() for t in threading.enumerate() if t.daemon):
         # a daemon thread (a request's generation, the supervisor) that still writes to stderr while the

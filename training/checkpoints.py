@@ -156,7 +156,18 @@ def read_checkpoint_state(path: str) -> dict[str, Any]:
 
 def merge_resumed_config(config: TrainingConfig, stored: dict[str, Any]) -> TrainingConfig:
     """The stored configuration of the run being resumed; the new one may only change harmless options."""
-    known = {f.name for f in dataclasses.fields(TrainingConfig)}
+    fields = {f.name: f for f in dataclasses.fields(TrainingConfig)}
+    known = set(fields)
+    if not isinstance(stored, dict):
+        raise TrainingError(f"--resume: the checkpoint's {CHECKPOINT_STATE} holds no settings object")
+    unknown = sorted(set(stored) - known)
+    if unknown:  # a misspelt or foreign setting: dropping it would resume another run than the one saved
+        raise TrainingError(f"--resume: the checkpoint's {CHECKPOINT_STATE} has settings this release does not know "
+                            f"({', '.join(map(str, unknown[:5]))}); it was not written by this release's train")
+    for name, value in stored.items():
+        if not _of_annotated_type(value, fields[name].type):
+            raise TrainingError(f"--resume: the checkpoint's {CHECKPOINT_STATE} has {name} = {str(value)[:40]!r} "
+                                f"({type(value).__name__}), but {name} is {fields[name].type}; the file is damaged")
     resumed = TrainingConfig(**{name: value for name, value in stored.items() if name in known})
     different = [f"{name} ({getattr(resumed, name)!r} -> {getattr(config, name)!r})"
                  for name in stored if name in known and name not in CHANGEABLE_ON_RESUME
@@ -166,6 +177,27 @@ def merge_resumed_config(config: TrainingConfig, stored: dict[str, Any]) -> Trai
     for name in CHANGEABLE_ON_RESUME:
         setattr(resumed, name, getattr(config, name))
     return resumed
+
+
+def _of_annotated_type(value, annotation) -> bool:
+    """Whether a JSON value fits a TrainingConfig field's annotation ('int', 'str | None', 'tuple[float, float]',
+    'dict[str, Any]', ...): a bool is no number, an int is a float, a JSON list is a tuple."""
+    for part in str(annotation).split("|"):
+        part = part.strip()
+        base = part.split("[", 1)[0]
+        if base == "None" and value is None:
+            return True
+        if base == "bool" and isinstance(value, bool):
+            return True
+        if isinstance(value, bool):
+            continue
+        if (base == "int" and isinstance(value, int)) or (base == "float" and isinstance(value, (int, float))) \
+                or (base == "str" and isinstance(value, str)) or (base == "dict" and isinstance(value, dict)) \
+                or (base in ("tuple", "list") and isinstance(value, (list, tuple))):
+            return True
+        if base not in ("None", "bool", "int", "float", "str", "dict", "tuple", "list"):
+            return True  # an annotation this check does not model: left to the settings checks
+    return False
 
 
 @dataclass

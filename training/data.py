@@ -14,6 +14,7 @@ import contextlib
 import glob
 import os
 from array import array
+from pathlib import Path
 import sysconfig
 
 import torch
@@ -103,6 +104,10 @@ def _read_file(path: str, text_field: str) -> list[str]:
             raise DataError(f"{path!r} has no field {text_field!r} (fields: {', '.join(table.column_names)}); "
                             "choose one with --text-field")
         documents = [text for text in table[text_field] if text]
+        other = next((text for text in documents if not isinstance(text, str)), None)
+        if other is not None:  # {"text": 5}, {"text": ["a"]}: training reads strings only
+            raise DataError(f"{path!r}: field {text_field!r} holds {type(other).__name__} values (e.g. "
+                            f"{repr(other)[:40]}), not text; choose the text field with --text-field")
     else:
         documents = [text for text in table["text"] if text]
     if not any(text.strip() for text in documents):
@@ -122,6 +127,18 @@ def _check_text(path: str, sample: int = 1 << 16) -> None:
     except UnicodeDecodeError as error:
         if error.start < len(head) - 4:  # not merely a multi-byte character cut by the sample's end
             raise DataError(f"data file {path!r} is not UTF-8 text (invalid byte at offset {error.start})") from None
+
+
+def missing_data_hint() -> str:
+    """What to do about a data path that does not exist: what it may hold and, from a checkout, how to get the
+    WikiText the README's examples train on."""
+    hint = ("give a .txt, .tokens or .jsonl file, a folder of them (WikiText: wiki.train.tokens, wiki.valid.tokens, "
+            "wiki.test.tokens), or a Hub dataset name")
+    fetcher = Path(__file__).resolve().parent.parent / "scripts" / "fetch_test_data.py"
+    if fetcher.is_file():  # a checkout: its data folder is ../shared/data beside it
+        hint += (f"; the README's examples use the test data, which `python {fetcher.parent.name}/{fetcher.name}` "
+                 "(from the checkout) downloads into ../shared/data")
+    return hint
 
 
 def load_documents(data: str | None, text_field: str = "text", valid_data: str | None = None,
@@ -154,13 +171,13 @@ def load_documents(data: str | None, text_field: str = "text", valid_data: str |
         if not train:
             raise DataError(f"data {data!r} has validation/test files but no training file")
     elif data.startswith((".", "/", "~")) or data.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
-        raise DataError(f"data path {data!r} does not exist")
+        raise DataError(f"data path {data!r} does not exist; {missing_data_hint()}")
     else:
         train, valid = _hub_documents(data, text_field)
 
     if valid_data is not None:
         if not os.path.exists(valid_data):
-            raise DataError(f"validation data path {valid_data!r} does not exist")
+            raise DataError(f"validation data path {valid_data!r} does not exist; {missing_data_hint()}")
         valid = [doc for path in _data_files(valid_data) for doc in _read_file(path, text_field)]
     if not valid:
         train, valid = _hold_out(train, valid_fraction)

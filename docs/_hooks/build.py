@@ -1,5 +1,5 @@
 """mkdocs hooks of the switchhead documentation (`hooks:` in mkdocs.yml): what the pages read from the code and
-from the benchmark results at build time, so that no page keeps a copy of either.
+from the benchmark results, written into the pages and refreshed whenever the site is built.
 
 - API reference: griffe (mkdocstrings-python) reads the package's sources from a tree of links laid out as the
   package installs (`switchhead` <- modeling_switchhead/, `switchhead.kernels` <- kernels/, ... from setup.py's
@@ -15,6 +15,11 @@ from the benchmark results at build time, so that no page keeps a copy of either
   several joined by ` / `, `FILE:path` for another file; a number indexes a list, as in `pairs.0.ratios`).
 - benchmarks/results/*.png and every .md under it become the site's `results/` folder, CHANGELOG.md its
   `changelog.md` page.
+
+What the three markers stand for is also committed in the pages, between the marker and `<!-- end of generated
+text -->`, so that a page reads the same on GitHub, in a checkout and on the site: `python docs/_hooks/build.py`
+rewrites it, `python docs/_hooks/build.py --check` lists the pages whose copy is out of date (a test runs it). The
+site is built from the same functions, so it never shows a stale copy either.
 """
 
 from __future__ import annotations
@@ -30,16 +35,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mkdocs.plugins import event_priority
-from mkdocs.structure.files import File, Files
+try:  # the site build; the page rewriting below (`python docs/_hooks/build.py`) needs no mkdocs
+    from mkdocs.plugins import event_priority
+    from mkdocs.structure.files import File, Files
+except ImportError:
+    def event_priority(priority):
+        return lambda function: function
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import package_tree  # noqa: E402 - scripts/package_tree.py: the package as it installs, as links
 RESULTS = REPO / "benchmarks" / "results"
-_MARKER = re.compile(r"<!--\s*generated:\s*([\w-]+)\s*-->")
-_INCLUDE = re.compile(r"<!--\s*include:\s*(\S+)\s*-->")
-_RATIOS = re.compile(r"<!--\s*ratio-table\s*\n(.*?)-->", re.S)
+_OPENER = re.compile(r"<!--\s*(?:generated:\s*(?P<generated>[\w-]+)\s*|include:\s*(?P<include>\S+)\s*|"
+                     r"ratio-table\s*\n(?P<ratio>.*?))-->", re.S)
+END = "<!-- end of generated text -->"
 _api_tree: tempfile.TemporaryDirectory | None = None
 
 
@@ -66,7 +75,7 @@ def on_shutdown():
 
 
 # ----------------------------------------------------------------------------- results and changelog as files
-def on_files(files: Files, config) -> Files:
+def on_files(files, config):
     for path in sorted(RESULTS.glob("*.png")) + sorted(RESULTS.rglob("*.md")):  # with the run folders' pages
         files.append(File.generated(config, f"results/{path.relative_to(RESULTS).as_posix()}",
                                     abs_src_path=str(path)))
@@ -215,8 +224,10 @@ def _include(target: str, page_uri: str) -> str:
     text = path.read_text(encoding="utf-8")
     text = re.sub(r"^# .*\n", "", text, count=1, flags=re.M)  # the file's title: the page introduces it
     text = re.sub(r"^#{2,6} (.*)$", r"**\1**", text, flags=re.M)  # its sections: bold lines, not page headings
-    folder = posixpath.join("results", path.parent.relative_to(RESULTS).as_posix()).rstrip("/.")
-    results = posixpath.relpath(folder, posixpath.dirname(page_uri) or ".")
+    # its links as the page in the repository reads them (docs/PAGE -> ../benchmarks/results/...); the site build
+    # turns those into its own results/ folder (_site_results_links)
+    folder = path.parent.relative_to(REPO).as_posix()
+    results = posixpath.relpath(folder, posixpath.dirname(posixpath.join("docs", page_uri)))
     return re.sub(r"\]\(([\w.-]+\.(?:png|md))\)", lambda m: f"]({results}/{m.group(1)})", text)
 
 
@@ -247,9 +258,59 @@ def _site_results_links(markdown: str, page_uri: str) -> str:
                   lambda m: f"]({results}/{m.group(1)})", markdown)
 
 
+def fill(markdown: str, page_uri: str) -> str:
+    """`markdown` (the page docs/`page_uri`) with what each marker stands for written after it, up to END: the
+    copy there before (if any) replaced."""
+    parts, position = [], 0
+    while (opener := _OPENER.search(markdown, position)) is not None:
+        parts.append(markdown[position:opener.end()])
+        if opener.group("generated"):
+            body = _generate(opener.group("generated"))
+        elif opener.group("include"):
+            body = _include(opener.group("include"), page_uri)
+        else:
+            body = _ratio_table(opener.group("ratio"))
+        end = markdown.find(END, opener.end())
+        following = _OPENER.search(markdown, opener.end())
+        old_copy = end != -1 and (following is None or end < following.start())
+        parts.append("\n" + body.strip("\n") + "\n" + END)
+        position = end + len(END) if old_copy else opener.end()
+    return "".join(parts) + markdown[position:]
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     uri = page.file.src_uri
-    markdown = _site_results_links(markdown, uri)
-    markdown = _MARKER.sub(lambda m: _generate(m.group(1)), markdown)
-    markdown = _INCLUDE.sub(lambda m: _include(m.group(1), uri), markdown)
-    return _RATIOS.sub(lambda m: _ratio_table(m.group(1)), markdown)
+    markdown = fill(markdown, uri)
+    markdown = _OPENER.sub("", markdown).replace(END, "")  # the site's HTML carries no marker
+    return _site_results_links(markdown, uri)
+
+
+def pages() -> list[Path]:
+    return sorted((REPO / "docs").glob("*.md"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite the generated copies in docs/*.md, or with --check list the pages whose copy is out of date."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page is out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        current = fill(text, page.name)
+        if current != text:
+            stale.append(page.relative_to(REPO).as_posix())
+            if not args.check:
+                page.write_text(current, encoding="utf-8")
+    verb = "out of date" if args.check else "rewritten"
+    for name in stale:
+        print(f"{name}: {verb}")
+    if args.check and stale:
+        print("regenerate with: python docs/_hooks/build.py")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -48,9 +48,14 @@ def data_path(key: str, metadata: dict | None = None) -> Path:
     if not path.is_absolute():
         path = (TASK_DIR / path).resolve()
     if not path.exists():
+        layout = ", ".join(STANDARD_LAYOUT[name] for name in ("lambada_path", "blimp_dir", "wikitext2_dir"))
+        fetcher = TASK_DIR.parent.parent / "scripts" / "fetch_test_data.py"
+        fetch = (" (from a checkout, `python scripts/fetch_test_data.py` downloads it into ../shared/data beside "
+                 "the checkout)" if fetcher.is_file() else "")
         raise FileNotFoundError(
             f"{path} does not exist; give its location with the metadata key {key!r} (lm-eval --metadata JSON or "
-            f"switchhead eval --data-dir), the environment variable {env_name}, or SWITCHHEAD_DATA_DIR")
+            f"switchhead eval --data-dir), the environment variable {env_name}, or SWITCHHEAD_DATA_DIR: a folder "
+            f"holding {layout}{fetch}")
     return path
 
 

@@ -1,12 +1,12 @@
-"""Render what one GPU session (`bash scripts/gpu/gpu_run.sh all`) brought back, on any machine.
+"""Render what one GPU run (`bash scripts/gpu/gpu_run.sh all`) brought back, on any machine.
 
     python scripts/gpu/gpu_report.py RETURNED_FOLDER [--out-dir benchmarks/results/gpu]
 
 A run writes JSON only (few files, each complete as soon as its stage ends); this writes, beside copies of them in
-`--out-dir`, each stage's Markdown (the stage script's own `markdown()`) and `session.md`: the machine and
+`--out-dir`, each stage's Markdown (the stage script's own `markdown()`) and `run.md`: the machine and
 versions, each stage's status and seconds, and the headline ratios against their targets. Each timing is reported
 only where the checks it rests on passed: the kernel timings on the op checks (paper shapes and random problems),
-an end-to-end pair on its SwitchHead variant's whole-model checks; otherwise session.md says which check failed.
+an end-to-end pair on its SwitchHead variant's whole-model checks; otherwise run.md says which check failed.
 A folder may hold more end-to-end files than the run's (`e2e*.json`, e.g. a pair rerun afterwards).
 """
 
@@ -171,7 +171,7 @@ def render(folder: Path, out_dir: Path) -> Path:
     passed, why = correctness(checks)
     ops_passed, ops_why = correctness(reports["check"], ("paper", "sweep"))
     env = next((r["environment"] for r in reports.values() if r), {})
-    lines = ["# GPU session", "", f"Device: {env.get('device', '?')}; driver {env.get('driver')}; CUDA "
+    lines = ["# GPU run", "", f"Device: {env.get('device', '?')}; driver {env.get('driver')}; CUDA "
              f"{env.get('cuda')}; torch {env.get('torch')}; triton {env.get('triton')}; transformers "
              f"{env.get('transformers')}. Budget {summary.get('budget_s')} s, {summary.get('elapsed_s')} s used.", "",
              "| stage | status | seconds | budget (s) |", "|---|---|---|---|"]
@@ -203,18 +203,18 @@ def render(folder: Path, out_dir: Path) -> Path:
         lines += ["## Long context, decoding, prefill, kernel tables, host cost", ""]
         lines += [f"- {MATRICES[stage]}: [{files[stage][:-5]}.md]({files[stage][:-5]}.md)" for stage in matrices]
         lines.append("")
-    path = out_dir / "session.md"
+    path = out_dir / "run.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path, help="the files a gpu_run.sh session wrote to $OUT")
+    parser.add_argument("folder", type=Path, help="the files a gpu_run.sh run wrote to $OUT")
     parser.add_argument("--out-dir", type=Path, default=BENCHMARKS / "results" / "gpu")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
-        print(f"gpu_report: error: {args.folder} is not a folder; pass the folder the session's files came back in",
+        print(f"gpu_report: error: {args.folder} is not a folder; pass the folder the run's files came back in",
               file=sys.stderr)
         return 2
     print(f"wrote {render(args.folder, args.out_dir)}")

@@ -58,8 +58,11 @@ if torch.cuda.is_available():
                          capture_output=True, text=True).stdout.strip())
 PY
 authors=()
-[ -f "$root/.authors/cvmm.py" ] && authors=(--authors-cvmm "$root/.authors/cvmm.py")
-run() { echo "+ $*" | tee -a "$log"; "$@" 2>&1 | tee -a "$log"; }
+[ -f "$root/.authors/cvmm.py" ] && authors=(--authors-cvmm .authors/cvmm.py)
+# the log names no folder of this run's machine: the temporary folders, the checkout and site-packages are rewritten
+site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+portable() { sed -u -e "s#$work#WORK#g" -e "s#$shim#SHIM#g" -e "s#$site/#site-packages/#g" -e "s#$root/##g" -e "s#$root#.#g"; }
+run() { echo "+ $*" | portable | tee -a "$log"; "$@" 2>&1 | portable | tee -a "$log"; }
 
 # ------------------------------------------------------------------------------------------ one script alone
 single() {
@@ -144,7 +147,7 @@ publish() {  # the JSONs and the summary to $OUT (a copy, then a rename: a reade
     mv "$out/.summary.part" "$out/summary.json"
 }
 
-session() {
+whole_run() {
     local cases=120 tokens=8192 e2e_only=47m check_sections=paper,sweep,model cvmm_only=$cvmm_only
     local contenders=("${authors[@]}") jobs=$(( $(nproc) > 16 ? 16 : $(nproc) )) full=(--full)
     local compiled_batches=32,1
@@ -212,7 +215,7 @@ session() {
 status=0
 case "$stage" in
     check|cvmm|e2e) single "$@" || status=$? ;;
-    all|smoke) session ;;
+    all|smoke) whole_run ;;
     *) echo "gpu_run.sh: error: unknown stage $stage (all, smoke, check, cvmm or e2e)" >&2; exit 2 ;;
 esac
 exit $status

@@ -274,3 +274,22 @@ def test_decode_experts_benchmark_checks_every_formulation_and_names_the_rules_c
     with pytest.raises(SystemExit) as stopped:
         bench_decode_experts.main(["--reps", "1", "--ring-mib", "1", "--out", str(tmp_path / "broken.json")])
     assert stopped.value.code == 1 and not (tmp_path / "broken.json").exists()
+
+
+def test_autocast_precision_probe_writes_its_tables(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import autocast_precision
+
+    out = tmp_path / "precision.json"
+    assert autocast_precision.main(["--variants", "k=E", "--steps", "2", "--out", str(out)]) == 0
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["steps"] == 2 and set(report["errors"]) == {"k=E"}
+    errors = report["errors"]["k=E"]["trained"]
+    assert len(errors) == len(autocast_precision.NAMES) * 2 * 2 and all(value > 0 for value in errors.values())
+    markdown = out.with_suffix(".md").read_text()
+    assert "## bf16, routing fixed" in markdown and "## fp16, routing free" in markdown
+    with pytest.raises(SystemExit) as error:
+        autocast_precision.main(["--variants", "k=9"])
+    assert error.value.code == 2

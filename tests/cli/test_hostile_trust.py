@@ -169,16 +169,15 @@ def test_lm_eval_is_built_with_the_commands_decision(ours, tmp_path, monkeypatch
         pass
 
     class Recorder:
-        @classmethod
-        def create_from_arg_string(cls, arguments, extra):
-            built.append(arguments)
+        def __init__(self, **arguments):
+            built.append((arguments["pretrained"], arguments["trust_remote_code"]))
             raise Stop
 
     monkeypatch.setattr(zero_shot, "_one_bar_hflm_class", lambda: Recorder)
     for trust in (False, True):
         with pytest.raises(Stop):
             zero_shot.run_lm_eval(str(ours), ["switchhead_lambada"], trust_remote_code=trust)
-    assert built == [f"pretrained={ours},trust_remote_code=False", f"pretrained={ours},trust_remote_code=True"]
+    assert built == [(str(ours), False), (str(ours), True)]
     with pytest.raises(TypeError):
         zero_shot.run_lm_eval(str(ours), ["switchhead_lambada"], trust_remote_code=None)  # None would prompt
 

@@ -483,3 +483,42 @@ def test_lm_eval_records_the_commit_without_git_writing_to_the_terminal(tmp_path
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     with zero_shot._quiet_lm_eval():
         assert len(lm_eval.evaluator.get_git_commit_hash() or "") >= 7  # a checkout: its commit, as before
+
+
+def test_perplexity_tokenizes_the_whole_text_without_transformers_length_warning(loaded, shared_data):
+    """The text is scored in windows of the context, so the tokenizer's 'Token indices sequence length is longer
+    than the specified maximum sequence length' warning (printed by `switchhead eval --perplexity`) is wrong there."""
+    import logging
+
+    from switchhead.evaluation.perplexity import evaluate_perplexity
+
+    model, tokenizer = loaded
+    text = (shared_data / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:3000]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")
+    saved = tokenizer.model_max_length, dict(tokenizer.deprecation_warnings)
+    tokenizer.model_max_length = 64
+    tokenizer.deprecation_warnings.clear()
+    transformers_logger.addHandler(handler)
+    try:
+        evaluate_perplexity(model, tokenizer, text, context=64, progress=False)
+        during_evaluation = [r.getMessage() for r in records]
+        tokenizer(text)  # a plain call of the same tokenizer warns: the handler does see the warning
+    finally:
+        transformers_logger.removeHandler(handler)
+        tokenizer.model_max_length, tokenizer.deprecation_warnings = saved[0], saved[1]
+    assert not any("Token indices sequence length" in m for m in during_evaluation), during_evaluation
+    assert any("Token indices sequence length" in r.getMessage() for r in records)
+
+
+def test_eval_output_names_the_model_as_given(model_dir, shared_data, tmp_path, monkeypatch):
+    """`eval --output` records the model as the user named it, not the absolute folder of the machine that ran it."""
+    text_file = tmp_path / "text.txt"
+    text_file.write_text((shared_data / "wikitext-2" / "wiki.valid.tokens").read_text(encoding="utf-8")[:500])
+    monkeypatch.chdir(model_dir.parent)
+    out = tmp_path / "ppl.json"
+    assert main(["eval", model_dir.name, "--perplexity", str(text_file), "--context", "64", "--output",
+                 str(out)]) == 0
+    assert json.loads(out.read_text())["model"] == model_dir.name

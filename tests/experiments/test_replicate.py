@@ -139,13 +139,13 @@ def test_interrupted_run_resumes_from_its_checkpoint(smoke):
     assert json.loads((run / replicate.RUN_RECORD).read_text())["zero_shot"] is None
 
 
-def test_parameter_matching_of_the_session_grid():
-    """Every dense baseline and ablation of the grid this session ran has SwitchHead's parameter count to within
-    one MLP unit; SwitchHead's attention MACs are under 55% of the same-total-heads baseline's."""
+def test_parameter_matching_of_the_small_grid():
+    """Every dense baseline and ablation of the `small` grid (benchmarks/results/replication.md) has SwitchHead's
+    parameter count to within one MLP unit; SwitchHead's attention MACs are under 55% of the same-total-heads baseline's."""
     from switchhead import SwitchHeadConfig
     from switchhead.evaluation import attention_macs
 
-    scale = replicate.SCALES["session"]
+    scale = replicate.SCALES["small"]
     vocab = 8000
     for spec in [s for s in replicate.plan(scale) if s.seed == 0]:  # the other seeds have the same fields
         target = replicate.count_parameters(replicate.switchhead_fields(scale, spec.fields["position_encoding"]),
@@ -194,8 +194,8 @@ def test_interleaved_throughput_measures_every_model_of_the_grid():
                             scale.batch_size * scale.block_size / entry["step_seconds_median"])
 
 
-def test_session_grid_has_the_one_sided_ablations_and_the_sweep():
-    scale = replicate.SCALES["session"]
+def test_small_grid_has_the_one_sided_ablations_and_the_sweep():
+    scale = replicate.SCALES["small"]
     specs = {spec.name: spec for spec in replicate.plan(scale)}
     for tag, sides in (("Vonly", "value"), ("Oonly", "output")):
         spec = specs[f"rope-ablation-{tag}-s0"]
@@ -229,7 +229,7 @@ def test_session_grid_has_the_one_sided_ablations_and_the_sweep():
 
 
 def test_sweep_rows_line_up_the_grid_run_and_the_sweep_runs():
-    scale = replicate.SCALES["session"]
+    scale = replicate.SCALES["small"]
 
     def record(model, seed, ppl):
         return dict(model=model, seed=seed, label=model, perplexity={"test": {"perplexity": ppl}})

@@ -7,6 +7,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,7 +79,7 @@ def runs(tmp_path_factory):
     assert not (run / grid.FINISHED).exists()
     resumed = subprocess.run(command(tmp, "killed"), capture_output=True, text=True, env=ENV, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"[grid] {RUN}: resuming" in resumed.stdout
+    assert re.search(rf"^\[grid\] \S+Z {re.escape(RUN)}: resuming ", resumed.stdout, re.M)  # the shared driver's line
     return tmp
 
 

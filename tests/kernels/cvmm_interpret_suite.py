@@ -22,6 +22,7 @@ from switchhead import kernels  # noqa: E402
 from switchhead.expert_ops import expert_projection, naive  # noqa: E402
 
 from helpers.cvmm_cases import USES, Case, random_case  # noqa: E402
+from helpers.projection_precision import SIDES, errors_by_name, projection_call  # noqa: E402
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
 
@@ -277,3 +278,14 @@ def test_compiled_switchall_on_the_kernels_shares_the_sort_and_equals_eager_mode
     torch.testing.assert_close(got, want)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("side", list(SIDES))
+def test_kernels_under_autocast_round_as_eager_does(side):
+    """Under fp16 autocast (the interpreter has no bf16 dot) the kernels, which gate and sum slots in fp32 and round
+    once, are within 1.25x of eager's relative RMS error against float64 on each side's call (the factor of
+    tests/model/test_autocast_precision.py; they measured 0.70-1.00)."""
+    call = projection_call(side, 2, 4, 2, 16, torch.float16, tokens=32)
+    assert kernels.triton_runs(call[0].device, torch.float16)
+    errors = errors_by_name(call, torch.float16, names=("eager", "cvmm"))
+    assert 0 < errors["cvmm"] <= 1.25 * errors["eager"], errors

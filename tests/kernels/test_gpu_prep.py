@@ -285,7 +285,7 @@ def test_gpu_run_sh_imports_this_checkout_without_installing_it(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ the whole run
-def _session(tmp_path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+def _gpu_run(tmp_path, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
     env = dict(os.environ, OUT=str(tmp_path), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
@@ -294,11 +294,11 @@ def _session(tmp_path, *args: str, timeout: int = 1500) -> subprocess.CompletedP
 
 
 @pytest.mark.integration
-def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
+def test_gpu_run_sh_smoke_is_the_whole_run_on_the_cpu(tmp_path):
     """`gpu_run.sh smoke` is `all` on the CPU: every stage runs, in order, within its budget, and what comes back
     is the JSON of each stage, the log and the summary, which gpu_report.py renders with every check passed."""
     out = tmp_path / "out"
-    result = _session(out, "smoke", "--time-budget", "1200")
+    result = _gpu_run(out, "smoke", "--time-budget", "1200")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert files == ["e2e.json", "e2e_262m.json", "e2e_compiled.json", "e2e_eager.json", "gpu_check.json",
@@ -326,11 +326,11 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
 
     import gpu_report
 
-    session = gpu_report.render(out, tmp_path / "rendered").read_text()
-    assert "Correctness: every check passed." in session
-    assert "## End to end" in session
-    assert "| 47m-rope | eager |" in session
-    assert "decode_tok_s@b1 (compiled, static cache)" in session
+    report = gpu_report.render(out, tmp_path / "rendered").read_text()
+    assert "Correctness: every check passed." in report
+    assert "## End to end" in report
+    assert "| 47m-rope | eager |" in report
+    assert "decode_tok_s@b1 (compiled, static cache)" in report
     for name in ("gpu_check.md", "e2e.md", "e2e_compiled.md", "e2e_eager.md", "e2e_262m.md", "gpu_check_compile.md"):
         assert (tmp_path / "rendered" / name).is_file()
 
@@ -338,10 +338,10 @@ def test_gpu_run_sh_smoke_is_the_whole_session_on_the_cpu(tmp_path):
 @pytest.mark.integration
 def test_gpu_run_sh_smoke_runs_the_matrices_stages_and_the_report_links_them(tmp_path):
     """The long-context, decoding-floor, profile, prefill, model-check and generate-host stages, as `--stages` names
-    them, on the CPU; gpu_report.py renders each and links them from session.md."""
+    them, on the CPU; gpu_report.py renders each and links them from run.md."""
     out = tmp_path / "out"
     stages = "long_train,decode_floor,profiles,prefill,check_model,generate_host"
-    result = _session(out, "smoke", "--stages", stages, "--time-budget", "900")
+    result = _gpu_run(out, "smoke", "--stages", stages, "--time-budget", "900")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert [s["stage"] for s in summary["stages"]] == stages.split(",")
@@ -351,12 +351,12 @@ def test_gpu_run_sh_smoke_runs_the_matrices_stages_and_the_report_links_them(tmp
                                                      "prefill.json", "profiles.json", "summary.json"]
     import gpu_report
 
-    session = gpu_report.render(out, tmp_path / "rendered").read_text()
-    assert "Correctness: every check passed." in session
+    report = gpu_report.render(out, tmp_path / "rendered").read_text()
+    assert "Correctness: every check passed." in report
     for name in ("long_train", "decode_floor", "prefill", "profiles", "gpu_check_model", "generate_host"):
         assert (tmp_path / "rendered" / f"{name}.md").is_file()
     for name in ("long_train", "decode_floor", "prefill", "profiles", "generate_host"):
-        assert f"({name}.md)" in session
+        assert f"({name}.md)" in report
 
 
 def test_sweep_rotation_checks_fp32_and_every_other_precision_across_configs():
@@ -441,12 +441,12 @@ def test_bench_cvmm_only_takes_comma_separated_texts():
 
 @pytest.mark.integration
 def test_gpu_run_sh_starts_no_stage_the_budget_cannot_hold(tmp_path):
-    result = _session(tmp_path, "smoke", "--time-budget", "40", timeout=300)
+    result = _gpu_run(tmp_path, "smoke", "--time-budget", "40", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {s["status"] for s in summary["stages"]} == {"not run"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "summary.json"]
-    bad = _session(tmp_path, "all", "--time-budget", "soon", timeout=300)
+    bad = _gpu_run(tmp_path, "all", "--time-budget", "soon", timeout=300)
     assert bad.returncode == 2 and "whole seconds" in bad.stderr
 
 
@@ -454,18 +454,18 @@ def test_gpu_run_sh_starts_no_stage_the_budget_cannot_hold(tmp_path):
 def test_gpu_run_sh_runs_the_stages_asked_for_in_that_order(tmp_path):
     """--stages picks and orders the stages (the kernel timings are not in the default); an unknown stage, or one
     named twice (its JSON would replace the first run's), is refused before anything runs."""
-    result = _session(tmp_path, "smoke", "--time-budget", "30", "--stages", "cvmm,check", timeout=300)
+    result = _gpu_run(tmp_path, "smoke", "--time-budget", "30", "--stages", "cvmm,check", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [s["stage"] for s in summary["stages"]] == ["cvmm", "check"]
     for stages, why in (("check,kernels", "unknown stage 'kernels'"), ("e2e,check,e2e", "stage 'e2e' is named twice")):
-        bad = _session(tmp_path / "bad", "all", "--stages", stages, timeout=300)
+        bad = _gpu_run(tmp_path / "bad", "all", "--stages", stages, timeout=300)
         assert bad.returncode == 2 and why in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
         assert not (tmp_path / "bad" / "summary.json").exists()
 
 
 def test_gpu_report_withholds_timings_when_a_check_failed(tmp_path):
-    """Kernel timings rest on the op checks: with one of them failed, session.md shows no kernel figure."""
+    """Kernel timings rest on the op checks: with one of them failed, run.md shows no kernel figure."""
     import gpu_report
 
     check = dict(environment=dict(device="GPU", torch="t", triton="t", transformers="t"), smoke=False, seconds=1.0,
@@ -475,9 +475,9 @@ def test_gpu_report_withholds_timings_when_a_check_failed(tmp_path):
     (tmp_path / "gpu_check.json").write_text(json.dumps(check))
     (tmp_path / "cvmm.json").write_text(json.dumps(dict(cvmm, device="GPU", torch="t", triton="t", dtype="bf16",
                                                         cvmm_backend="triton", timing="x", full_paper_shapes=True)))
-    session = gpu_report.render(tmp_path, tmp_path / "r").read_text()
-    assert "FAILED: 1 correctness check(s) failed" in session and "0.90" not in session
-    assert "Not reported: the op checks did not pass" in session
+    report = gpu_report.render(tmp_path, tmp_path / "r").read_text()
+    assert "FAILED: 1 correctness check(s) failed" in report and "0.90" not in report
+    assert "Not reported: the op checks did not pass" in report
     assert gpu_report.correctness(dict(check, results=check["results"][:1]))[0] is False  # sweep never reached
     check["results"][1]["status"] = "ok"
     assert gpu_report.correctness(check) == (True, "")

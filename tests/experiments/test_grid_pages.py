@@ -1,0 +1,55 @@
+"""Every grid's committed results pages (benchmarks/results/<stem>.{json,md,png}) regenerate byte for byte from
+the committed records alone, with the committed stamp (`--report-only --same-stamp`): the grids' shared code
+(experiments/grid_driver.py and what the pages are rendered from) has not changed a reported number or word. No
+training, no run folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXPERIMENTS = REPO / "experiments"
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(EXPERIMENTS))
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# (script, the committed files it writes; the pages the grid reads besides its own)
+GRIDS = {
+    "replicate_cpu": ("replication_cpu", ["replication_cpu.json", "replication_cpu.md"]
+                      + [p.name for p in sorted(RESULTS.glob("replication_cpu_*.png"))], []),
+    "experts_vs_gate": ("experts_vs_gate", ["experts_vs_gate.json", "experts_vs_gate.md", "experts_vs_gate.png"], []),
+    "routing_vs_projection": ("routing_vs_projection",
+                              [p.name for p in sorted(RESULTS.glob("routing_vs_projection.*"))],
+                              ["experts_vs_gate.json"]),
+}
+
+
+@pytest.mark.parametrize("script", sorted(GRIDS))
+def test_committed_pages_regenerate_identically(script, tmp_path):
+    stem, files, read = GRIDS[script]
+    module = _load(script)
+    grid_driver = sys.modules["grid_driver"]
+    assert f"{stem}.json" in files and f"{stem}.md" in files
+    for name in files + read:
+        shutil.copy(RESULTS / name, tmp_path / name)
+    module.write_results(tmp_path / "out", tmp_path, **grid_driver.committed_stamp(tmp_path, stem))
+    for name in files:
+        assert (tmp_path / name).read_bytes() == (RESULTS / name).read_bytes(), name
+
+
+def test_same_stamp_needs_a_committed_page(tmp_path):
+    _load("experts_vs_gate")
+    with pytest.raises(SystemExit, match="does not exist"):
+        sys.modules["grid_driver"].committed_stamp(tmp_path, "experts_vs_gate")
