@@ -176,6 +176,17 @@ def format_count(value: float) -> str:
     return f"{value:,.0f}"
 
 
+def shared_layers_lines(config: SwitchHeadConfig) -> list[str]:
+    """MoEUT's shared layers: compute and the KV cache count every application, parameters only the distinct
+    blocks (the report's per-layer figures are per application)."""
+    group = getattr(config, "layer_group_size", None)
+    if group is None:
+        return []
+    return [f"shared layers (MoEUT): {group} distinct blocks applied {config.num_hidden_layers // group} times = "
+            f"{config.num_hidden_layers} layer applications; MACs and KV cache count every application, parameters "
+            f"each distinct block once"]
+
+
 def format_report(name: str, config: SwitchHeadConfig, report: CostReport) -> str:
     attention = "SwitchHead" if config.attention_type == "switchhead" else "dense"
     head = (f"{name}: {attention} attention, {config.position_encoding.upper()} positions, d={config.hidden_size}, "
@@ -186,8 +197,7 @@ def format_report(name: str, config: SwitchHeadConfig, report: CostReport) -> st
         if sides != "value_output":
             head += f", experts on {sides} only"
     forward = report.model_forward_macs
-    lines = [
-        head,
+    lines = [head] + shared_layers_lines(config) + [
         f"per layer, per sequence of T={report.context} tokens, C={1 + report.memory_chunks} "
         f"(1 + {report.memory_chunks} memory chunk{'s' if report.memory_chunks != 1 else ''}):",
         f"  attention MACs    {format_count(report.attention_macs_table):>9}  "

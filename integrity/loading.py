@@ -89,9 +89,11 @@ def parameter_count(config, trust_remote_code: bool = False) -> int:
     def count(layers: int) -> int:
         small = copy.deepcopy(config)
         small.num_hidden_layers = layers
+        if getattr(small, "layer_group_size", None) is not None:
+            small.layer_group_size = None  # MoEUT's shared layers: count the distinct blocks
         return sum(parameter.numel() for parameter in meta_model(small, trust_remote_code).parameters())
 
-    layers = int(config.num_hidden_layers)
+    layers = int(getattr(config, "layer_group_size", None) or config.num_hidden_layers)
     one = count(1)
     return one + (layers - 1) * (count(2) - one) if layers > 1 else one
 
@@ -302,6 +304,8 @@ def _layer_problem(config, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> s
     if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
         return f"config.json has num_hidden_layers {wanted!r}; it must be a whole number >= 1"
     saved = {int(match.group(1)) for key in tensors for match in [LAYER_KEY.search(key)] if match}
+    if isinstance(wanted, int) and not isinstance(wanted, bool):
+        wanted = getattr(config, "layer_group_size", None) or wanted  # MoEUT: one saved block per group member
     if saved and isinstance(wanted, int) and wanted != max(saved) + 1:
         return (f"config.json has num_hidden_layers {wanted}, but the weights hold {max(saved) + 1} layers; the "
                 "weights do not belong to this config.json")

@@ -25,6 +25,10 @@ MLP_TYPES = ("dense", "sigma_moe")
 HIDDEN_ACTS = ("relu", "gelu", "silu")
 # which of SwitchHead's value / output projections are mixtures of experts (the paper's Table 6 ablation)
 EXPERT_PROJECTIONS = ("value_output", "value", "output")
+# where each block's LayerNorms sit: before both branches ("pre"), or MoEUT's "peri" placement (see the class docstring)
+LAYERNORM_PLACEMENTS = ("pre", "peri")
+# what the routers' entropy regulariser averages over: each block on its own ("layer"), or MoEUT's "group"
+ENTROPY_REG_SCOPES = ("layer", "group")
 # RoPE types: the paper's, and every scaled type of Transformers' ROPE_INIT_FUNCTIONS, applied to the rotated channels
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -84,6 +88,22 @@ class SwitchHeadConfig(PreTrainedConfig):
         init_scale: scale of the paper's initialisation; defaults to `sqrt(2 / num_hidden_layers)` (the paper's
             training code).
         output_router_logits: return the selection logits of every router.
+        layer_group_size: MoEUT's shared layers (Csordás et al., "MoEUT: Mixture-of-Experts Universal
+            Transformers", NeurIPS 2024): the model has `layer_group_size` distinct blocks, applied in order
+            `num_hidden_layers / layer_group_size` times with the same weights (application i runs block
+            `i % layer_group_size` and owns KV-cache slot i). None (the default): every block is distinct.
+        layernorm_placement: `"pre"` (pre-LayerNorm blocks, the default) or MoEUT's `"peri"`: attention's query,
+            key and both routers read the normalised stream and its values the raw one; the sigma-MoE router reads
+            the normalised stream and its experts the raw one; no dropout on the MLP branch; the residual stream is
+            normalised only before the output layer. Needs `mlp_type="sigma_moe"` and RoPE.
+        entropy_reg_scope: what the routers' entropy regulariser averages over. `"layer"` (the default): each
+            sigma-MoE MLP's router logits over the batch's tokens, summed over blocks, weighted by
+            `entropy_reg_coef`. `"group"` (MoEUT): each distinct block's router logits over all its applications
+            and one sequence's tokens (per head for attention), the entropy averaged over sequences (and heads)
+            and summed over blocks; the MLP's weighted by `entropy_reg_coef`, each attention router's by
+            `attention_entropy_reg_coef`; `aux_loss` is then the weighted sum added to the loss.
+        attention_entropy_reg_coef: only with `entropy_reg_scope="group"`: weight of the attention routers'
+            entropy regulariser (MoEUT uses 0.001).
     """
 
     model_type = "switchhead"
@@ -204,6 +224,10 @@ class SwitchHeadConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     use_cache: bool = True
     output_router_logits: bool = False
+    layer_group_size: int | None = None
+    layernorm_placement: str = "pre"
+    entropy_reg_scope: str = "layer"
+    attention_entropy_reg_coef: float = 0.0
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -234,6 +258,17 @@ class SwitchHeadConfig(PreTrainedConfig):
         rounded down to even because RoPE rotates channel pairs (so the default 412 / 2 heads, dh=206, rotates 102).
         """
         return int(self.partial_rotary_factor * self.head_dim) // 2 * 2
+
+    @property
+    def num_layer_groups(self) -> int:
+        """How many times the distinct blocks are applied: `num_hidden_layers / layer_group_size` (1 without
+        shared layers)."""
+        return self.num_hidden_layers // (self.layer_group_size or self.num_hidden_layers)
+
+    @property
+    def num_distinct_layers(self) -> int:
+        """The blocks that have weights of their own: `layer_group_size`, or `num_hidden_layers` without sharing."""
+        return self.layer_group_size or self.num_hidden_layers
 
     @property
     def routers_per_layer(self) -> int:
@@ -322,7 +357,12 @@ _FIELD_RULES: dict[str, _Rule] = {
     "rope_parameters": _Rule((dict,), lambda value: True, "{name} must be a dict, got {value!r}", ""),
     **dict.fromkeys(("layer_norm_eps", "init_scale", "initializer_range"),
                     _finite_number(lambda value: value > 0, "positive number")),
-    "entropy_reg_coef": _finite_number(lambda value: value >= 0, "number >= 0"),
+    **dict.fromkeys(("entropy_reg_coef", "attention_entropy_reg_coef"),
+                    _finite_number(lambda value: value >= 0, "number >= 0")),
+    "layer_group_size": _Rule((int, type(None)), lambda value: value is None or value >= 1,
+                              "{name} must be None or an integer, got {value!r}", "{name} ({value}) must be >= 1"),
+    "layernorm_placement": _choice(LAYERNORM_PLACEMENTS),
+    "entropy_reg_scope": _choice(ENTROPY_REG_SCOPES),
     **dict.fromkeys(("mlp_bias", "lm_head_bias", "tie_word_embeddings", "use_cache", "output_router_logits"), _FLAG),
 }
 
@@ -447,6 +487,35 @@ def _rope_parameters_fit(config: SwitchHeadConfig) -> None:
             )
 
 
+def _layer_groups_divide_layers(config: SwitchHeadConfig) -> None:
+    """Shared layers: the group of distinct blocks is applied a whole number of times."""
+    size = config.layer_group_size
+    if size is not None and config.num_hidden_layers % size:
+        raise ValueError(f"num_hidden_layers ({config.num_hidden_layers}) must be a multiple of layer_group_size "
+                         f"({size}): the group of distinct blocks is applied num_hidden_layers / layer_group_size "
+                         f"times")
+
+
+def _peri_layernorm_needs_sigma_moe_and_rope(config: SwitchHeadConfig) -> None:
+    """MoEUT's peri-LayerNorm splits the sigma-MoE router's input from its experts'; XL memory is not defined for
+    it."""
+    if config.layernorm_placement != "peri":
+        return
+    if config.mlp_type != "sigma_moe":
+        raise ValueError(f"layernorm_placement='peri' needs mlp_type='sigma_moe' (its router reads the normalised "
+                         f"stream, its experts the raw one), got {config.mlp_type!r}")
+    if config.position_encoding != "rope":
+        raise ValueError(f"layernorm_placement='peri' needs position_encoding='rope' (as MoEUT), got "
+                         f"{config.position_encoding!r}")
+
+
+def _attention_entropy_needs_group_scope(config: SwitchHeadConfig) -> None:
+    if config.attention_entropy_reg_coef > 0 and config.entropy_reg_scope != "group":
+        raise ValueError(f"attention_entropy_reg_coef ({config.attention_entropy_reg_coef}) needs "
+                         f"entropy_reg_scope='group' (MoEUT's regulariser); the 'layer' scope regularises only the "
+                         f"sigma-MoE MLP")
+
+
 def _token_ids_in_vocabulary(config: SwitchHeadConfig) -> None:
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = getattr(config, name)
@@ -459,7 +528,8 @@ def _token_ids_in_vocabulary(config: SwitchHeadConfig) -> None:
 # the rules that relate fields, checked in this order once every field has passed its own rule
 _CROSS_FIELD_CHECKS = (_expert_projections_need_switchhead, _output_gate_needs_dense_attention,
                        _experts_per_token_within_experts, _xl_memory_needs_xl_positions, _rope_rotates_a_channel_pair,
-                       _rope_parameters_fit, _token_ids_in_vocabulary)
+                       _rope_parameters_fit, _layer_groups_divide_layers, _peri_layernorm_needs_sigma_moe_and_rope,
+                       _attention_entropy_needs_group_scope, _token_ids_in_vocabulary)
 
 
 def _check_config(config: SwitchHeadConfig) -> None:
@@ -490,6 +560,20 @@ def _paper(d, layers, heads, experts, k, dh, d_ff, context, dropout, *, position
         fields.update(mlp_type="sigma_moe", num_mlp_experts=n_experts, mlp_expert_size=size,
                       num_mlp_experts_per_tok=4, entropy_reg_coef=entropy)
     return fields
+
+
+def _moeut(d, layers, heads, mlp_experts, attention_experts, dh, mlp_k, group):
+    """A MoEUT configuration: SwitchHead attention (k=2) with RoPE and sigma-MoE MLP (expert size 128), shared layers
+    in groups of `group`, peri-LayerNorm, the group-wide entropy regulariser (0.01 MLP, 0.001 attention: the
+    authors' module's defaults), no dropout, the paper's 8000-token vocabulary and 1024-token context."""
+    return dict(
+        vocab_size=8000, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads, head_dim=dh,
+        max_position_embeddings=1024, attention_type="switchhead", position_encoding="rope",
+        num_attention_experts=attention_experts, num_attention_experts_per_tok=2, mlp_type="sigma_moe",
+        num_mlp_experts=mlp_experts, mlp_expert_size=128, num_mlp_experts_per_tok=mlp_k, hidden_dropout=0.0,
+        layer_group_size=group, layernorm_placement="peri", entropy_reg_scope="group", entropy_reg_coef=0.01,
+        attention_entropy_reg_coef=0.001,
+    )
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -530,6 +614,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                                head_dim=16, num_attention_experts=4, num_attention_experts_per_tok=2,
                                intermediate_size=128, position_encoding="xl", max_position_embeddings=128,
                                hidden_dropout=0.0),
+    # MoEUT (Csordás et al., NeurIPS 2024): the authors' profiles.py (d_model, n_layers, n_heads, ff_n_experts,
+    # att_n_experts, d_head, ff_k, group_size) with their module's defaults for the rest
+    "moeut-44m": _moeut(412, 16, 4, 155, 8, 82, 12, 2),
+    "moeut-126m": _moeut(768, 18, 4, 254, 10, 96, 12, 2),
+    "moeut-244m": _moeut(1024, 18, 4, 387, 10, 128, 16, 2),
+    "moeut-318m": _moeut(1024, 24, 4, 338, 10, 128, 16, 3),
+    "moeut-727m": _moeut(1024, 36, 5, 467, 13, 128, 20, 4),
+    "moeut-1b": _moeut(1536, 36, 6, 565, 12, 128, 24, 4),
+    "tiny-moeut": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, head_dim=16,
+                       num_attention_experts=4, num_attention_experts_per_tok=2, mlp_type="sigma_moe",
+                       num_mlp_experts=8, mlp_expert_size=16, num_mlp_experts_per_tok=2, max_position_embeddings=128,
+                       hidden_dropout=0.0, layer_group_size=2, layernorm_placement="peri", entropy_reg_scope="group",
+                       entropy_reg_coef=0.01, attention_entropy_reg_coef=0.001),
     "tiny-dense-xl": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
                           attention_type="dense", intermediate_size=128, position_encoding="xl",
                           max_position_embeddings=128, hidden_dropout=0.0),

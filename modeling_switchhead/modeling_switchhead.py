@@ -62,7 +62,7 @@ from .model_io import SwitchHeadCausalLMOutputWithPast, SwitchHeadModelOutputWit
 from .expert_ops import EXPERTS_IMPLEMENTATIONS, fused_attention_inputs, fuses_attention_block, lookup, relu
 from .experts_integration import ExpertsChoiceMixin, configured_implementation, local_routes
 from .experts_integration import register as register_experts_functions
-from .routing import ExpertSelection, mlp_router_logits, sigma_moe_entropy_loss
+from .routing import ExpertSelection, group_entropy_loss, mlp_router_logits, regularised, sigma_moe_entropy_loss
 from .tensor_parallel import ParallelPlansMixin, register_styles
 from .positions import (SwitchHeadRotaryEmbedding, apply_partial_rotary, check_xl_memory, create_xl_memory_mask,
                         rotary_embedding, xl_attention_inputs)
@@ -163,13 +163,17 @@ class SwitchHeadAttentionBase(nn.Module):
         batch, length, _ = hidden_states.shape
         heads_shape = (batch, length, -1, self.head_dim)  # -1: this process's heads under tensor parallelism
         sources = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)  # [B, M + T, d]
-        query, key, value, routing = self.project_inputs(hidden_states, sources)
+        value_states = kwargs.pop("value_states", None)  # MoEUT's peri-LayerNorm: values from the raw stream
+        query, key, value, routing = (self.project_inputs(hidden_states, sources) if value_states is None
+                                      else peri_attention_inputs(self, hidden_states, value_states))
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, H, T or M+T, dh]
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
-        key, value, past_length, packed = update_cache(cache, key, value, self.layer_idx, kwargs)
+        # shared layers (MoEUT): the model names this application's cache slot; else the block's own index
+        key, value, past_length, packed = update_cache(cache, key, value, kwargs.pop("cache_layer_idx", self.layer_idx),
+                                                       kwargs)
         # index of the first query among the keys: what the cache held before, else the memory length
         query_offset = sources.shape[1] - length if past_length is None else past_length
 
@@ -301,6 +305,21 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
 ATTENTION_CLASSES = {"switchhead": SwitchHeadAttention, "dense": MultiHeadAttention}
 
 
+# ----------------------------------------------------------------------- MoEUT: peri-LayerNorm attention inputs
+def peri_attention_inputs(attention: SwitchHeadAttentionBase, normed: torch.Tensor, raw: torch.Tensor) -> tuple:
+    """MoEUT's attention inputs: query, key and the value router read the normalised stream `normed` `[B, T, d]`,
+    the value projection (expert or dense) the raw residual stream `raw` `[B, T, d]` -> as `project_inputs`."""
+    batch, length, d = normed.shape
+    shape = (batch, length, -1, attention.head_dim)
+    query, key = attention.q_proj(normed).view(shape), attention.k_proj(normed).view(shape)
+    if not getattr(attention, "expert_values", False):
+        return query, key, attention.v_proj(raw).view(shape), None
+    _, gates, index = attention.value_selection(normed.reshape(-1, d))
+    project = lookup(configured_implementation(attention.config))
+    values = project(raw.reshape(-1, 1, d), index, attention.value_experts, gates, attention.num_heads, True)
+    return query, key, values.view(shape), None
+
+
 # ============================================================================================= MLPs
 class SwitchHeadMLP(nn.Module):
     """The paper's dense feed-forward block: Linear (bias) -> ReLU -> Linear (bias)."""
@@ -422,6 +441,47 @@ class SwitchHeadDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
+# ------------------------------------------------------------------------------------- MoEUT: shared layers
+class MoEUTDecoderLayer(SwitchHeadDecoderLayer):
+    """MoEUT's peri-LayerNorm block (`layernorm_placement="peri"`): with x the raw residual stream,
+    a = attn(query, key and routers from LN1(x), values from x); x = x + drop(a); then x + sigma_moe(router from
+    LN2(x), experts on x), without dropout on the MLP branch (as the authors' module). The residual stream is
+    normalised only by the model's final LayerNorm."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, memory=None,
+                **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
+        attended, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            memory=memory,  # None: the config refuses peri-LayerNorm with XL positions
+            value_states=hidden_states,
+            **kwargs,
+        )
+        hidden_states = hidden_states + self.dropout(attended)
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])
+        _, gates, index = self.mlp.gate(self.post_attention_layernorm(tokens))
+        return hidden_states + self.mlp.experts(tokens, index, gates).view(shape)
+
+
+def decoder_layers(config: SwitchHeadConfig) -> nn.ModuleList:
+    """The blocks that have weights: `config.num_distinct_layers` of them (all `num_hidden_layers` without shared
+    layers), peri-LayerNorm ones for `layernorm_placement="peri"`."""
+    layer_class = MoEUTDecoderLayer if config.layernorm_placement == "peri" else SwitchHeadDecoderLayer
+    return nn.ModuleList([layer_class(config, layer_idx) for layer_idx in range(config.num_distinct_layers)])
+
+
+def applied_layers(layers: nn.ModuleList, config: SwitchHeadConfig) -> list[nn.Module]:
+    """The blocks in the order they run, one per application (`num_hidden_layers` in all): without shared layers
+    each block once; with them the group of `layer_group_size` blocks, `num_layer_groups` times (application i runs
+    block `i % layer_group_size`)."""
+    if config.layer_group_size is None:
+        return list(layers[: config.num_hidden_layers])
+    return [layers[index % config.layer_group_size] for index in range(config.num_hidden_layers)]
+
+
 class SwitchHeadPreTrainedModel(SavedFolderMixin, ParallelPlansMixin, ExpertsChoiceMixin, PreTrainedModel):
     """`save_pretrained` lists every Auto class in `auto_map` and `load_state_dict` also takes the tensor names of
     earlier releases (`checkpoint_format.py`); parallel plans are checked (`tensor_parallel.py`); the experts
@@ -498,9 +558,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList(
-            [SwitchHeadDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
+        self.layers = decoder_layers(config)  # MoEUT: layer_group_size shared blocks
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_emb = rotary_embedding(config)  # None with XL positions
         self.gradient_checkpointing = False
@@ -565,7 +623,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
         new_memory = [] if keep_memory else None
         hidden_states = self.embed_dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
-        for layer_idx, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+        for layer_idx, decoder_layer in enumerate(applied_layers(self.layers, self.config)):
             memory = xl_memory[layer_idx].to(hidden_states) if memory_length > 0 else None
             if keep_memory:  # this layer's input, as the authors keep it: before the LayerNorm, detached
                 inputs = hidden_states if memory is None else torch.cat((memory, hidden_states), dim=1)
@@ -578,6 +636,7 @@ class SwitchHeadModel(SwitchHeadPreTrainedModel):
                 memory=memory,
                 use_cache=use_cache,
                 position_ids=position_ids,
+                cache_layer_idx=layer_idx,  # one cache slot per application (shared layers run several times)
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -643,7 +702,7 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        regularise = self.training and self.config.mlp_type == "sigma_moe" and self.config.entropy_reg_coef > 0
+        regularise = self.training and regularised(self.config)
         outputs: SwitchHeadModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -665,7 +724,13 @@ class SwitchHeadForCausalLM(SwitchHeadPreTrainedModel, GenerationMixin):
 
         aux_loss = None
         mlp_logits = mlp_router_logits(outputs.router_logits, self.config)
-        if mlp_logits:
+        if self.config.entropy_reg_scope == "group":  # MoEUT: already weighted, over each shared block's uses
+            if outputs.router_logits:
+                aux_loss = group_entropy_loss(outputs.router_logits, self.config, hidden_states.shape[0],
+                                              attention_mask)
+                if loss is not None and regularise:
+                    loss = loss + aux_loss.to(loss.device)
+        elif mlp_logits:
             aux_loss = sigma_moe_entropy_loss(mlp_logits, attention_mask)
             if loss is not None and regularise:
                 loss = loss + self.config.entropy_reg_coef * aux_loss.to(loss.device)

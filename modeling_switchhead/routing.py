@@ -84,3 +84,53 @@ def sigma_moe_entropy_loss(
             log_mean = torch.logsumexp(log_probs, dim=0) - math.log(max(log_probs.shape[0], 1))
         total = total + (log_mean.exp() * log_mean).sum()
     return torch.as_tensor(total, dtype=torch.float32)
+
+
+# ============================================================== MoEUT: the group-wide entropy regulariser
+def regularised(config) -> bool:
+    """Whether training adds an entropy regulariser to the loss."""
+    mlp = config.mlp_type == "sigma_moe" and config.entropy_reg_coef > 0
+    return mlp or (getattr(config, "entropy_reg_scope", "layer") == "group" and config.attention_entropy_reg_coef > 0)
+
+
+def _sequence_entropy_term(logits: list[torch.Tensor], batch: int, num_experts: int,
+                           attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """sum_e p_e log p_e of p = the mean, over one sequence's tokens in every given application, of
+    softmax(logits) per group of experts (a head, or the MLP's one group); averaged over sequences and groups.
+    `logits`: one `[B * T, groups * E]` tensor per application."""
+    log_probs = torch.cat([F.log_softmax(l.float().view(batch, -1, l.shape[-1] // num_experts, num_experts), dim=-1)
+                           for l in logits], dim=1)  # [B, applications * T, groups, E]
+    length = logits[0].shape[0] // batch
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] == length:
+        keep = attention_mask.bool().to(log_probs.device).repeat(1, len(logits))[..., None, None]  # [B, R*T, 1, 1]
+        count = keep.sum(dim=1).clamp(min=1).to(log_probs.dtype)  # [B, 1, 1]
+        log_mean = torch.logsumexp(log_probs.masked_fill(~keep, float("-inf")), dim=1) - count.log()
+    else:
+        log_mean = torch.logsumexp(log_probs, dim=1) - math.log(log_probs.shape[1])  # [B, groups, E]
+    return (log_mean.exp() * log_mean).sum(-1).mean()
+
+
+def group_entropy_loss(router_logits: tuple[torch.Tensor, ...], config, batch: int,
+                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """MoEUT's regulariser (`entropy_reg_scope="group"`), weighted: for each distinct block and each of its routers,
+    `_sequence_entropy_term` over all the block's applications; the sigma-MoE router's times `entropy_reg_coef`, each
+    attention router's times `attention_entropy_reg_coef`, summed. `router_logits`: the model's recorded ones,
+    `config.routers_per_layer` per application in application order."""
+    per_block, group = config.routers_per_layer, config.num_distinct_layers
+    if len(router_logits) != per_block * config.num_hidden_layers:
+        raise ValueError(f"expected {per_block * config.num_hidden_layers} router logits ({per_block} per block "
+                         f"application), got {len(router_logits)}")
+    attention = len(config.attention_expert_routers)
+    total = torch.zeros((), dtype=torch.float32, device=router_logits[0].device)
+    for member in range(group):
+        for slot in range(per_block):
+            uses = [router_logits[(repeat * group + member) * per_block + slot]
+                    for repeat in range(config.num_layer_groups)]
+            if slot < attention:
+                if config.attention_entropy_reg_coef > 0:
+                    total = total + config.attention_entropy_reg_coef * _sequence_entropy_term(
+                        uses, batch, config.num_attention_experts, attention_mask)
+            elif config.entropy_reg_coef > 0:
+                total = total + config.entropy_reg_coef * _sequence_entropy_term(
+                    uses, batch, config.num_mlp_experts, attention_mask)
+    return total

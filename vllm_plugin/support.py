@@ -84,6 +84,11 @@ def _as_switchhead_config(config: Any) -> SwitchHeadConfig:
 def check_supported(config: Any, vllm_config: Any = None) -> None:
     """Raise ValueError, naming the reason, for a checkpoint or engine setting the plugin cannot run exactly."""
     config = _as_switchhead_config(config)
+    if getattr(config, "layer_group_size", None) is not None or getattr(config, "layernorm_placement", "pre") != "pre":
+        raise ValueError(  # MoEUT: the plugin's blocks are one per layer and pre-LayerNorm
+            f"switchhead.vllm: shared layers and peri-LayerNorm (MoEUT: layer_group_size="
+            f"{config.layer_group_size!r}, layernorm_placement={config.layernorm_placement!r}) are not in the vLLM "
+            f"plugin; serve this model with `switchhead serve` (Transformers) instead")
     needed = needed_head_size(config)
     sizes = accepted_head_sizes()
     if needed > max(sizes):

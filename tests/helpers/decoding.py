@@ -16,6 +16,7 @@ MODEL_VARIANTS = {
     "switchhead-xl": ("tiny-switchhead-xl", {}),
     "switchall-xl": ("tiny-switchall", {"position_encoding": "xl"}),
     "dense-xl": ("tiny-dense-xl", {}),
+    "moeut": ("tiny-moeut", {}),  # shared layers, peri-LayerNorm
 }
 
 

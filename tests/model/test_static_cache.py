@@ -10,7 +10,7 @@ from helpers.decoding import next_step, prefill, variant_model
 from helpers.padding import left_padded_batch, positions_from_mask
 
 
-@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl", "switchall-xl", "dense-xl"])
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl", "switchall-xl", "dense-xl", "moeut"])
 def test_static_cache_logits_equal_the_full_forward_with_left_padding(variant):
     model = variant_model(variant)
     ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
@@ -29,7 +29,7 @@ def test_static_cache_logits_equal_the_full_forward_with_left_padding(variant):
         torch.testing.assert_close(logits, full[:, ids.shape[1] - 4 + i], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl", "switchall-xl"])
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchhead-xl", "switchall-xl", "moeut"])
 def test_static_cache_generation_equals_dynamic_cache(variant):
     model = variant_model(variant)
     ids, mask = left_padded_batch(model.config.vocab_size, lengths=(6, 3, 5))
