@@ -46,6 +46,9 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="switchhead", description="SwitchHead / SwitchAll models: train, "
                                      "evaluate, convert, generate, count MACs and publish.")
+    from switchhead import __version__
+
+    parser.add_argument("--version", action="version", version=f"switchhead {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     from . import convert, evaluate, export, finetune, generate, serve, train  # each imports its part when run
 
@@ -57,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         command.register(subparsers)
     return parser
+
+
+def module_docstring(name: str) -> str | None:
+    """The docstring of module `name`, read from its source without running it (nor its package's __init__, which
+    may import the model stack): for a --help that shows a module's documentation and answers at once."""
+    import ast
+    import importlib.machinery
+
+    package, _, leaf = name.rpartition(".")
+    parent = importlib.util.find_spec(package)  # imports the packages above `package` only
+    spec = importlib.machinery.PathFinder.find_spec(leaf, parent.submodule_search_locations)
+    with open(spec.origin, encoding="utf-8") as source:
+        return ast.get_docstring(ast.parse(source.read()), clean=True)
 
 
 class _LibraryNoise:
