@@ -106,6 +106,36 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
+def install_command(extra: str) -> str:
+    """The pip command that adds the optional dependencies `extra` (setup.py's extras_require) where this package
+    was installed from: a checkout (`pip install -e "PATH[extra]"`, "." when it is the working folder), a local
+    archive (its path), else the package index (`pip install 'switchhead[extra]'`)."""
+    import json
+    import os
+    from importlib import metadata
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+
+    def checkout(path, editable=True):
+        path = Path(path)
+        shown = "." if path.resolve() == Path.cwd().resolve() else str(path)
+        return f'pip install {"-e " if editable else ""}"{shown}[{extra}]"'
+
+    try:
+        distribution = metadata.distribution("switchhead")
+    except metadata.PackageNotFoundError:  # imported from a checkout without installing it
+        here = Path(__file__).resolve().parent.parent
+        return checkout(here) if (here / "setup.py").is_file() else f"pip install 'switchhead[{extra}]'"
+    direct = json.loads(distribution.read_text("direct_url.json") or "null")  # PEP 610: how pip installed it
+    if direct and urlparse(direct.get("url", "")).scheme == "file":
+        path = unquote(urlparse(direct["url"]).path)
+        if "dir_info" in direct:
+            return checkout(path, editable=direct["dir_info"].get("editable", False))
+        if os.path.exists(path):
+            return f'pip install "{path}[{extra}]"'
+    return f"pip install 'switchhead[{extra}]'"
+
+
 class _AfterImport(_importlib_abc.MetaPathFinder):
     """Runs `then()` right after the module `name` is first imported, or at once where it is imported already: the
     registrations happen when the Transformers module they write to loads, without importing it here."""
