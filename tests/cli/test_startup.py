@@ -68,17 +68,28 @@ print("ok")
         assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory) -> Path:
+    from helpers.models import tiny_model
+
+    folder = tmp_path_factory.mktemp("startup") / "model"
+    tiny_model("tiny-switchhead").save_pretrained(folder)
+    (folder.parent / "text.txt").write_text("a few words of text for a run that stops before it reads them\n" * 4)
+    return folder
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("argv, missing, extra", [
     (["eval", "{model}", "--tasks", "lambada"], "lm_eval", "eval"),
+    (["serve", "{model}"], "fastapi", "serve"),
+    (["serve", "{model}"], "uvicorn", "serve"),
+    (["finetune", "{model}", "--data", "{text}", "--output-dir", "{out}"], "peft", "peft"),
 ])
-def test_a_missing_optional_library_is_one_line_naming_the_install_command(tmp_path, argv, missing, extra):
+def test_a_missing_optional_library_is_one_line_naming_the_install_command(saved_model, tmp_path, argv, missing,
+                                                                          extra):
     """Each subcommand run where one optional library it uses is missing (the module set to None in sys.modules,
     as an uninstalled one fails to import): exit 2 and one line naming the pip command of its extra."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "switchhead"}))
-    argv = [a.format(model=model, out=tmp_path / "out") for a in argv]
+    argv = [a.format(model=saved_model, text=saved_model.parent / "text.txt", out=tmp_path / "out") for a in argv]
     code = (f"import sys\nsys.modules[{missing!r}] = None\nfrom switchhead.cli import main\n"
             "sys.exit(main(sys.argv[1:]))")
     result = _python(code, *argv)
