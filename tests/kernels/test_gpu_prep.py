@@ -381,16 +381,20 @@ def test_sweep_rotation_checks_fp32_and_every_other_precision_across_configs():
 def test_fp32_model_diagnosis_names_the_side_far_from_float64():
     """gpu_check's diagnosis of a failed fp32 whole-model check compares each side with a float64 run of the
     PyTorch path: given a Triton gradient that is wrong (here: scaled by 1.05), it names the Triton side, and the
-    PyTorch side stays within the tolerance."""
+    PyTorch side stays within the tolerance. The reruns replay the PyTorch run's ReLU decisions, as the check does,
+    so a pre-activation within rounding of zero (where one lies depends on the processor's kernels) moves nothing."""
     import gpu_check
 
     model = gpu_check.build_model("tiny-switchall", {}, torch.device("cpu"), train=True)
     ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
     model.set_experts_implementation("eager")
-    logits, grads = gpu_check.loss_and_grads(model, ids)
+    decisions = gpu_check.ReluDecisions(model)
+    with decisions.record():
+        logits, grads = gpu_check.loss_and_grads(model, ids)
     name = next(n for n in grads if n.endswith("expert_keys"))
     broken = dict(grads, **{name: grads[name] * 1.05})
-    row = gpu_check.diagnose_fp32_mismatch("switchall", model, ids, (logits, broken), (logits, grads), name)
+    row = gpu_check.diagnose_fp32_mismatch("switchall", model, ids, (logits, broken), (logits, grads), name,
+                                           decisions=decisions)
     assert row["worst_parameter"] == name and row["wrong_side"] == ["triton"] and row["status"] == "mismatch"
     assert row["errors"][f"{name} vs fp64 (triton)"] > 0.04
     assert row["errors"][f"{name} vs fp64 (torch)"] < gpu_check.MODEL_TOLERANCE["fp32"]
