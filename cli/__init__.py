@@ -62,19 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def module_docstring(name: str) -> str | None:
-    """The docstring of module `name`, read from its source without running it (nor its package's __init__, which
-    may import the model stack): for a --help that shows a module's documentation and answers at once."""
-    import ast
-    import importlib.machinery
-
-    package, _, leaf = name.rpartition(".")
-    parent = importlib.util.find_spec(package)  # imports the packages above `package` only
-    spec = importlib.machinery.PathFinder.find_spec(leaf, parent.submodule_search_locations)
-    with open(spec.origin, encoding="utf-8") as source:
-        return ast.get_docstring(ast.parse(source.read()), clean=True)
-
-
 class _LibraryNoise:
     """Other libraries' messages that are not about the user's command, dropped from our commands' stderr (logger
     name -> the start of the message). Each comes before our own one-line error when it shows at all:

@@ -77,7 +77,7 @@ def register(subparsers) -> None:
 
 
 def _register_upcycle(subparsers) -> None:
-    from . import module_docstring  # the module itself imports the model stack: read, not imported, for --help
+    from .common import module_docstring  # the module itself imports the model stack: read, not imported, for --help
 
     parser = subparsers.add_parser("upcycle", help="turn a dense model (ours or GPT-2 style) into a SwitchHead one",
                                    description=module_docstring("switchhead.conversion.upcycle"), formatter_class=argparse.RawDescriptionHelpFormatter)

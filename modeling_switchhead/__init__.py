@@ -9,7 +9,6 @@ happens when the Transformers module it writes to loads, and the model classes i
 """
 
 import functools as _functools
-import importlib as _importlib
 import importlib.abc as _importlib_abc
 import importlib.util as _importlib_util
 import logging as _logging
@@ -53,7 +52,7 @@ def _configuration():
     """Import the configuration, register it with AutoConfig and have its first instance load the models; once."""
     import transformers
 
-    configuration = _importlib.import_module(".configuration_switchhead", __name__)
+    from . import configuration_switchhead as configuration
     config_class = configuration.SwitchHeadConfig
     post_init = config_class.__post_init__
 
@@ -80,7 +79,7 @@ def _model_stack():
     for logger in loggers:
         logger.addFilter(noise)
     try:
-        modeling = _importlib.import_module(".modeling_switchhead", __name__)
+        from . import modeling_switchhead as modeling
     finally:
         for logger in loggers:
             logger.removeFilter(noise)
@@ -94,9 +93,10 @@ def _model_stack():
 def __getattr__(name):
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    where = _LAZY[name]
-    module = {"configuration_switchhead": _configuration, "modeling_switchhead": _model_stack}.get(
-        where, lambda: _importlib.import_module(f".{where}", __name__))()
+    if _LAZY[name] == "expert_ops":
+        from . import expert_ops as module
+    else:
+        module = _configuration() if _LAZY[name] == "configuration_switchhead" else _model_stack()
     value = getattr(module, name)
     globals()[name] = value  # the next read is a plain attribute
     return value
