@@ -46,6 +46,9 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="switchhead", description="SwitchHead / SwitchAll models: train, "
                                      "evaluate, convert, generate, count MACs and publish.")
+    from switchhead import __version__
+
+    parser.add_argument("--version", action="version", version=f"switchhead {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     from . import convert, evaluate, export, finetune, generate, serve, train  # each imports its part when run
 

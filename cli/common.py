@@ -122,3 +122,17 @@ def parse_field_assignments(items: list[str], known: list[str] | None = None) ->
         except json.JSONDecodeError:
             overrides[name] = value  # a bare string such as --set position_encoding=xl
     return overrides
+
+
+def module_docstring(name: str) -> str | None:
+    """The docstring of module `name`, read from its source without running it (nor its package's __init__, which
+    may import the model stack): for a --help that shows a module's documentation and answers at once."""
+    import ast
+    import importlib.machinery
+    import importlib.util
+
+    package, _, leaf = name.rpartition(".")
+    parent = importlib.util.find_spec(package)  # imports the packages above `package` only
+    spec = importlib.machinery.PathFinder.find_spec(leaf, parent.submodule_search_locations)
+    with open(spec.origin, encoding="utf-8") as source:
+        return ast.get_docstring(ast.parse(source.read()), clean=True)

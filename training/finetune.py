@@ -91,7 +91,9 @@ def _require_peft():
     try:
         import peft
     except ImportError:
-        raise FinetuneError("LoRA needs PEFT: pip install 'switchhead[peft]' (or peft==0.21.2)") from None
+        from switchhead import install_command
+
+        raise FinetuneError(f"LoRA needs PEFT (the [peft] extra): {install_command('peft')}") from None
     return peft
 
 
@@ -263,7 +265,9 @@ def quantization_config(name: str, compute_dtype: torch.dtype | None = None):
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise FinetuneError(f"{name} needs bitsandbytes: pip install 'switchhead[quant]'") from None
+            from switchhead import install_command
+
+            raise FinetuneError(f"{name} needs bitsandbytes (the [quant] extra): {install_command('quant')}") from None
         from transformers import BitsAndBytesConfig
 
         if name == "bnb-int8":
@@ -273,7 +277,9 @@ def quantization_config(name: str, compute_dtype: torch.dtype | None = None):
     try:
         from torchao.quantization import Int8WeightOnlyConfig
     except ImportError:
-        raise FinetuneError(f"{name} needs torchao: pip install 'switchhead[quant]'") from None
+        from switchhead import install_command
+
+        raise FinetuneError(f"{name} needs torchao (the [quant] extra): {install_command('quant')}") from None
     from transformers import TorchAoConfig
 
     return TorchAoConfig(Int8WeightOnlyConfig())

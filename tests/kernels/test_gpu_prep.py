@@ -8,6 +8,8 @@ reports, so that time on a GPU goes to measuring.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -379,47 +381,117 @@ def test_sweep_rotation_checks_fp32_and_every_other_precision_across_configs():
 def test_fp32_model_diagnosis_names_the_side_far_from_float64():
     """gpu_check's diagnosis of a failed fp32 whole-model check compares each side with a float64 run of the
     PyTorch path: given a Triton gradient that is wrong (here: scaled by 1.05), it names the Triton side, and the
-    PyTorch side stays within the tolerance."""
+    PyTorch side stays within the tolerance. The reruns replay the PyTorch run's ReLU decisions, as the check does,
+    so a pre-activation within rounding of zero (where one lies depends on the processor's kernels) moves nothing."""
     import gpu_check
 
     model = gpu_check.build_model("tiny-switchall", {}, torch.device("cpu"), train=True)
     ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
     model.set_experts_implementation("eager")
-    logits, grads = gpu_check.loss_and_grads(model, ids)
+    decisions = gpu_check.ReluDecisions(model)
+    with decisions.record():
+        logits, grads = gpu_check.loss_and_grads(model, ids)
     name = next(n for n in grads if n.endswith("expert_keys"))
     broken = dict(grads, **{name: grads[name] * 1.05})
-    row = gpu_check.diagnose_fp32_mismatch("switchall", model, ids, (logits, broken), (logits, grads), name)
+    row = gpu_check.diagnose_fp32_mismatch("switchall", model, ids, (logits, broken), (logits, grads), name,
+                                           decisions=decisions)
     assert row["worst_parameter"] == name and row["wrong_side"] == ["triton"] and row["status"] == "mismatch"
     assert row["errors"][f"{name} vs fp64 (triton)"] > 0.04
     assert row["errors"][f"{name} vs fp64 (torch)"] < gpu_check.MODEL_TOLERANCE["fp32"]
     assert row["errors"][f"{name} vs fp64 (triton pinned)"] < gpu_check.MODEL_TOLERANCE["fp32"]
 
 
-def test_relu_decisions_make_the_fp32_model_check_well_posed_at_a_kink():
-    """A SwitchAll-XL case found on a GPU, on the CPU: the PyTorch path in fp32 and float64, at the whole-model
-    check's sizes and inputs. One sigma-MoE key pre-activation lies within rounding of zero (positive in fp32,
-    negative in float64), so the gradients differ by 3.6% while the logits agree to 1e-6. With the fp32 run's ReLU
-    decisions replayed in the float64 run, every gradient agrees within the check's tolerance, and the one kink is
-    counted."""
-    import copy
+class _PlacedPreActivations:
+    """Sets chosen sigma-MoE key pre-activations of a run to chosen values, so that a test decides where the kinks
+    of the ReLU lie instead of finding them where one processor's rounding put them.
 
-    import gpu_check
+    `zero_below`: in the first run placed (the recording one), every pre-activation with |value| under that
+    fraction of its layer's largest is noted; in every run those entries are set to exactly 0 (no side of the kink in
+    any precision). `kink`: (layer, flat index, value) set in that run. A set value is exact and keeps the gradient:
+    x - x.detach() + v is (x - x) + v = v, with derivative 1."""
+
+    def __init__(self, modules, zero_below: float):
+        self.modules, self.zero_below, self.zeroed = modules, zero_below, None
+
+    @contextlib.contextmanager
+    def placed(self, kink):
+        noting = self.zeroed is None
+        if noting:
+            self.zeroed = [None] * len(self.modules)
+        inners = [m.act_fn for m in self.modules]
+
+        def place(layer, inner, x):
+            flat = x.reshape(-1)
+            if noting:
+                self.zeroed[layer] = (flat.abs() < self.zero_below * flat.abs().max()).detach()
+            chosen = self.zeroed[layer].clone()
+            values = torch.zeros_like(flat)
+            if kink[0] == layer:
+                chosen[kink[1]], values[kink[1]] = True, kink[2] * flat.abs().max().detach()
+            return inner(torch.where(chosen, flat - flat.detach() + values, flat).view_as(x))
+
+        for layer, (module, inner) in enumerate(zip(self.modules, inners)):
+            module.act_fn = functools.partial(place, layer, inner)
+        try:
+            yield self
+        finally:
+            for module, inner in zip(self.modules, inners):
+                module.act_fn = inner
+
+
+def _steepest_unit(model, ids, layer):
+    """The flat index of the `layer`-th sigma-MoE activation whose output the loss is most sensitive to: the entry
+    where a kink moves the expert-key gradient most."""
+    modules = gpu_check.ReluDecisions(model).modules
+    outputs, original = [], modules[layer].act_fn
+
+    def keep(x):
+        out = original(x)
+        outputs.append(out)
+        return out
+    modules[layer].act_fn = keep
+    try:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    finally:
+        modules[layer].act_fn = original
+    (sensitivity,) = torch.autograd.grad(loss, outputs)
+    return int(sensitivity.abs().reshape(-1).argmax())
+
+
+def test_relu_decisions_make_the_fp32_model_check_well_posed_at_a_kink():
+    """A SwitchAll-XL case found on a GPU, made on purpose on the CPU: the PyTorch path in fp32 and float64, at the
+    whole-model check's sizes and inputs. On a GPU one sigma-MoE key pre-activation lay within rounding of zero
+    (positive in fp32, negative in float64), so the gradients differed by 3.6% while the logits agreed to 1e-6.
+    Where such a kink falls depends on each processor's kernels, so the test places it: one pre-activation (the one
+    the loss is most sensitive to) is set to +1e-7 of its layer's largest in the fp32 run and to minus that in the
+    float64 run, and every other pre-activation within 1e-4 of its layer's largest is set to 0 in both (no
+    processor's rounding moves a value across zero from further away). With the fp32 run's ReLU decisions replayed
+    in the float64 run, every gradient agrees within the check's tolerance, and the one kink is counted."""
+    import copy
 
     preset, overrides = gpu_check.model_presets(False)["switchall-xl"]
     model = gpu_check.build_model(preset, overrides, torch.device("cpu"), train=True)
     model.set_experts_implementation("eager")
     ids = torch.randint(1, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(5))
+    wide = copy.deepcopy(model).double()
+    layer = 1
+    unit = _steepest_unit(model, ids, layer)
     decisions = gpu_check.ReluDecisions(model)
     assert len(decisions.modules) == model.config.num_hidden_layers  # every layer's sigma-MoE ReLU
+    placed = _PlacedPreActivations(decisions.modules, zero_below=1e-4)
     with decisions.record():
-        logits, grads = gpu_check.loss_and_grads(model, ids)
-    wide = copy.deepcopy(model).double()
-    free_logits, free_grads = gpu_check.loss_and_grads(wide, ids)
+        with placed.placed((layer, unit, 1e-7)):
+            logits, grads = gpu_check.loss_and_grads(model, ids)
+    assert not placed.zeroed[layer][unit]
     replayed = gpu_check.ReluDecisions(wide)
+    placed.modules = replayed.modules
+    with placed.placed((layer, unit, -1e-7)):
+        free_logits, free_grads = gpu_check.loss_and_grads(wide, ids)
     replayed.masks = decisions.masks
     with replayed.replay():
-        held_logits, held_grads = gpu_check.loss_and_grads(wide, ids)
-    name = "model.layers.1.mlp.experts.expert_keys"
+        with placed.placed((layer, unit, -1e-7)):
+            held_logits, held_grads = gpu_check.loss_and_grads(wide, ids)
+    name = f"model.layers.{layer}.mlp.experts.expert_keys"
     assert gpu_check.relative_error(grads[name], free_grads[name]) > 0.03  # the kink, not held
     assert gpu_check.relative_error(logits, free_logits) < 1e-5
     assert replayed.kinks == 1
