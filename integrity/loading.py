@@ -467,7 +467,7 @@ def check_decoding_method(folder: str) -> None:
 
 def cached_snapshot(repo_id: str) -> str:
     """The folder of the local Hub cache that Transformers would load `repo_id` (owner/name) from offline: the
-    snapshot its `main` ref names. UnloadableModel when the cache has none: a repository that is not on this machine
+    snapshot its `main` ref names. UnloadableModel when the cache has none: a repository that is not in the local cache
     cannot be checked before it loads, so it is not downloaded behind the checks either."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError

@@ -190,17 +190,24 @@ def _presets() -> str:
 
 
 def _cli() -> str:
-    from switchhead.cli import build_parser
+    from unittest import mock
+
+    from switchhead.cli import build_parser, serve
 
     previous = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "110"  # argparse wraps the help to this width
+    # the help names the install command of the installation it runs from (switchhead.install_command); the page
+    # shows a checkout's, whatever environment builds it, so that it reads the same wherever it is regenerated
+    checkout = mock.patch.object(serve, "install_command", lambda extra: f'pip install -e ".[{extra}]"')
     try:
+        checkout.start()
         parser = build_parser()
         subcommands = parser._subparsers._group_actions[0].choices
         parts = []
         for name, sub in subcommands.items():
             parts.append(f"## switchhead {name}\n\n```text\n{sub.format_help().rstrip()}\n```\n")
     finally:
+        checkout.stop()
         if previous is None:
             os.environ.pop("COLUMNS", None)
         else:

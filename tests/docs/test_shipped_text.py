@@ -40,7 +40,7 @@ ALLOWED = [
     ("tests/conftest.py", r'scope="session"', "pytest's fixture scope"),
     ("experiments/run_cpu_grid.sh", r"a (?:new )?session (?:of its own|and process group)",
      "setsid: a process session"),
-    ("experiments/run_experts_vs_gate.sh", r"a (?:new )?session (?:of its own|and process group)",
+    ("experiments/run_grid.sh", r"a (?:new )?session (?:of its own|and process group)",
      "setsid: a process session"),
 ]
 
