@@ -222,6 +222,22 @@ class Resume:
     exact: bool
 
 
+def check_optimizer_state(optimizers) -> None:
+    """ValueError naming the first parameter whose loaded optimizer state (AdamW's moments) has another shape than
+    the parameter: torch's `load_state_dict` checks only the number of parameters per group, so a checkpoint of
+    another model width loaded and then failed at the first step with a traceback from inside the optimizer."""
+    import torch
+
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps torch's
+        for group_index, group in enumerate(inner.param_groups):
+            for index, param in enumerate(group["params"]):
+                for key, value in inner.state.get(param, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                        raise ValueError(f"the optimizer's {key!r} of parameter {index} (group {group_index}) has "
+                                         f"shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
+
+
 def restore_checkpoint(accelerator, config: TrainingConfig, resume: "Resume", placement=None) -> tuple[int, int, list]:
     """Load `resume`'s model, optimizer and XL memory, and its RNG states when they allow an exact continuation;
     returns (step, skipped updates, XL memory). The main process reports the resume notes (and writes them to
@@ -236,6 +252,11 @@ def restore_checkpoint(accelerator, config: TrainingConfig, resume: "Resume", pl
         culprit = unloadable_file(checkpoint, accelerator.process_index) or \
             f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
         raise TrainingError(f"--resume: checkpoint {checkpoint!r} is corrupt or incomplete ({culprit})") from None
+    try:
+        check_optimizer_state(getattr(accelerator, "_optimizers", []))
+    except ValueError as error:
+        raise TrainingError(f"--resume: checkpoint {checkpoint!r} does not fit this run's model ({error}); resume "
+                            "with the model settings it was saved with") from None
     if resume.exact:
         try:
             restore_rng_state(read_rng_state(checkpoint, accelerator.process_index, config.allow_pickle))

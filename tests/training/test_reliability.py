@@ -212,6 +212,25 @@ def test_resume_falls_back_past_a_changed_checkpoint_and_refuses_it_by_name(fini
     assert not verify_manifest(str(run))
 
 
+def test_resume_refuses_an_optimizer_state_of_another_shape_in_one_line(finished, tmp_path, capsys):
+    """A checkpoint whose manifest matches but whose AdamW moments do not have the parameters' shapes (written for
+    another model, its manifest made again) stops the resume with one line, not a traceback at the first step."""
+    from switchhead.integrity import write_manifest
+
+    run = copy_of(finished, tmp_path)
+    newest = Path(checkpoint_dirs(str(run))[-1])
+    state = torch.load(newest / "optimizer.bin", map_location="cpu", weights_only=True)
+    moments = state["state"][0]
+    moments["exp_avg"] = moments["exp_avg"][:-1].clone()
+    torch.save(state, newest / "optimizer.bin")
+    write_manifest(str(newest))
+    before = digest(run)
+    assert main(["train", "--output-dir", str(run), "--resume", str(newest), "--no-progress"]) == 2
+    line = error_line(capsys)
+    assert "does not fit this run's model" in line and "'exp_avg' of parameter 0" in line
+    assert digest(run) == before
+
+
 def test_a_damaged_or_missing_rng_state_stops_resume_unless_inexact_resume(finished, tmp_path, capsys):
     run = copy_of(finished, tmp_path)
     newest = Path(checkpoint_dirs(str(run))[-1])
