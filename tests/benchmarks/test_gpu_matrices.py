@@ -109,8 +109,9 @@ def test_long_context_benchmark_cpu_smoke(tmp_path, stage):
     if stage == "train":
         assert [g["group"] for g in report["groups"]] == ["tiny-rope@64", "tiny-xl@32"]
         rope = report["groups"][0]["members"]
-        assert set(rope) == {"dense", "switchhead/eager", "switchhead/fused", "switchhead/cvmm"}
-        for label, implementation in (("switchhead/eager", "eager"), ("switchhead/fused", "switchhead_fused")):
+        assert set(rope) == {"dense", "switchhead/eager", "switchhead/fused", "switchhead/cvmm", "switchhead/auto"}
+        for label, implementation in (("switchhead/eager", "eager"), ("switchhead/fused", "switchhead_fused"),
+                                      ("switchhead/auto", "switchhead_auto")):
             assert rope[label]["time_ratio"] > 0 and rope[label]["flop_ratio"] < 1
             assert rope[label]["experts_implementation"] == implementation
     else:

@@ -195,7 +195,8 @@ class RecordingHub:
     def create_commit(self, *, operations, **kwargs):
         for operation in operations:
             source = operation.path_or_fileobj
-            self.files[operation.path_in_repo] = source if isinstance(source, bytes) else Path(source).read_bytes()
+            self.files[operation.path_in_repo] = source if isinstance(source, bytes) else \
+                source.read() if hasattr(source, "read") else Path(source).read_bytes()
 
 
 @pytest.fixture
