@@ -381,6 +381,7 @@ class SigmaMoeMLP(nn.Module):
 
     def __init__(self, config: SwitchHeadConfig):
         super().__init__()
+        self.config = config  # the experts' config too: PEFT may wrap `experts` (lora.ParamWrapper has no `.config`)
         self.top_k = config.num_mlp_experts_per_tok
         # experts first: their weights are drawn before the router's (`_init_weights` visits children in order)
         self.experts = SigmaMoeExperts(config)
@@ -392,9 +393,10 @@ class SigmaMoeMLP(nn.Module):
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])  # [N, d]
         _, gates, index = self.gate(tokens)  # [N, k] each
-        if self.experts.config._experts_implementation is None:  # built alone: the default a model runs, called
-            # directly (Transformers' decorator would log and run eager, and its log breaks torch.compile's graph)
-            implementation = configured_implementation(self.experts.config)
+        if self.config._experts_implementation is None and isinstance(self.experts, SigmaMoeExperts):  # built alone:
+            # the default a model runs, called directly (Transformers' decorator would log and run eager, and its log
+            # breaks torch.compile's graph); wrapped experts (PEFT's) run their wrapper's forward, which adds the LoRA
+            implementation = configured_implementation(self.config)
             experts = ALL_EXPERTS_FUNCTIONS.get(implementation, type(self.experts).forward)
             return experts(self.experts, tokens, index, gates).view(shape)
         return self.experts(tokens, index, gates).view(shape)
