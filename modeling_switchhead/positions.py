@@ -215,10 +215,15 @@ def xl_position_bias(attention: nn.Module, query: torch.Tensor, key_length: int,
     term exactly as it multiplies q . k. This is the authors' convention (their code scales q and PE by
     head_dim**-0.25 each and takes `shift(q @ (PE W_pk^T)^T)`), without the u/v biases. Future keys (j > i)
     get the value of distance 0; the causal mask removes them.
+
+    The path is chosen from Python integers only: the relative shift where the query offset and key length are
+    plain ints and the last query sees the last key; otherwise (a tensor offset: a static cache, compiled
+    decoding) the gather, so no tensor is ever read as a bool (no host sync, no data-dependent graph break).
     """
     query_length = query.shape[2]
     num_distances = key_length  # the largest distance seen is (last query) - (first key) <= key_length - 1
-    if query_offset + query_length == key_length:  # the last query sees the last key: the relative shift
+    static = type(query_offset) is int and type(key_length) is int and type(query_length) is int
+    if static and query_offset + query_length == key_length:  # the last query sees the last key: the shift
         return relative_shift(xl_distance_scores(attention, query, num_distances, oldest_first=True))
     return xl_position_bias_gathered(attention, query, key_length, query_offset)
 
