@@ -498,16 +498,24 @@ def test_perplexity_tokenizes_the_whole_text_without_transformers_length_warning
     handler = logging.Handler()
     handler.emit = records.append
     transformers_logger = logging.getLogger("transformers")
+    # a command run earlier in this process (switchhead.cli.quiet_library_noise) filters the warning at its logger
+    # for good: take those filters off, so that only evaluate_perplexity's own silencing is tested
+    source_logger = logging.getLogger("transformers.tokenization_utils_base")
+    source_filters = list(source_logger.filters)
     saved = tokenizer.model_max_length, dict(tokenizer.deprecation_warnings)
     tokenizer.model_max_length = 64
     tokenizer.deprecation_warnings.clear()
     transformers_logger.addHandler(handler)
+    for source_filter in source_filters:
+        source_logger.removeFilter(source_filter)
     try:
         evaluate_perplexity(model, tokenizer, text, context=64, progress=False)
         during_evaluation = [r.getMessage() for r in records]
         tokenizer(text)  # a plain call of the same tokenizer warns: the handler does see the warning
     finally:
         transformers_logger.removeHandler(handler)
+        for source_filter in source_filters:
+            source_logger.addFilter(source_filter)
         tokenizer.model_max_length, tokenizer.deprecation_warnings = saved[0], saved[1]
     assert not any("Token indices sequence length" in m for m in during_evaluation), during_evaluation
     assert any("Token indices sequence length" in r.getMessage() for r in records)
