@@ -172,8 +172,8 @@ class SwitchHeadAttentionBase(nn.Module):
             query, key = apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
 
         # shared layers (MoEUT): the model names this application's cache slot; else the block's own index
-        key, value, past_length, packed = update_cache(cache, key, value, kwargs.pop("cache_layer_idx", self.layer_idx),
-                                                       kwargs)
+        cache_slot = kwargs.pop("cache_layer_idx", self.layer_idx)
+        key, value, past_length, packed = update_cache(cache, key, value, cache_slot, kwargs)
         # index of the first query among the keys: what the cache held before, else the memory length
         query_offset = sources.shape[1] - length if past_length is None else past_length
 
@@ -186,17 +186,27 @@ class SwitchHeadAttentionBase(nn.Module):
                                 attention_mask is not None or "position_bias" in extra)
         if pad:  # to a width sdpa's fused kernels take with a mask (exact: see sdpa_head_padding)
             query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
-        attended, probs = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **extra,
-            **kwargs,
-        )  # attended: [B, T, H, dh (+ pad)]
+        # before Transformers 5.24 the paged attention function updates the paged cache (`kwargs["cache"]`) at
+        # `module.layer_idx`: a shared block (MoEUT) carries this application's slot for the call
+        own_slot = self.layer_idx
+        paged_slot = cache_slot != own_slot and packed and kwargs.get("cache") is not None
+        if paged_slot:
+            self.layer_idx = cache_slot
+        try:
+            attended, probs = attention_interface(
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=self.attention_dropout if self.training else 0.0,
+                scaling=self.scaling,
+                **extra,
+                **kwargs,
+            )  # attended: [B, T, H, dh (+ pad)]
+        finally:
+            if paged_slot:
+                self.layer_idx = own_slot
         if pad:
             attended = attended[..., : self.head_dim]
         # exported, a copy in the standard layout: torch.onnx's decompositions may replace sdpa's CPU kernel (whose
