@@ -4,31 +4,21 @@ one tiny real run through the driver and its child (integration)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.data import require
+from helpers.grids import load_experiment, run_environment, tiny_wikitext2
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "experiments" / "experts_vs_gate.py"
 
 
-def _load():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("experts_vs_gate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-grid = _load()
+grid = load_experiment("experts_vs_gate")
 STEPS = [240, 480, 720, 960, 1200]
 CODE = dict(commit="c0de" * 10, dirty=[], at="2026-01-01T00:00:00+00:00")  # the pages' stamp (git is a process)
 
@@ -216,7 +206,9 @@ def test_results_pages_from_fake_run_folders(tmp_path, no_process):
     runs, _ = grid.plan(records)
     # no folder of the machine that ran the grid in the committed pages
     assert str(tmp_path) not in (results / f"{grid.STEM}.json").read_text()
-    assert report["runs"][first]["training_settings"] == dict(output_dir=f"OUT/{first}", data="DATA")
+    # run folders read as every grid reads them (replicate.portable_paths): the run folder as RUNS/..., a folder
+    # outside the checkout by its last component
+    assert report["runs"][first]["training_settings"] == dict(output_dir=f"RUNS/{first}", data="wt2")
     assert f"**Progress: {len(records)} of the {len(runs)} runs decided so far have finished**" in page
     assert "## The statistic, fixed before the runs" in page and "0.01 nats" in page
     assert "| A - B | 3 (s0, s1, s2) |" in page and "(interim: not every seed has finished)" in page
@@ -279,13 +271,8 @@ def test_no_runs_renders_progress_and_no_verdict(tmp_path, no_process):
 @pytest.mark.integration
 def test_tiny_run_through_driver_and_child(tmp_path):
     """The grid's first run, tiny (the smoke scale: E=4, 20 steps), through the driver, its child and the report."""
-    wikitext2 = require("wikitext-2") / "wikitext-2"
-    (tmp_path / "data").mkdir()
-    for split in ("train", "valid", "test"):
-        with open(wikitext2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
-            (tmp_path / "data" / f"wiki.{split}.tokens").write_text(handle.read(40_000), encoding="utf-8")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1")
+    tiny_wikitext2(tmp_path)
+    env = run_environment()
     first = "A-lr0.002-s0"
     done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path / "out"), "--data",
                            str(tmp_path / "data"), "--results-dir", str(tmp_path / "results"), "--only", f"^{first}$",

@@ -5,24 +5,16 @@ training, no run folder."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.grids import load_experiment
+
 REPO = Path(__file__).resolve().parents[2]
-EXPERIMENTS = REPO / "experiments"
 RESULTS = REPO / "benchmarks" / "results"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # (script, the committed files it writes; the pages the grid reads besides its own)
@@ -39,7 +31,7 @@ GRIDS = {
 @pytest.mark.parametrize("script", sorted(GRIDS))
 def test_committed_pages_regenerate_identically(script, tmp_path):
     stem, files, read = GRIDS[script]
-    module = _load(script)
+    module = load_experiment(script)
     grid_driver = sys.modules["grid_driver"]
     assert f"{stem}.json" in files and f"{stem}.md" in files
     for name in files + read:
@@ -50,6 +42,6 @@ def test_committed_pages_regenerate_identically(script, tmp_path):
 
 
 def test_same_stamp_needs_a_committed_page(tmp_path):
-    _load("experts_vs_gate")
+    load_experiment("experts_vs_gate")
     with pytest.raises(SystemExit, match="does not exist"):
         sys.modules["grid_driver"].committed_stamp(tmp_path, "experts_vs_gate")

@@ -5,7 +5,6 @@ committed pages)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -15,20 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers.grids import load_experiment
+
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = REPO / "experiments"
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def _load(name: str):
-    sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-grid = _load("routing_vs_projection")
+grid = load_experiment("routing_vs_projection")
 first = grid.first
 driver = grid.grid_driver
 STEPS = [240, 480, 720, 960, 1200]
@@ -240,15 +233,10 @@ def test_tiny_run_through_driver_and_child(tmp_path):
     import os
     import subprocess
 
-    from helpers.data import require
+    from helpers.grids import run_environment, tiny_wikitext2
 
-    wikitext2 = require("wikitext-2") / "wikitext-2"
-    (tmp_path / "data").mkdir()
-    for split in ("train", "valid", "test"):
-        with open(wikitext2 / f"wiki.{split}.tokens", encoding="utf-8") as handle:
-            (tmp_path / "data" / f"wiki.{split}.tokens").write_text(handle.read(40_000), encoding="utf-8")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1")
+    tiny_wikitext2(tmp_path)
+    env = run_environment()
     run = "D-lr0.002-s0"
     done = subprocess.run([sys.executable, str(EXPERIMENTS / "routing_vs_projection.py"), "--tiny", "--out",
                            str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--results-dir",
