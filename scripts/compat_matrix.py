@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--releases", default=None,
                         help="comma-separated releases; 'newest' is resolved on the registry (default: oldest "
                              "supported, 5.19.0, newest)")
+    parser.add_argument("--prepare", action="store_true",
+                        help="only build the releases' environments (scripts/test.sh does it while the main suite "
+                             "runs), run no test")
     args, pytest_args = parser.parse_known_args(argv)
 
     import transformers
@@ -186,6 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         elif newest:
             print(f"compat matrix: the newest transformers on the registry is the pinned {version}; "
                   f"its whole-suite run covers it")
+
+    if args.prepare:
+        failed = False
+        for release, newest in releases:
+            try:
+                build_env(release, newest)
+                print(f"compat matrix: the transformers {release} environment is ready", flush=True)
+            except RuntimeError as error:  # the test run tries again and reports it
+                print(error, flush=True)
+                failed = True
+        return 1 if failed else 0
 
     lines, failed = [], False
     if args.main_log is not None:
