@@ -5,6 +5,15 @@
     switchhead convert module-to-hf my.pt out/ --preset tiny-switchhead-xl \\
         --layer-prefix 'blocks.{i}.attn.' --map 'blocks.{i}.ln1.=model.layers.{i}.input_layernorm.' ...
     switchhead convert hf-to-module out/ my.pt --layer-prefix 'blocks.{i}.attn.' --map ...
+    switchhead convert moeut-to-hf moeutlm.pt out/ --moeut-args args.json   # the authors' MoEUTLM -> folder
+    switchhead convert moeut-to-hf moeutlm.pt out/ --profile MoEUT_244M     # ... built from profiles.py
+    switchhead convert hf-to-moeut out/ moeutlm.pt --args-output args.json  # folder -> MoEUTLM state dict
+
+MoEUT (RobertCsordas/moeut): the file is `torch.save(model.state_dict())` of their `MoEUTLM` (or .safetensors).
+Its architecture is given as the JSON object of the keyword arguments it was built with, n_tokens included
+({"n_tokens": 8000, "d_model": 1024, "n_layers": 18, ...}; left-out arguments take the constructor's defaults), or
+as the name of a profiles.py dict (MoEUT_44M ... MoEUT_1B), n_tokens then read from the embedding. hf-to-moeut
+prints those arguments as JSON and writes them to --args-output.
 
 The module layout also covers the one-expert module (n_experts=1: `v`, `o`, `sel_o`), described by a config with
 attention_type='dense' and attention_output_gate=true.
@@ -70,6 +79,22 @@ def register(subparsers) -> None:
     p.add_argument("input", help="save_pretrained folder")
     p.add_argument("output", help="new file to write (.safetensors, else torch.save)")
     _module_layout(p)
+    _common(p, reads_pickle=False, writes_folder=False)
+
+    p = directions.add_parser("moeut-to-hf", help="the authors' MoEUTLM state dict -> save_pretrained folder")
+    p.add_argument("input", help="their MoEUTLM state dict (torch.save of model.state_dict(), or .safetensors)")
+    p.add_argument("output", help="new folder to write")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--moeut-args", metavar="JSON", help="JSON file: the MoEUTLM keyword arguments the model was "
+                                                              "built with, n_tokens included")
+    source.add_argument("--profile", help="the profiles.py dict it was built with (MoEUT_44M, MoEUT_126M, MoEUT_244M, "
+                                          "MoEUT_318M, MoEUT_727M, MoEUT_1B); n_tokens from the embedding")
+    _common(p, reads_pickle=True, writes_folder=True)
+
+    p = directions.add_parser("hf-to-moeut", help="save_pretrained folder -> the authors' MoEUTLM state dict")
+    p.add_argument("input", help="save_pretrained folder of a MoEUT configuration")
+    p.add_argument("output", help="new file to write (.safetensors, else torch.save)")
+    p.add_argument("--args-output", metavar="JSON", help="also write the MoEUTLM keyword arguments to this new file")
     _common(p, reads_pickle=False, writes_folder=False)
 
     parser.set_defaults(handler=run)
@@ -145,8 +170,38 @@ def _config(args):
 def run(args) -> int:
     if os.path.isfile(args.output) or (os.path.isdir(args.output) and os.listdir(args.output)):
         raise UsageError(f"output {args.output} already exists; choose a new path or delete it first")
+    extra = getattr(args, "args_output", None)
+    if extra is not None and (os.path.lexists(extra) or os.path.abspath(extra) == os.path.abspath(args.output)):
+        raise UsageError(f"--args-output {extra} already exists or is the output; choose a new path")
     with _output_lock(args.output, f"convert {args.direction}"):
         return _run_locked(args)
+
+
+def _moeut_args(path: str | None):
+    """The JSON object of --moeut-args (None without the option)."""
+    from switchhead.integrity.user_json import read_json_object
+
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise UsageError(f"--moeut-args {path} does not exist")
+    try:
+        return read_json_object(path, f"--moeut-args {path}")
+    except (ValueError, OSError) as error:
+        raise UsageError(str(error)) from None
+
+
+def _export_moeut(convert, args, dtype) -> None:
+    import json
+
+    from switchhead.integrity.files import write_bytes
+
+    moeut_args = convert.export_moeut_checkpoint(args.input, args.output, dtype)
+    text = json.dumps(moeut_args)
+    if args.args_output is not None:
+        write_bytes(args.args_output, text + "\n", overwrite=False, option="a new --args-output path")
+    print(f"wrote {args.output}{' and ' + args.args_output if args.args_output else ''}; build it with "
+          f"MoEUTLM(**{text})")
 
 
 def _run_locked(args) -> int:
@@ -168,10 +223,17 @@ def _run_locked(args) -> int:
             convert.convert_module_checkpoint(args.input, args.output, _config(args), args.layer_prefix,
                                               parse_renames(args.map), args.allow_pickle, dtype, args.max_shard_size)
             print(f"wrote {args.output}")
-        else:
+        elif args.direction == "hf-to-module":
             convert.export_module_checkpoint(args.input, args.output, args.layer_prefix, parse_renames(args.map),
                                              dtype)
             print(f"wrote {args.output}")
+        elif args.direction == "moeut-to-hf":
+            config, _ = convert.convert_moeut_checkpoint(args.input, args.output, _moeut_args(args.moeut_args),
+                                                         args.profile, args.allow_pickle, dtype, args.max_shard_size)
+            print(f"wrote {args.output} (MoEUT: {config.layer_group_size} distinct blocks applied "
+                  f"{config.num_layer_groups} times, {config.num_hidden_layers} layers)")
+        else:
+            _export_moeut(convert, args, dtype)
     except ConversionError as error:
         raise UsageError(str(error)) from None
     except Exception as error:  # noqa: BLE001 - a damaged .safetensors input: name the file

@@ -4,6 +4,8 @@
 - `convert_module_checkpoint` / `export_module_checkpoint`: models built around the user-facing SwitchHead module
   (RobertCsordas/switchhead) or our drop-in layers (`switchhead.layers`; `config_fields_from_layers` reads their
   config), given the layer prefix of its attention layers and prefix renames for the rest.
+- `convert_moeut_checkpoint` / `export_moeut_checkpoint`: the authors' MoEUT module (RobertCsordas/moeut,
+  `MoEUTLM`), its state dict plus its constructor arguments or a profile name; `moeut_format` holds the mapping.
 - `authors_format`: the key/shape mapping (documented there as a table) on in-memory state dicts.
 
 Loading is safe by default (`torch.load(weights_only=True)`); see `checkpoint_io`. CLI: `switchhead convert`.
@@ -23,8 +25,10 @@ from .checkpoint_io import ConversionError, load_hf_folder, load_torch_checkpoin
 from .convert import (
     convert_authors_checkpoint,
     convert_module_checkpoint,
+    convert_moeut_checkpoint,
     export_authors_checkpoint,
     export_module_checkpoint,
+    export_moeut_checkpoint,
 )
 
 __all__ = [
@@ -35,8 +39,10 @@ __all__ = [
     "config_from_authors_args",
     "convert_authors_checkpoint",
     "convert_module_checkpoint",
+    "convert_moeut_checkpoint",
     "export_authors_checkpoint",
     "export_module_checkpoint",
+    "export_moeut_checkpoint",
     "load_hf_folder",
     "load_torch_checkpoint",
     "save_hf_folder",

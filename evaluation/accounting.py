@@ -17,6 +17,12 @@ Two SwitchHead MAC formulas exist, and they disagree:
 
 Memory has only the table formula. The dense baseline has one formula (the same for both labels).
 
+MoEUT (arXiv 2405.16039) counts as its authors' accounting script does: per sequence, every layer application's
+attention (the tables' formula above, C = 1 with RoPE) plus its MLP (sigma-MoE: all N_E router scores and K active
+experts of 2 * d * expert size each), times the n_layers applications; embedding, norms and the output layer are
+not counted (`model_forward_macs(...)["layers"]`). Shared blocks are computed at every application but their
+parameters count once (`parameter_counts`).
+
 The value-only / output-only ablation (`attention_expert_projections` "value" or "output", the paper's Table 6)
 has one MoE projection and one selection network (`n_exp = n_sel = 1` in the authors' script): the other
 projection is a dense d x H*dh matrix, counted like the dense baseline's, with no gate and no selection.
@@ -24,10 +30,12 @@ projection is a dense d x H*dh matrix, counted like the dense baseline's, with n
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass
 
 from .. import SwitchHeadConfig
+from ..integrity.loading import parameter_count
 
 FORMULAS = ("table", "eq13")
 MOE_PROJECTIONS = 2  # V and O are mixtures of experts (n_exp in the authors' script), by default
@@ -115,14 +123,34 @@ def mlp_macs(config: SwitchHeadConfig, tokens: int) -> int:
 
 def model_forward_macs(config: SwitchHeadConfig, context: int | None = None,
                        memory_chunks: int | None = None) -> dict[str, int]:
-    """Whole-model forward MACs for one sequence: layers x (attention [table formula] + MLP) + output layer."""
+    """Whole-model forward MACs for one sequence: layers x (attention [table formula] + MLP) + output layer.
+
+    `num_hidden_layers` counts layer applications (MoEUT's shared blocks run at each); "layers" leaves the output
+    layer out, as the MoEUT authors' accounting does."""
     T = context or default_context(config)
     attention = attention_macs(config, T, memory_chunks)
     mlp = mlp_macs(config, T)
     lm_head = T * config.hidden_size * config.vocab_size
-    total = config.num_hidden_layers * (attention + mlp) + lm_head
-    return {"attention_per_layer": attention, "mlp_per_layer": mlp, "lm_head": lm_head, "total": total,
-            "per_token": total // T}
+    layers = config.num_hidden_layers * (attention + mlp)
+    total = layers + lm_head
+    return {"attention_per_layer": attention, "mlp_per_layer": mlp, "layers": layers, "lm_head": lm_head,
+            "total": total, "per_token": total // T}
+
+
+def parameter_counts(config: SwitchHeadConfig) -> dict[str, int]:
+    """Parameters: "total" (each distinct block once, as `save_pretrained` stores them), "per_block", the
+    "distinct_blocks" (`layer_group_size`, else `num_hidden_layers`) and "outside_blocks" (embedding, final norm,
+    output layer). Counted on the meta device from models of one and two blocks."""
+    def blocks(count: int) -> int:
+        small = copy.deepcopy(config)
+        small.num_hidden_layers, small.layer_group_size = count, None
+        return parameter_count(small)
+
+    one, two = blocks(1), blocks(2)
+    per_block = two - one
+    distinct = int(getattr(config, "layer_group_size", None) or config.num_hidden_layers)
+    return {"total": one - per_block + distinct * per_block, "per_block": per_block, "distinct_blocks": distinct,
+            "outside_blocks": one - per_block}
 
 
 def kv_cache_bytes_per_token(config: SwitchHeadConfig, dtype: str = "float32") -> int:
@@ -145,6 +173,7 @@ class CostReport:
     model_forward_macs: dict
     kv_cache_bytes_per_token: int
     kv_cache_dtype: str
+    parameters: dict
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +193,7 @@ def cost_report(config: SwitchHeadConfig, context: int | None = None, memory_chu
         model_forward_macs=model_forward_macs(config, T, C),
         kv_cache_bytes_per_token=kv_cache_bytes_per_token(config, dtype),
         kv_cache_dtype=dtype,
+        parameters=parameter_counts(config),
     )
 
 
@@ -214,6 +244,17 @@ def format_report(name: str, config: SwitchHeadConfig, report: CostReport) -> st
         f"  output layer      {format_count(forward['lm_head']):>9}",
         f"  total             {format_count(forward['total']):>9}  ({forward['total']:,}; "
         f"{format_count(forward['per_token'])} per token)",
+    ]
+    if getattr(config, "layer_group_size", None) is not None:
+        lines.append(f"  MoEUT's count     {format_count(forward['layers']):>9}  ({forward['layers']:,}; "
+                     f"{config.num_hidden_layers} layer applications x (attention + MLP), no output layer, "
+                     f"as arXiv 2405.16039's authors count)")
+    parameters = report.parameters
+    lines += [
+        f"parameters: {format_count(parameters['total'])} ({parameters['total']:,}) = {parameters['distinct_blocks']} "
+        f"{'distinct ' if getattr(config, 'layer_group_size', None) is not None else ''}blocks x "
+        f"{parameters['per_block']:,} + {parameters['outside_blocks']:,} outside them (embedding, final norm, output "
+        f"layer)",
         f"KV cache: {report.kv_cache_bytes_per_token:,} bytes per token ({report.kv_cache_dtype}, "
         f"{config.num_hidden_layers} layers x K,V x {config.num_attention_heads} heads x {config.head_dim})",
     ]

@@ -133,3 +133,98 @@ def test_flops_cli_rejects_unknown_configs_in_one_line(capsys):
     assert "neither a preset" in error and "\n" not in error
     assert main(["flops", "tiny-switchhead", "--set", "num_attention_experts_per_tok=9"]) == 2
     assert "num_attention_experts_per_tok" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- MoEUT (arXiv 2405.16039)
+# What the MoEUT authors' own scripts (RobertCsordas/moeut_training_code) give to check against: the parameter count
+# (millions) their result-table script (paper/moe_universal/main_result_table.py) files each C4 run under, MoEUT and
+# its dense baseline alike, and the MAC formula of their accounting script (paper/moe_universal/common.py). The
+# paper's MoEUT runs are the presets; its 727M run (sweeps/c4_moeut_gigantic_switchead.yaml) has d_model 1280, where
+# profiles.py's MoEUT_727M, the preset, has 1024 (582M parameters; tests/model/test_moeut.py). The dense baselines
+# are their sweeps' (sweeps/c4_baseline_*.yaml): d_model, layers, heads, head size, d_ff / d_model; all RoPE, T=1024.
+MOEUT_RUNS = {44: ("moeut-44m", {}), 126: ("moeut-126m", {}), 244: ("moeut-244m", {}), 319: ("moeut-318m", {}),
+              728: ("moeut-727m", {"hidden_size": 1280}), 1040: ("moeut-1b", {})}
+DENSE_BASELINES = {44: (412, 16, 10, 41, 4.985), 126: (768, 16, 16, 48, 4), 244: (1024, 18, 16, 64, 4.014),
+                   319: (1024, 24, 16, 64, 4.014), 728: (1280, 36, 20, 64, 4), 1040: (1536, 36, 24, 64, 4)}
+
+
+def moeut_run(size: int) -> SwitchHeadConfig:
+    preset, overrides = MOEUT_RUNS[size]
+    return SwitchHeadConfig.from_preset(preset, **overrides)
+
+
+def dense_baseline(size: int) -> SwitchHeadConfig:
+    d, layers, heads, head, multiplier = DENSE_BASELINES[size]
+    return SwitchHeadConfig(vocab_size=8000, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                            head_dim=head, attention_type="dense", mlp_type="dense", position_encoding="rope",
+                            intermediate_size=int(d * multiplier), max_position_embeddings=1024)
+
+
+def authors_layer_macs(config: SwitchHeadConfig, T: int) -> int:
+    """The MoEUT authors' per-sequence count, written out: n_layers x (attention + feed-forward), RoPE, no context
+    blocks; SwitchHead with V and O experts (two selection networks), sigma-MoE, or the dense layers."""
+    d, H, dh = config.hidden_size, config.num_attention_heads, config.head_dim
+    attention = 2 * H * dh * T * T
+    if config.attention_type == "dense":
+        attention += 4 * d * H * dh * T
+    else:
+        E, k = config.num_attention_experts, config.num_attention_experts_per_tok
+        attention += (2 * k + 2) * d * H * dh * T + 2 * H * k * T * dh + 2 * E * d * T
+    if config.mlp_type == "dense":
+        mlp = 2 * d * config.intermediate_size * T
+    else:
+        mlp = 2 * T * d * config.mlp_expert_size * config.num_mlp_experts_per_tok + T * d * config.num_mlp_experts
+    return config.num_hidden_layers * (attention + mlp)
+
+
+@pytest.mark.parametrize("size", sorted(MOEUT_RUNS))
+def test_moeut_runs_and_their_dense_baselines_have_the_authors_parameter_counts(size):
+    from switchhead.evaluation.accounting import parameter_counts
+
+    for config, within in ((moeut_run(size), 0.01), (dense_baseline(size), 0.015)):  # dense 44M: 44.54M
+        with torch.device("meta"):
+            counted = sum(p.numel() for p in SwitchHeadForCausalLM(config).parameters())
+        assert parameter_counts(config)["total"] == counted
+        assert min(MOEUT_RUNS, key=lambda filed: abs(counted / 1e6 - filed)) == size
+        assert abs(counted / 1e6 - size) <= within * size, (config.attention_type, counted)
+
+
+@pytest.mark.parametrize("size", sorted(MOEUT_RUNS))
+def test_moeut_layer_macs_are_the_authors_count_and_about_60_percent_of_dense(size):
+    moeut, dense = moeut_run(size), dense_baseline(size)
+    ours = model_forward_macs(moeut, 1024)
+    assert ours["layers"] == authors_layer_macs(moeut, 1024)
+    assert ours["total"] == ours["layers"] + 1024 * moeut.hidden_size * 8000
+    assert model_forward_macs(dense, 1024)["layers"] == authors_layer_macs(dense, 1024)
+    # ours, not a printed figure (docs/evaluation.md): MoEUT's layers cost 0.88 (44M), 0.67 (126M) and 0.60 (244M
+    # and up) of the dense baseline's
+    ratio = ours["layers"] / model_forward_macs(dense, 1024)["layers"]
+    assert round(ratio, 2) == {44: 0.88, 126: 0.67}.get(size, 0.60), ratio
+
+
+def test_parameter_counts_count_shared_blocks_once():
+    from switchhead.evaluation.accounting import parameter_counts
+
+    shared = SwitchHeadConfig.from_preset("tiny-moeut")  # 2 distinct blocks, 4 applications
+    unshared = SwitchHeadConfig.from_preset("tiny-moeut", layer_group_size=None, layernorm_placement="pre",
+                                            entropy_reg_scope="layer", attention_entropy_reg_coef=0.0)
+    counts, plain = parameter_counts(shared), parameter_counts(unshared)
+    model = SwitchHeadForCausalLM(shared)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["per_block"] == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert (counts["distinct_blocks"], plain["distinct_blocks"]) == (2, 4)
+    assert plain["total"] - counts["total"] == 2 * counts["per_block"]
+
+
+def test_flops_cli_gives_moeut_parameters_and_the_authors_count(capsys):
+    assert main(["flops", "moeut-244m"]) == 0
+    text = capsys.readouterr().out
+    assert "MoEUT's count        162.3G  (162,338,439,168; 18 layer applications" in text
+    assert "parameters: 243.3M (243,326,784) = 2 distinct blocks x 113,466,368 + 16,394,048 outside them" in text
+    assert main(["flops", "moeut-244m", "--json"]) == 0
+    import json
+
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"]["total"] == 243_326_784
+    assert report["model_forward_macs"]["layers"] == authors_layer_macs(SwitchHeadConfig.from_preset("moeut-244m"),
+                                                                        1024)
