@@ -86,24 +86,6 @@ def test_fsdp2_matches_one_process_and_resumes_bitwise_after_sigkill(tmp_path):
     assert losses(killed) == losses(sharded)  # bitwise: the same floats, step by step
 
 
-@pytest.mark.integration
-def test_fsdp2_on_moeut_shards_each_shared_block_once_and_matches_one_process(tmp_path):
-    """MoEUT's shared blocks are `fully_shard` units run once per application (gathered, resharded, gathered
-    again; their gradients reduced once): the losses of one process, regularisers included, and a checkpoint that
-    holds each shared tensor once."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    moeut = ["--steps", "2", "--preset", "tiny-moeut"]
-    single, sharded = tmp_path / "single", tmp_path / "fsdp"
-    run([sys.executable, WORKER, str(single), *moeut, "--no-fsdp"], single)
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         WORKER, str(sharded), *moeut, "--save-every", "2"], sharded)
-    assert losses(sharded) == pytest.approx(losses(single), abs=1e-5, rel=0) and len(losses(single)) == 2
-    saved = FileSystemReader(str(sharded / "checkpoints" / "step-0000002")).read_metadata().state_dict_metadata
-    blocks = {name.split(".")[3] for name in saved if name.startswith("model.model.layers.")}
-    assert blocks == {"0", "1"}  # 4 applications of 2 blocks
-
-
 def test_shipped_accelerate_configs_are_fsdp2():
     import yaml
     from accelerate.utils import FullyShardedDataParallelPlugin
