@@ -24,6 +24,7 @@ CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
                  "attention_type", "num_attention_experts", "num_attention_experts_per_tok", "position_encoding",
                  "mlp_type", "intermediate_size", "num_mlp_experts", "mlp_expert_size", "num_mlp_experts_per_tok",
                  "max_position_embeddings")
+SHARED_LAYER_FIELDS = ("layer_group_size", "layernorm_placement", "entropy_reg_scope", "attention_entropy_reg_coef")
 
 
 # what `switchhead train` leaves in its folder: its settings (a TrainingConfig as JSON) and its log
@@ -100,6 +101,15 @@ def describe(config) -> tuple[str, str]:
     if config.mlp_type == "sigma_moe":
         note += (f" Its feed-forward blocks are sigma-MoE layers with {config.num_mlp_experts} experts of size "
                  f"{config.mlp_expert_size}, {config.num_mlp_experts_per_tok} active per token.")
+    group = getattr(config, "layer_group_size", None)
+    if group is not None:  # shared layers: MoEUT (with its peri-LayerNorm), or the sharing alone
+        peri = getattr(config, "layernorm_placement", "pre") == "peri"
+        kind = "MoEUT" if peri else kind
+        note += (f" Its {config.num_hidden_layers} layers apply a group of {group} distinct blocks "
+                 f"{config.num_layer_groups} times with shared weights, as in MoEUT ([Csordás, Irie, Schmidhuber, "
+                 "Potts, Manning, NeurIPS 2024](https://arxiv.org/abs/2405.16039))"
+                 + ("; the attention's values and the experts read the un-normalised stream (peri-LayerNorm)."
+                    if peri else "."))
     return kind, note
 
 
@@ -134,6 +144,8 @@ def render_card(config, *, model_name: str, repo_id: str, license: str | None = 
         num_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     tags = ["switchhead", "mixture-of-experts", "moe-attention"] + (["switchall"] if config.mlp_type == "sigma_moe"
                                                                      else [])
+    if getattr(config, "layer_group_size", None) is not None:
+        tags.append("moeut" if getattr(config, "layernorm_placement", "pre") == "peri" else "shared-layers")
     card_data = ModelCardData(
         language="en", license=card_license(license), library_name="peft" if adapter else "transformers",
         pipeline_tag="text-generation",
@@ -147,7 +159,9 @@ def render_card(config, *, model_name: str, repo_id: str, license: str | None = 
         num_parameters=f"{num_parameters / 1e6:.2f}M",
         config_rows=[(name, getattr(config, name)) for name in CONFIG_FIELDS
                      if config.attention_type == "switchhead" or "attention_experts" not in name
-                     if config.mlp_type == "sigma_moe" or "mlp_expert" not in name],
+                     if config.mlp_type == "sigma_moe" or "mlp_expert" not in name]
+        + [(name, getattr(config, name)) for name in SHARED_LAYER_FIELDS
+           if getattr(config, "layer_group_size", None) is not None],
         cost=cost, training=training, adapter=adapter, base_name=base_name or base_model or "BASE_MODEL",
         training_data=training_data or "Not stated.", eval_rows=list(eval_rows), eval_note=eval_note,
     )

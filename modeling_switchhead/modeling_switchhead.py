@@ -267,12 +267,14 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
 
     # Each projection reads the configured implementation and calls the table's function, as Transformers' experts
     # decorator does for the MLP, told that routing is per head (grouped_routing=True).
-    def project_values(self, hidden_states):
+    def project_values(self, hidden_states, router_states=None):
+        # router_states `[B, T, d]`: what the value router reads when it is not hidden_states (MoEUT's peri-LayerNorm)
         batch, length, d = hidden_states.shape
         if not self.expert_values:
             return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
         rows = hidden_states.reshape(-1, 1, d)  # one input row per token
-        _, gates, index = self.value_selection(rows.view(-1, d))
+        routed = rows.view(-1, d) if router_states is None else router_states.reshape(-1, d)
+        _, gates, index = self.value_selection(routed)
         project = lookup(configured_implementation(self.config))
         values = project(rows, index, self.value_experts, gates, self.num_heads, True)
         return values.view(batch, length, self.num_heads, self.head_dim)
@@ -324,10 +326,8 @@ def peri_attention_inputs(attention: SwitchHeadAttentionBase, normed: torch.Tens
     query, key = attention.q_proj(normed).view(shape), attention.k_proj(normed).view(shape)
     if not getattr(attention, "expert_values", False):
         return query, key, attention.v_proj(raw).view(shape), None
-    _, gates, index = attention.value_selection(normed.reshape(-1, d))
-    project = lookup(configured_implementation(attention.config))
-    values = project(raw.reshape(-1, 1, d), index, attention.value_experts, gates, attention.num_heads, True)
-    return query, key, values.view(shape), None
+    # through `project_values`, which tensor parallelism runs on this process's heads
+    return query, key, attention.project_values(raw, router_states=normed).view(shape), None
 
 
 # ============================================================================================= MLPs

@@ -101,6 +101,9 @@ if TensorParallelLayer is not None:
                 *rest, hidden_states = args
                 if torch.is_grad_enabled() and hidden_states.requires_grad:
                     hidden_states = _SumGradients.apply(hidden_states, group)
+                routed = kwargs.get("router_states")  # a second replicated input (MoEUT's value router reads it)
+                if routed is not None and torch.is_grad_enabled() and routed.requires_grad:
+                    kwargs["router_states"] = _SumGradients.apply(routed, group)
                 with self.context_around_forward(module, mesh):
                     out = method(*rest, hidden_states, **kwargs)
                 return _SumOutputs.apply(out, group) if sum_output else out
@@ -148,10 +151,33 @@ def refuse_pipeline_training(module, args, kwargs) -> None:
             "model.eval() / torch.no_grad() for inference")
 
 
+def splits_attention_regulariser(config) -> bool:
+    """Whether tensor parallelism would split a regulariser over the attention routers: MoEUT's group-wide entropy
+    regulariser (`attention_entropy_reg_coef > 0`) averages over every head, and "switchhead_heads" gives each
+    process the routers of its own heads only, so each would regularise its heads as if they were all of them."""
+    return (getattr(config, "entropy_reg_scope", "layer") == "group" and config.attention_type == "switchhead"
+            and getattr(config, "attention_entropy_reg_coef", 0.0) > 0)
+
+
+SPLIT_ATTENTION_REGULARISER = (
+    "tensor parallelism splits the attention routers by head, and MoEUT's attention entropy regulariser "
+    "(attention_entropy_reg_coef > 0) averages over all heads: each process would regularise only its own heads "
+    "(wrong gradients and aux_loss); train with fsdp_size instead, or set attention_entropy_reg_coef=0 "
+    "(tensor-parallel inference is exact)")
+
+
+def refuse_split_attention_regulariser(module, args, kwargs) -> None:
+    """Forward pre-hook of a tensor-parallel model whose attention routers carry MoEUT's regulariser: training (and
+    a call asking for the router logits, whose aux_loss is that regulariser) refused; inference runs."""
+    if (module.training and torch.is_grad_enabled()) or kwargs.get("output_router_logits"):
+        raise RuntimeError(SPLIT_ATTENTION_REGULARISER)
+
+
 class ParallelPlansMixin:
     """`_resolve_parallel_plans` for `from_pretrained(..., distributed_config=...)`: Transformers' plans, after
     refusing what its engine cannot run exactly for this model (`check_parallel_plans`; pipeline stages: inference
-    only, `refuse_pipeline_training`)."""
+    only, `refuse_pipeline_training`; MoEUT's attention regulariser split by heads: inference only,
+    `refuse_split_attention_regulariser`)."""
 
     def _resolve_parallel_plans(self, distributed_config):
         check_parallel_plans(self.config, distributed_config, distributed_config.ep_plan)
@@ -159,4 +185,6 @@ class ParallelPlansMixin:
         check_parallel_plans(self.config, distributed_config, ep_plan)
         if (distributed_config.pp_size or 1) > 1:
             self.register_forward_pre_hook(refuse_pipeline_training, with_kwargs=True)
+        if tp_plan and splits_attention_regulariser(self.config):
+            self.register_forward_pre_hook(refuse_split_attention_regulariser, with_kwargs=True)
         return tp_plan, ep_plan, fsdp_plan

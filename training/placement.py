@@ -164,12 +164,14 @@ def check_sizes(sizes: dict[str, int], model_config=None) -> None:
         raise TrainingError(f"{options}: {error}") from None
     if model_config is None:
         return
-    from ..tensor_parallel import check_parallel_plans
+    from ..tensor_parallel import SPLIT_ATTENTION_REGULARISER, check_parallel_plans, splits_attention_regulariser
 
     try:
         check_parallel_plans(model_config, distributed, None)
     except ValueError as error:
         raise TrainingError(f"{options}: {error}") from None
+    if tp > 1 and splits_attention_regulariser(model_config):
+        raise TrainingError(f"--tp-size {tp}: {SPLIT_ATTENTION_REGULARISER}")
     if model_config.num_attention_heads % tp:
         raise TrainingError(f"--tp-size {tp} splits attention by head: num_attention_heads "
                             f"({model_config.num_attention_heads}) must be divisible by it")

@@ -1,4 +1,5 @@
-"""Transformers' own common model and configuration tests, run against SwitchHead, SwitchAll, dense and XL models.
+"""Transformers' own common model and configuration tests, run against SwitchHead, SwitchAll, dense, XL and MoEUT
+models.
 
 `ModelTesterMixin` and `ConfigTester` come from the transformers source distribution of the installed version
 (fetched and cached outside the repository by `tests/helpers/transformers_suite.py`). Each variant below is one
@@ -229,6 +230,11 @@ VARIANTS = {
                       entropy_reg_coef=0.001),
     "dense": dict(attention_type="dense", num_attention_heads=4),
     "switchhead_xl": dict(position_encoding="xl"),
+    # MoEUT: one shared block applied twice (the common tests want at most 2 layers; one cache slot per
+    # application), peri-LayerNorm, the group regulariser
+    "moeut": dict(mlp_type="sigma_moe", num_mlp_experts=6, mlp_expert_size=8, num_mlp_experts_per_tok=2,
+                  layer_group_size=1, layernorm_placement="peri", entropy_reg_scope="group", entropy_reg_coef=0.01,
+                  attention_entropy_reg_coef=0.001),
 }
 
 
@@ -444,6 +450,12 @@ class SwitchHeadXLConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
         "test_eager_matches_batched_and_grouped_inference": SKIP_NO_MLP_EXPERTS,
         "test_reverse_loading_mapping": SKIP_NO_RENAMED_TENSORS,
     }
+
+
+@apply_skips
+class MoEUTConformanceTest(_SwitchHeadCommonTest, unittest.TestCase):
+    variant = "moeut"
+    variant_skips = dict(SwitchAllConformanceTest.variant_skips)  # the same sigma-MoE MLP and routing as SwitchAll
 
 
 # ------------------------------------------------------------------------------------------------ skip check

@@ -13,7 +13,7 @@ from switchhead.cli import main as cli_main
 from switchhead.conversion.export import CHECK_SHAPES, check_onnx, export_program, to_onnx
 
 PRESETS = ["tiny-switchhead", "tiny-switchall", "tiny-dense", "tiny-switchhead-xl", "tiny-dense-xl",
-           "tiny-switchall+xl"]
+           "tiny-switchall+xl", "tiny-moeut"]  # MoEUT: the torch.export program the ONNX file is made from
 SHAPES = [(1, 1), (1, 9), (2, 7), (4, 16), (3, 40)]  # the example is 2 x 8
 
 

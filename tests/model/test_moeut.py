@@ -350,3 +350,48 @@ def test_peft_sees_each_shared_tensor_once():
     ids = torch.randint(0, 512, (1, 6))
     model(ids, labels=ids).loss.backward()
     assert all(p.grad is not None for name, p in model.named_parameters() if "lora_" in name)
+
+
+# ----------------------------------------------------------------------------- tied embeddings, tensor parallelism
+def test_tied_embeddings_with_shared_blocks_save_one_tensor_each(tmp_path):
+    from safetensors import safe_open
+    model = _model(tie_word_embeddings=True)
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = [name for name, _ in model.named_parameters()]  # each shared tensor once, the tied one once
+    assert len(names) == len({id(p) for p in model.parameters()}) and "lm_head.weight" not in names
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as saved:
+        keys = set(saved.keys())
+    assert "lm_head.weight" not in keys and {int(k.split(".")[2]) for k in keys if ".layers." in k} == {0, 1}
+    loaded = SwitchHeadForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 512, (1, 7))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_tensor_parallel_training_with_the_attention_regulariser_is_refused(monkeypatch):
+    """Tensor parallelism splits the attention routers by head (exact for inference: tests/model/test_tp.py), but
+    the group regulariser over them averages all heads: a tensor-parallel model refuses to train with it (a forward
+    pre-hook the load installs), and `switchhead train --tp-size` refuses before anything starts."""
+    from switchhead.tensor_parallel import refuse_split_attention_regulariser, splits_attention_regulariser
+    from switchhead.training.errors import TrainingError
+    from switchhead.training.placement import check_sizes
+
+    config = SwitchHeadConfig.from_preset("tiny-moeut")
+    assert splits_attention_regulariser(config)
+    assert not splits_attention_regulariser(SwitchHeadConfig.from_preset("tiny-moeut", attention_entropy_reg_coef=0.0))
+    assert not splits_attention_regulariser(SwitchHeadConfig.from_preset("tiny-switchall"))
+    model = _model()
+    model.register_forward_pre_hook(refuse_split_attention_regulariser, with_kwargs=True)
+    ids = torch.randint(0, 512, (1, 6))
+    model(ids)  # inference runs
+    with pytest.raises(RuntimeError, match="MoEUT's attention entropy regulariser .* averages over all heads"):
+        model(ids, output_router_logits=True)
+    model.train()
+    with pytest.raises(RuntimeError, match="train with fsdp_size instead, or set attention_entropy_reg_coef=0"):
+        model(ids, labels=ids)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TrainingError, match="--tp-size 2: tensor parallelism splits the attention routers by head"):
+        check_sizes({"tp_size": 2}, config)
+    check_sizes({"fsdp_size": 2}, config)  # sharding whole tensors keeps every head's router in one computation

@@ -39,7 +39,7 @@ def test_static_cache_generation_equals_dynamic_cache(variant):
     torch.testing.assert_close(static, dynamic, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("variant", ["switchhead-rope", "switchall-xl"])
+@pytest.mark.parametrize("variant", ["switchhead-rope", "switchall-xl", "moeut"])
 def test_compiled_static_cache_generation(variant):
     model = variant_model(variant)
     assert model._can_compile_fullgraph

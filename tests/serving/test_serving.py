@@ -159,3 +159,16 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
         taken.listen()
         code, err = run(str(tmp_path), "--port", str(taken.getsockname()[1]))
     assert code == 2 and "cannot listen" in err, err
+
+
+@pytest.mark.integration
+def test_moeut_hub_folder_serves_greedy_tokens_of_generate(tmp_path):
+    """MoEUT (shared blocks, one cache slot per application) from its folder's own code: one request, paged batch."""
+    path = tmp_path / "hub-moeut"
+    model, tokenizer = make_checkpoint(path, "tiny-moeut")
+    server = Server(str(path), "--trust-remote-code")
+    try:
+        server.wait_ready()
+        assert complete(server, PROMPTS[3]) == expected_text(model, tokenizer, tokenizer(PROMPTS[3])["input_ids"])
+    finally:
+        server.stop()

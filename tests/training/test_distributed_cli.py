@@ -1,9 +1,10 @@
 """`switchhead train` under torchrun with Transformers' distributed engine for the plans the README shows (gloo,
 CPU), and a launched process whose peers never start.
 
-- `--fsdp-size 2` on tiny SwitchHead logs the losses of one process that accumulates the two processes' shares of
-  each step (the gradient norm and the loss of a sharded model are DTensors: the divergence guard must make them
-  whole before it reduces them across processes, else every rank crashed at the first step).
+- `--fsdp-size 2` on tiny SwitchHead and tiny MoEUT (shared blocks, each run once per application) logs the losses
+  of one process that accumulates the two processes' shares of each step, and saves each block once (the gradient
+  norm and the loss of a sharded model are DTensors: the divergence guard must make them whole before it reduces
+  them across processes, else every rank crashed at the first step).
 - `--fsdp-size 2` on tiny SwitchAll and `--tp-size 2` on tiny SwitchHead-XL train to the end and save a folder that
   loads in one process.
 - `WORLD_SIZE=2` with one process started (as rank 0, or as rank 1) stops within SWITCHHEAD_JOIN_TIMEOUT with one
@@ -60,8 +61,9 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-def test_fsdp_on_switchhead_trains_like_one_process(corpus, tmp_path):
-    common = ["--preset", "tiny-switchhead", *RUN, "--data", str(corpus)]
+@pytest.mark.parametrize("preset", ["tiny-switchhead", "tiny-moeut"])  # MoEUT: shared blocks, run once per application
+def test_fsdp_trains_like_one_process(corpus, tmp_path, preset):
+    common = ["--preset", preset, *RUN, "--data", str(corpus)]
     single = subprocess.run([sys.executable, "-m", "switchhead.cli", "train", *common, "--gradient-accumulation-steps",
                              "2", "--output-dir", str(tmp_path / "single")], env=_env(), capture_output=True,
                             text=True, timeout=CASE_TIMEOUT)
@@ -75,6 +77,13 @@ def test_fsdp_on_switchhead_trains_like_one_process(corpus, tmp_path):
         for column in ("loss", "grad_norm", "valid_loss"):
             if theirs[column]:
                 assert float(mine[column]) == pytest.approx(float(theirs[column]), rel=1e-5), (column, mine, theirs)
+    from safetensors import safe_open
+
+    from switchhead import SwitchHeadConfig
+
+    with safe_open(tmp_path / "fsdp" / "model.safetensors", "pt") as saved:  # each block once, shared or not
+        blocks = {int(name.split(".")[2]) for name in saved.keys() if name.startswith("model.layers.")}
+    assert blocks == set(range(SwitchHeadConfig.from_pretrained(tmp_path / "fsdp").num_distinct_layers))
 
 
 @pytest.mark.parametrize("preset, plan", [("tiny-switchall", ["--fsdp-size", "2"]),

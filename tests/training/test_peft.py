@@ -35,7 +35,7 @@ from helpers.models import logits_of  # noqa: E402
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 PRESETS = ["tiny-switchhead", "tiny-switchall", "tiny-dense", "tiny-switchhead-xl", "tiny-dense-xl",
-           "tiny-switchall+xl"]
+           "tiny-switchall+xl", "tiny-moeut"]  # MoEUT: one adapter per shared block, used by each of its applications
 
 
 def _base(preset: str, seed: int = 0) -> SwitchHeadForCausalLM:
@@ -102,7 +102,7 @@ def _hand_delta(wrapper) -> torch.Tensor:
     return torch.stack([scale * a[e].T @ b[:, :, e].T for e in range(experts)])
 
 
-@pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchhead-xl"])
+@pytest.mark.parametrize("preset", ["tiny-switchall", "tiny-switchhead-xl", "tiny-moeut"])
 def test_expert_lora_equals_a_model_with_each_expert_updated_by_hand(preset):
     """Reference twin: W_e + s * A_e^T B_e^T per expert, [experts, in, out], in a plain model."""
     ids = _ids(3)
@@ -110,7 +110,7 @@ def test_expert_lora_equals_a_model_with_each_expert_updated_by_hand(preset):
     model = apply_lora(_base(preset), r=3, target_modules=[], target_parameters=parameters, init_lora_weights=False)
     reference = _base(preset)
     wrappers = [m for m in model.modules() if hasattr(m, "parameter_name")]
-    assert len(wrappers) == len(parameters) * reference.config.num_hidden_layers
+    assert len(wrappers) == len(parameters) * reference.config.num_distinct_layers  # shared blocks: one each
     with torch.no_grad():
         for wrapper in wrappers:
             owner_name = next(n for n, m in model.base_model.model.named_modules() if m is wrapper.get_base_layer())
@@ -140,7 +140,7 @@ def test_stock_peft_with_lora_targets_adapts_every_expert_saves_reloads_and_merg
     model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **targets))
     wrapped = [(type(m).__name__, m.parameter_name) for m in model.modules() if hasattr(m, "parameter_name")]
     assert {name for _, name in wrapped} == set(targets["target_parameters"])  # every kind of expert tensor ...
-    assert len(wrapped) == len(targets["target_parameters"]) * base.config.num_hidden_layers  # ... in every layer
+    assert len(wrapped) == len(targets["target_parameters"]) * base.config.num_distinct_layers  # ... in every block
     assert {kind for kind, _ in wrapped} <= {"ParamWrapper"}  # PEFT's own
     assert set(targets["target_parameters"]) >= ({"expert_keys", "expert_values"} if "switchall" in preset else set())
     adapted = logits_of(model, ids)
