@@ -89,9 +89,18 @@ _DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(co
              if parameter.kind is parameter.POSITIONAL_OR_KEYWORD and name not in _REQUIRED}
 _RATES = ("ff_expert_dropout", "att_expert_dropout", "dropout", "entropy_reg", "att_entropy_reg")
 
-# profiles.py's dicts, by their names, are the presets built from them (vocabulary aside)
+# profiles.py's dicts, by their names, are the presets built from them (vocabulary aside), with the fields where a
+# preset follows the paper's run instead (MoEUT_727M has d_model 1024 there; the paper's 727M run, the preset, 1280)
 PROFILE_PRESETS = {"MoEUT_44M": "moeut-44m", "MoEUT_126M": "moeut-126m", "MoEUT_244M": "moeut-244m",
                    "MoEUT_318M": "moeut-318m", "MoEUT_727M": "moeut-727m", "MoEUT_1B": "moeut-1b"}
+PROFILE_FIELDS = {"MoEUT_727M": {"hidden_size": 1024}}
+
+
+def profile_config(profile: str) -> SwitchHeadConfig:
+    """Our configuration of `MoEUTLM(8000, **profiles.<profile>)`."""
+    if profile not in PROFILE_PRESETS:
+        raise ConversionError(f"unknown MoEUT profile {profile!r}; profiles.py has {', '.join(PROFILE_PRESETS)}")
+    return SwitchHeadConfig.from_preset(PROFILE_PRESETS[profile], **PROFILE_FIELDS.get(profile, {}))
 
 
 def moeut_arguments(given: dict[str, Any]) -> dict[str, Any]:
@@ -140,9 +149,7 @@ def moeut_arguments(given: dict[str, Any]) -> dict[str, Any]:
 
 def profile_arguments(profile: str, n_tokens: int) -> dict[str, Any]:
     """The arguments of `MoEUTLM(n_tokens, **profiles.<profile>)`, from the preset built from that profile."""
-    if profile not in PROFILE_PRESETS:
-        raise ConversionError(f"unknown MoEUT profile {profile!r}; profiles.py has {', '.join(PROFILE_PRESETS)}")
-    args = moeut_args_from_config(SwitchHeadConfig.from_preset(PROFILE_PRESETS[profile]))
+    args = moeut_args_from_config(profile_config(profile))
     return moeut_arguments({**args, "n_tokens": n_tokens})
 
 
@@ -275,6 +282,6 @@ def state_dict_to_moeut(state: dict[str, torch.Tensor], config: SwitchHeadConfig
     return _moved(state, {ours: theirs for theirs, ours in _renames(config).items()}, "to MoEUT")
 
 
-__all__ = ["PROFILE_PRESETS", "check_moeut_state", "config_from_moeut_args", "moeut_args_from_config",
+__all__ = ["PROFILE_FIELDS", "PROFILE_PRESETS", "check_moeut_state", "config_from_moeut_args", "moeut_args_from_config",
            "moeut_arguments", "moeut_config_and_state", "moeut_shapes", "profile_arguments", "state_dict_from_moeut",
            "state_dict_to_moeut"]

@@ -615,12 +615,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                                intermediate_size=128, position_encoding="xl", max_position_embeddings=128,
                                hidden_dropout=0.0),
     # MoEUT (Csordás et al., NeurIPS 2024): the authors' profiles.py (d_model, n_layers, n_heads, ff_n_experts,
-    # att_n_experts, d_head, ff_k, group_size) with their module's defaults for the rest
+    # att_n_experts, d_head, ff_k, group_size) with their module's defaults for the rest. The 727M one is the paper's
+    # run of that name (their sweeps/c4_moeut_gigantic_switchead.yaml: d_model 1280, 727.4M parameters); profiles.py's
+    # MoEUT_727M has d_model 1024, which builds 582M (conversion/moeut_format.py converts that profile as written).
     "moeut-44m": _moeut(412, 16, 4, 155, 8, 82, 12, 2),
     "moeut-126m": _moeut(768, 18, 4, 254, 10, 96, 12, 2),
     "moeut-244m": _moeut(1024, 18, 4, 387, 10, 128, 16, 2),
     "moeut-318m": _moeut(1024, 24, 4, 338, 10, 128, 16, 3),
-    "moeut-727m": _moeut(1024, 36, 5, 467, 13, 128, 20, 4),
+    "moeut-727m": _moeut(1280, 36, 5, 467, 13, 128, 20, 4),
     "moeut-1b": _moeut(1536, 36, 6, 565, 12, 128, 24, 4),
     "tiny-moeut": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, head_dim=16,
                        num_attention_experts=4, num_attention_experts_per_tok=2, mlp_type="sigma_moe",

@@ -191,8 +191,11 @@ def test_every_moeut_preset_gives_its_profile_arguments_and_back():
     assert moeut_format.profile_arguments("MoEUT_244M", 8000) == {
         "n_tokens": 8000, "d_model": 1024, "n_layers": 18, "n_heads": 4, "ff_n_experts": 387, "att_n_experts": 10,
         "d_head": 128, "group_size": 2, "ff_k": 16, "att_k": 2, "ff_expert_size": 128, **DEFAULTS}
-    for profile, preset in moeut_format.PROFILE_PRESETS.items():
-        config = SwitchHeadConfig.from_preset(preset)
+    # profiles.py's MoEUT_727M as written (d_model 1024), not the paper's run that the preset follows (1280)
+    assert moeut_format.profile_arguments("MoEUT_727M", 8000)["d_model"] == 1024
+    assert SwitchHeadConfig.from_preset("moeut-727m").hidden_size == 1280
+    for profile in moeut_format.PROFILE_PRESETS:
+        config = moeut_format.profile_config(profile)
         if profile == "MoEUT_44M":  # d_head 82: see the refusal test
             continue
         args = moeut_format.profile_arguments(profile, config.vocab_size)

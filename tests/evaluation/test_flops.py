@@ -139,11 +139,11 @@ def test_flops_cli_rejects_unknown_configs_in_one_line(capsys):
 # What the MoEUT authors' own scripts (RobertCsordas/moeut_training_code) give to check against: the parameter count
 # (millions) their result-table script (paper/moe_universal/main_result_table.py) files each C4 run under, MoEUT and
 # its dense baseline alike, and the MAC formula of their accounting script (paper/moe_universal/common.py). The
-# paper's MoEUT runs are the presets; its 727M run (sweeps/c4_moeut_gigantic_switchead.yaml) has d_model 1280, where
-# profiles.py's MoEUT_727M, the preset, has 1024 (582M parameters; tests/model/test_moeut.py). The dense baselines
+# paper's MoEUT runs are the presets (the 727M one, sweeps/c4_moeut_gigantic_switchead.yaml, has d_model 1280, where
+# profiles.py's MoEUT_727M has 1024: 582M parameters; tests/model/test_moeut.py). The dense baselines
 # are their sweeps' (sweeps/c4_baseline_*.yaml): d_model, layers, heads, head size, d_ff / d_model; all RoPE, T=1024.
 MOEUT_RUNS = {44: ("moeut-44m", {}), 126: ("moeut-126m", {}), 244: ("moeut-244m", {}), 319: ("moeut-318m", {}),
-              728: ("moeut-727m", {"hidden_size": 1280}), 1040: ("moeut-1b", {})}
+              728: ("moeut-727m", {}), 1040: ("moeut-1b", {})}
 DENSE_BASELINES = {44: (412, 16, 10, 41, 4.985), 126: (768, 16, 16, 48, 4), 244: (1024, 18, 16, 64, 4.014),
                    319: (1024, 24, 16, 64, 4.014), 728: (1280, 36, 20, 64, 4), 1040: (1536, 36, 24, 64, 4)}
 
