@@ -388,7 +388,9 @@ def write_xl_ops(out: Path, tokens: int = 256, memory: int = 256) -> None:
              "backward. `python benchmarks/roofline.py --xl-ops OUT` reproduces it. Ops: aten ops dispatched, views "
              "left out; bytes kept for the backward per token: the `[T, M + T]` tensors (the bias sdpa takes as "
              "its float mask, which a GPU's kernel keeps too, and the CPU math kernel's probabilities), the integer "
-             "tensors (indices, masks), and the rest.", "",
+             "tensors (indices, masks), and the rest. Per head: the ops over the block's heads (dense 10, "
+             "SwitchHead 2 wider ones); SwitchHead's routers and expert mixes run once a block whatever its heads, "
+             "so its count per head is set by the head count, not by the position term.", "",
              "| block | position term | ops forward + backward | per head | matrix products | [T, M + T] B | "
              "integer B | other B |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
