@@ -63,6 +63,9 @@ def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = Fal
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def counted_sdpa(query, key, value, *args, **kwargs):
+        if torch.is_autocast_enabled("cpu"):  # autocast's own casts, made here so that the kept copies are known
+            dtype = torch.get_autocast_dtype("cpu")
+            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
         in_sdpa.append(True)
         try:
             out = sdpa(query, key, value, *args, **kwargs)
