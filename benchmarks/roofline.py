@@ -235,11 +235,18 @@ def attention_ops(config, implementation: str | None, tokens: int = 1024, batch:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with forward, kept:
             out, _ = attention(hidden, position_embeddings=embeddings, attention_mask=None)
-    saved = sum(nbytes for tensor, nbytes in kept.storages() if tuple(tensor.shape[-2:]) != (tokens, tokens))
+    saved = sum(nbytes for tensor, nbytes in kept.storages() if not _queries_by_keys(tensor, tokens, tokens))
     with backward:
         out.float().backward(torch.ones(out.shape))
     return dict(forward=sum(forward.ops.values()), backward=sum(backward.ops.values()),
                 forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=saved)
+
+
+def _queries_by_keys(tensor, queries: int, keys: int) -> bool:
+    """Whether `tensor` is one of the attention core's `[B, H, queries, keys]` tensors (probabilities, a float mask):
+    four dimensions, not just the last two, since a `[tokens, d]` activation has the same last two where d is the
+    token count (262M's d = 1,024 at 1,024 tokens)."""
+    return tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (queries, keys)
 
 
 class _Kept:
@@ -324,7 +331,7 @@ def xl_attention_ops(config, implementation: str | None, tokens: int, memory: in
         for tensor, nbytes in kept.storages():
             if not tensor.is_floating_point():
                 index += nbytes
-            elif tuple(tensor.shape[-2:]) == (tokens, tokens + memory):
+            elif _queries_by_keys(tensor, tokens, tokens + memory):
                 square += nbytes
             else:
                 saved += nbytes

@@ -126,7 +126,7 @@ def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = Fal
         if pointer in parameters or pointer in seen:
             continue
         seen.add(pointer)
-        if square is not None and tuple(box.tensor.shape[-2:]) == (context, context + memory):
+        if square is not None and _queries_by_keys(box.tensor, context, context + memory):
             square[part] = square.get(part, 0) + storage.nbytes()
         else:
             by_part[part] += storage.nbytes()
@@ -139,13 +139,19 @@ def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = Fal
             if pointer in parameters or pointer in seen:
                 continue
             seen.add(pointer)
-            if square is not None and tuple(tensor.shape[-2:]) == (context, context + memory):
+            if square is not None and _queries_by_keys(tensor, context, context + memory):
                 square[part] = square.get(part, 0) + storage.nbytes()
             else:  # the math kernel's float32 copies; the CPU kernel's own log-sum-exp (counted above)
                 fused_sdpa[part] = fused_sdpa.get(part, 0) + storage.nbytes()
     del alive, kept_inside, fused_keeps
     loss.backward()  # the recorded graph is complete: it runs
     return by_part
+
+
+def _queries_by_keys(tensor: torch.Tensor, queries: int, keys: int) -> bool:
+    """Whether `tensor` is one of the attention core's `[B, H, queries, keys]` tensors: four dimensions, since a
+    `[tokens, d]` activation has the same last two where d equals the token count."""
+    return tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (queries, keys)
 
 
 class _Saved:
