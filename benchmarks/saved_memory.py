@@ -339,15 +339,15 @@ def token_markdown(report: dict) -> str:
              "(attention, MLP, LayerNorms), per token outside the layers (the final LayerNorm, embedding, logits and "
              "loss), each storage once, parameters left out. sdpa is counted as a GPU's fused kernel keeps it: its "
              "query, key, value and output, and a float32 log-sum-exp per query and head; what the CPU's kernel "
-             "keeps besides is left out: the (queries, keys) probabilities, and where XL's position bias needs a "
-             "gradient (the CPU then runs sdpa's math kernel), float32 copies of query, key and value (the last "
-             "column, per layer and token). \"lean\" is \"switchhead_fused\", what \"switchhead_auto\" trains "
+             "keeps besides is left out: the (queries, keys) probabilities, and (the last column, per layer and "
+             "token) its own log-sum-exp and, where XL's position bias needs a gradient (the CPU then runs sdpa's "
+             "math kernel), float32 copies of query, key and value. \"lean\" is \"switchhead_fused\", what \"switchhead_auto\" trains "
              "SwitchHead's attention with on a GPU; \"eager\" the per-projection rule (the CPU's default, and the "
              "GPU's before). Dense attention is counted as autocast runs it (each projection casts its input for "
              "itself); SwitchHead's projections share one bf16 copy of each input of the layer "
              "(`expert_ops.shared_autocast_inputs`).", "",
              "| model | dtype | attention / layer | MLP / layer | LayerNorms / layer | outside the layers | "
-             "weight copies (MiB) | CPU sdpa's float32 copies / layer |", "|---|---|---|---|---|---|---|---|"]
+             "weight copies (MiB) | besides, CPU sdpa's own / layer |", "|---|---|---|---|---|---|---|---|"]
     for key, row in table.items():
         family, member, dtype = key.rsplit("/", 1)[0].split("/", 1)[0], key.split("/", 1)[1].rsplit("/", 1)[0], \
             key.rsplit("/", 1)[1]
