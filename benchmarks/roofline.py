@@ -229,23 +229,73 @@ def attention_ops(config, implementation: str | None, tokens: int = 1024, batch:
     rotary = model.model.rotary_emb
     embeddings = rotary(hidden, positions) if rotary is not None else None
     attention = model.model.layers[0].self_attn
-    parameters = {p.untyped_storage()._cdata for p in attention.parameters()}
     forward, backward = Count(), Count()
-    saved = {}
-
-    def pack(tensor):  # each storage once (a view shares its base's)
-        storage = tensor.untyped_storage()
-        if storage._cdata not in parameters and tuple(tensor.shape[-2:]) != (tokens, tokens):
-            saved[storage._cdata] = storage.nbytes()
-        return tensor
+    kept = _Kept(attention)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with forward, kept:
             out, _ = attention(hidden, position_embeddings=embeddings, attention_mask=None)
+    saved = sum(nbytes for tensor, nbytes in kept.storages() if not _queries_by_keys(tensor, tokens, tokens))
     with backward:
         out.float().backward(torch.ones(out.shape))
     return dict(forward=sum(forward.ops.values()), backward=sum(backward.ops.values()),
-                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=sum(saved.values()))
+                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=saved)
+
+
+def _queries_by_keys(tensor, queries: int, keys: int) -> bool:
+    """Whether `tensor` is one of the attention core's `[B, H, queries, keys]` tensors (probabilities, a float mask):
+    four dimensions, not just the last two, since a `[tokens, d]` activation has the same last two where d is the
+    token count (262M's d = 1,024 at 1,024 tokens)."""
+    return tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (queries, keys)
+
+
+class _Kept:
+    """Context manager recording what autograd saves for the backward of `module`'s forward; `storages()` then gives
+    each storage the graph still holds once, as (a tensor saved in it, its bytes), the module's parameters left out.
+
+    A saved tensor is held in a box only the graph refers to, and counted only while that box lives: a tensor saved by
+    a node the forward dropped dies with it, and is not counted. Storages are told apart by their data pointer, read
+    while every counted one is alive (a freed storage's address, or its C++ object's, may belong to a later one)."""
+
+    def __init__(self, module):
+        import torch
+
+        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.records = []
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda box: box.tensor)
+
+    def _pack(self, tensor):
+        import weakref
+
+        box = _Box(tensor)
+        self.records.append(weakref.ref(box))
+        return box
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.hooks.__exit__(*exc)
+
+    def storages(self) -> list:
+        alive = [box for box in (reference() for reference in self.records) if box is not None]
+        seen, kept = set(), []
+        for box in alive:
+            storage = box.tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer in self.parameters or pointer in seen:
+                continue
+            seen.add(pointer)
+            kept.append((box.tensor, storage.nbytes()))
+        return kept
+
+
+class _Box:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
 
 
 def xl_attention_ops(config, implementation: str | None, tokens: int, memory: int, gathered: bool = False,
@@ -267,37 +317,32 @@ def xl_attention_ops(config, implementation: str | None, tokens: int, memory: in
     past = torch.randn(batch, memory, config.hidden_size)
     mask = positions.create_xl_memory_mask(config, hidden, None, memory)
     attention = model.model.layers[0].self_attn
-    parameters = {p.untyped_storage()._cdata for p in attention.parameters()}
     forward, backward = Count(), Count()
-    saved, square, index = {}, {}, {}
-
-    def pack(tensor):  # each storage once (a view shares its base's)
-        storage = tensor.untyped_storage()
-        if storage._cdata in parameters:
-            return tensor
-        if not tensor.is_floating_point():
-            index[storage._cdata] = storage.nbytes()
-        elif tuple(tensor.shape[-2:]) == (tokens, tokens + memory):
-            square[storage._cdata] = storage.nbytes()
-        else:
-            saved[storage._cdata] = storage.nbytes()
-        return tensor
+    kept = _Kept(attention)
+    saved = square = index = 0
 
     reference = positions.xl_position_bias
     if gathered:
         positions.xl_position_bias = positions.xl_position_bias_gathered
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with forward, kept:
                 out, _ = attention(hidden, position_embeddings=None, attention_mask=mask, memory=past)
+        for tensor, nbytes in kept.storages():
+            if not tensor.is_floating_point():
+                index += nbytes
+            elif _queries_by_keys(tensor, tokens, tokens + memory):
+                square += nbytes
+            else:
+                saved += nbytes
         with backward:
             out.float().backward(torch.ones(out.shape))
     finally:
         positions.xl_position_bias = reference
     matmuls = sum(c.ops.get(op, 0) for c in (forward, backward) for op in ("mm", "bmm", "addmm", "matmul"))
     return dict(forward=sum(forward.ops.values()), backward=sum(backward.ops.values()), matmuls=matmuls,
-                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=sum(saved.values()),
-                square_bytes=sum(square.values()), index_bytes=sum(index.values()))
+                forward_ops=dict(forward.ops), backward_ops=dict(backward.ops), saved_bytes=saved,
+                square_bytes=square, index_bytes=index)
 
 
 def xl_op_table(tokens: int = 256, memory: int = 256) -> list[dict]:
@@ -350,7 +395,9 @@ def write_xl_ops(out: Path, tokens: int = 256, memory: int = 256) -> None:
              "backward. `python benchmarks/roofline.py --xl-ops OUT` reproduces it. Ops: aten ops dispatched, views "
              "left out; bytes kept for the backward per token: the `[T, M + T]` tensors (the bias sdpa takes as "
              "its float mask, which a GPU's kernel keeps too, and the CPU math kernel's probabilities), the integer "
-             "tensors (indices, masks), and the rest.", "",
+             "tensors (indices, masks), and the rest. Per head: the ops over the block's heads (dense 10, "
+             "SwitchHead 2 wider ones); SwitchHead's routers and expert mixes run once a block whatever its heads, "
+             "so its count per head is set by the head count, not by the position term.", "",
              "| block | position term | ops forward + backward | per head | matrix products | [T, M + T] B | "
              "integer B | other B |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:

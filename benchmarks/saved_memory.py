@@ -44,16 +44,37 @@ def part_of(module: nn.Module) -> str | None:
 
 
 def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = False, memory: int = 0,
-                square: dict | None = None) -> dict[str, int]:
+                square: dict | None = None, fused_sdpa: dict | None = None) -> dict[str, int]:
     """Bytes autograd saves in one training forward of `model`, by part (see the module docstring). `autocast`: under
     bf16 autocast on the CPU, fp32 weights (what a GPU step runs). `memory`: an XL model reads `memory` positions of
     XL memory per layer, as every segment after the first does in training. `square`: where given, the tensors whose
     last two dimensions are (queries, keys) (the attention core's probabilities, XL's position bias and its index)
-    go to `square[part]` instead of the part."""
+    go to `square[part]` instead of the part. `fused_sdpa`: where given, sdpa is counted as a GPU's fused kernel
+    keeps it (its query, key, value and output, and a float32 log-sum-exp per query and head), and the bytes the
+    CPU's kernel keeps besides (the math kernel's float32 copies of query, key and value, which it runs where the
+    float mask needs a gradient: XL's position bias) go to `fused_sdpa[part]`."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     records = []  # (weak reference to what autograd holds, part), in the order saved
     running: list[str] = []  # parts entered and not yet left, outermost first
     hooks = []
+    in_sdpa = []  # the sdpa call running, if any: its pack records go to `inside`
+    inside = []  # (weak reference, part) saved within an sdpa call
+    fused_keeps = []  # (tensors a fused kernel keeps, log-sum-exp bytes, part) of each sdpa call
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted_sdpa(query, key, value, *args, **kwargs):
+        if torch.is_autocast_enabled("cpu"):  # autocast's own casts, made here so that the kept copies are known
+            dtype = torch.get_autocast_dtype("cpu")
+            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+        in_sdpa.append(True)
+        try:
+            out = sdpa(query, key, value, *args, **kwargs)
+        finally:
+            in_sdpa.pop()
+        if out.requires_grad:
+            lse = 4 * query.numel() // query.shape[-1]  # float32, one per query and head
+            fused_keeps.append(((query, key, value, out), lse, running[0] if running else "rest"))
+        return out
 
     def enter(module, args):
         running.append(part_of(module))
@@ -70,7 +91,7 @@ def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = Fal
         # whose result is not used) dies with it, and is not counted; its memory, reused by a later tensor, would
         # otherwise hide that tensor behind the same address.
         box = _Saved(tensor)
-        records.append((weakref.ref(box), running[0] if running else "rest"))
+        (inside if in_sdpa else records).append((weakref.ref(box), running[0] if running else "rest"))
         return box
 
     ids = torch.randint(1, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
@@ -83,32 +104,54 @@ def saved_bytes(model: nn.Module, batch: int, context: int, autocast: bool = Fal
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+    if fused_sdpa is not None:  # else no call is told apart: every record goes to `records`
+        torch.nn.functional.scaled_dot_product_attention = counted_sdpa
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids, use_cache=False, **extra).loss
     finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
         for hook in hooks:
             hook.remove()
     by_part = dict.fromkeys(PARTS, 0)
     seen: set[int] = set()
-    box = None
-    for reference, part in records:  # what the graph still holds, each storage once
-        box = reference()
-        if box is None:
-            continue
+    alive = [(box, part) for box, part in ((reference(), part) for reference, part in records) if box is not None]
+    kept_inside = [(box.tensor, part) for box, part in ((r(), part) for r, part in inside) if box is not None]
+    if fused_sdpa is not None:  # what a fused kernel keeps of each call
+        alive += [(_Saved(tensor), part) for tensors, _, part in fused_keeps for tensor in tensors]
+    for box, part in alive:  # what the graph still holds, each storage once
         storage = box.tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer in parameters or pointer in seen:
             continue
         seen.add(pointer)
-        if square is not None and tuple(box.tensor.shape[-2:]) == (context, context + memory):
+        if square is not None and _queries_by_keys(box.tensor, context, context + memory):
             square[part] = square.get(part, 0) + storage.nbytes()
         else:
             by_part[part] += storage.nbytes()
-    del box
+    if fused_sdpa is not None:
+        for _, lse, part in fused_keeps:
+            by_part[part] += lse
+        for tensor, part in kept_inside:  # the CPU kernel's own: besides the above and the probabilities
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer in parameters or pointer in seen:
+                continue
+            seen.add(pointer)
+            if square is not None and _queries_by_keys(tensor, context, context + memory):
+                square[part] = square.get(part, 0) + storage.nbytes()
+            else:  # the math kernel's float32 copies; the CPU kernel's own log-sum-exp (counted above)
+                fused_sdpa[part] = fused_sdpa.get(part, 0) + storage.nbytes()
+    del alive, kept_inside, fused_keeps
     loss.backward()  # the recorded graph is complete: it runs
     return by_part
+
+
+def _queries_by_keys(tensor: torch.Tensor, queries: int, keys: int) -> bool:
+    """Whether `tensor` is one of the attention core's `[B, H, queries, keys]` tensors: four dimensions, since a
+    `[tokens, d]` activation has the same last two where d equals the token count."""
+    return tensor.dim() == 4 and tuple(tensor.shape[-2:]) == (queries, keys)
 
 
 class _Saved:
@@ -159,10 +202,15 @@ def family_config(family: str, member: str, layers: int):
     return config
 
 
-def per_token(family: str, member: str, autocast: bool, context: int | None = None, quick: bool = False) -> dict:
+def per_token(family: str, member: str, autocast: bool, context: int | None = None, quick: bool = False,
+              share_casts: bool = True) -> dict:
     """Bytes kept for the backward of `member` of `family`: per layer and token by part (`layer`), per token outside
     the layers (`outside`), constant (`constant`, by part), and the (queries, keys) tensors per layer and token
-    (`square`, not in the parts: the CPU's sdpa keeps its probabilities where a GPU's fused kernel keeps none)."""
+    (`square`, not in the parts: the CPU's sdpa keeps its probabilities where a GPU's fused kernel keeps none). sdpa
+    is counted as a GPU's fused kernel keeps it; what the CPU's kernel keeps besides, per layer and token, is
+    `cpu_sdpa` (not in the parts: XL's math kernel's float32 copies of query, key and value). `share_casts` False:
+    SwitchHead's projections each cast their input for themselves, as before `expert_ops.shared_autocast_inputs`."""
+    from switchhead import expert_ops
     from switchhead import SwitchHeadForCausalLM
 
     _, _, paper, memory = FAMILIES[family]
@@ -178,16 +226,22 @@ def per_token(family: str, member: str, autocast: bool, context: int | None = No
             model = SwitchHeadForCausalLM(config)
             if FORMULATIONS[member] is not None:
                 model.set_experts_implementation(FORMULATIONS[member])
-            square = {}
-            parts = saved_bytes(model, batch, context, autocast, memory, square)
-            counts[layers, batch] = parts, sum(square.values())
+            square, cpu_sdpa = {}, {}
+            sharing, expert_ops.SHARE_AUTOCAST_INPUTS = expert_ops.SHARE_AUTOCAST_INPUTS, share_casts
+            try:
+                parts = saved_bytes(model, batch, context, autocast, memory, square, cpu_sdpa)
+            finally:
+                expert_ops.SHARE_AUTOCAST_INPUTS = sharing
+            counts[layers, batch] = parts, sum(square.values()), sum(cpu_sdpa.values())
     tokens = context  # per batch row
     layer = {p: (counts[2, 2][0][p] - counts[2, 1][0][p] - counts[1, 2][0][p] + counts[1, 1][0][p]) / tokens
              for p in PARTS}
     outside = {p: (counts[1, 2][0][p] - counts[1, 1][0][p]) / tokens - layer[p] for p in PARTS}
     constant = {p: counts[1, 1][0][p] - tokens * (layer[p] + outside[p]) for p in PARTS}
-    square = (counts[2, 2][1] - counts[2, 1][1] - counts[1, 2][1] + counts[1, 1][1]) / tokens
-    return dict(context=context, memory=memory, layer=layer, outside=outside, constant=constant, square=square)
+    square, cpu_sdpa = ((counts[2, 2][i] - counts[2, 1][i] - counts[1, 2][i] + counts[1, 1][i]) / tokens
+                        for i in (1, 2))
+    return dict(context=context, memory=memory, layer=layer, outside=outside, constant=constant, square=square,
+                cpu_sdpa=cpu_sdpa)
 
 
 def step_bytes(row: dict, layers: int, tokens: int) -> dict:
@@ -238,7 +292,7 @@ def token_report(quick: bool, contexts: tuple[int, ...]) -> dict:
                 same=all(abs(longer[k][p] - table[f"47m-rope/{member}/bf16"][k][p]) < 0.5
                          for k in ("layer", "outside") for p in PARTS))
             print("check", member, check[f"47m-rope/{member}/bf16"]["same"], flush=True)
-    steps, predicted = {}, []
+    steps, predicted, as_measured = {}, [], {}
     peaks = gpu_peaks()
     for family, (_, _, paper, _) in FAMILIES.items():
         layers = 2 if quick else FAMILIES_LAYERS[family]
@@ -256,7 +310,12 @@ def token_report(quick: bool, contexts: tuple[int, ...]) -> dict:
                     continue
                 tokens = peak[1] * context
                 state = 16 * parameters_of(family, member)  # fp32 weights, gradients, AdamW's two moments
-                saved = sum(step_bytes(table[f"{family}/{member}/bf16"], layers, tokens).values())
+                row = table[f"{family}/{member}/bf16"]
+                if member != "dense":  # the code the H100 ran: each projection cast its input for itself
+                    if (family, member) not in as_measured:
+                        as_measured[family, member] = per_token(family, member, True, share_casts=False)
+                    row = as_measured[family, member]
+                saved = sum(step_bytes(row, layers, tokens).values())
                 predicted.append(dict(family=family, context=context, member=member, tokens=tokens, state=state,
                                       saved=saved, predicted=state + saved, measured=peak[0],
                                       measured_over_predicted=peak[0] / (state + saved)))
@@ -278,18 +337,23 @@ def token_markdown(report: dict) -> str:
              f"commit {report['commit']}): fp32, and bf16 autocast with fp32 weights, the casting policy a GPU step "
              "runs under. `python benchmarks/saved_memory.py --per-token` reproduces it. Bytes per token and layer "
              "(attention, MLP, LayerNorms), per token outside the layers (the final LayerNorm, embedding, logits and "
-             "loss), each storage once, parameters left out; sdpa's (queries, keys) probabilities left out (the CPU "
-             "keeps them where a GPU's fused kernel keeps none). \"lean\" is \"switchhead_fused\", what "
-             "\"switchhead_auto\" trains SwitchHead's attention with on a GPU; \"eager\" the per-projection rule "
-             "(the CPU's default, and the GPU's before).", "",
+             "loss), each storage once, parameters left out. sdpa is counted as a GPU's fused kernel keeps it: its "
+             "query, key, value and output, and a float32 log-sum-exp per query and head; what the CPU's kernel "
+             "keeps besides is left out: the (queries, keys) probabilities, and (the last column, per layer and "
+             "token) its own log-sum-exp and, where XL's position bias needs a gradient (the CPU then runs sdpa's "
+             "math kernel), float32 copies of query, key and value. \"lean\" is \"switchhead_fused\", what \"switchhead_auto\" trains "
+             "SwitchHead's attention with on a GPU; \"eager\" the per-projection rule (the CPU's default, and the "
+             "GPU's before). Dense attention is counted as autocast runs it (each projection casts its input for "
+             "itself); SwitchHead's projections share one bf16 copy of each input of the layer "
+             "(`expert_ops.shared_autocast_inputs`).", "",
              "| model | dtype | attention / layer | MLP / layer | LayerNorms / layer | outside the layers | "
-             "weight copies (MiB) |", "|---|---|---|---|---|---|---|"]
+             "weight copies (MiB) | besides, CPU sdpa's own / layer |", "|---|---|---|---|---|---|---|---|"]
     for key, row in table.items():
         family, member, dtype = key.rsplit("/", 1)[0].split("/", 1)[0], key.split("/", 1)[1].rsplit("/", 1)[0], \
             key.rsplit("/", 1)[1]
         lines.append(f"| {family} {member} | {dtype} | {row['layer']['attention']:,.0f} | {row['layer']['mlp']:,.0f} "
                      f"| {row['layer']['layernorm']:,.0f} | {sum(row['outside'].values()):,.0f} | "
-                     f"{sum(row['constant'].values()) / 2 ** 20:.1f} |")
+                     f"{sum(row['constant'].values()) / 2 ** 20:.1f} | {row.get('cpu_sdpa', 0):,.0f} |")
     lines += ["", f"SwitchHead / dense: the attention block (per layer and token), and a whole step of "
               f"{TRAIN_TOKENS:,} tokens at each context (per-token bytes do not depend on it; the constant does "
               "not grow with the tokens). Target: bf16, the lean default.", "",
@@ -313,10 +377,12 @@ def token_markdown(report: dict) -> str:
                     cells.append(sum(steps[f"{family}@{context}/{member}/{dtype}"].values()) / dense)
             lines.append(f"| {family} | step at {context:,} | " + " | ".join(f"{c:.3f}" for c in cells) + " | "
                          + _target(family, context, cells[-1]) + " |")
+    lines += floor_lines(report)
     if report["predicted_gpu_peak"]:
         lines += ["", "Predicted peak of the H100's training matrix (benchmarks/results/gpu/matrices/long_train.json): "
                   "16 bytes per parameter (fp32 weights, gradients and AdamW's two moments) plus the bf16 bytes kept "
-                  "for the backward of its tokens, against the peak it measured.", "",
+                  "for the backward of its tokens, against the peak it measured. SwitchHead's are counted as the "
+                  "H100 ran it, each projection casting its input for itself.", "",
                   "| cell | tokens | state GiB | kept GiB | predicted GiB | measured GiB | measured / predicted |",
                   "|---|---|---|---|---|---|---|"]
         gib = 2 ** 30
@@ -325,6 +391,62 @@ def token_markdown(report: dict) -> str:
                          f"{row['state'] / gib:.2f} | {row['saved'] / gib:.2f} | {row['predicted'] / gib:.2f} | "
                          f"{row['measured'] / gib:.2f} | {row['measured_over_predicted']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def attention_floor(family: str) -> float:
+    """The fewest bytes per token and layer SwitchHead's attention block can keep under bf16 autocast: the bf16
+    inputs of its matrix products that its backward needs, nothing else: the sources (memory and current tokens, read
+    by the keys, the values and the value router), the queries, keys and values the attention kernel keeps, and the
+    output projection's input (its routers' gates and indices left out)."""
+    config = family_config(family, "switchhead", 1)
+    _, _, context, memory = FAMILIES[family]
+    sources = (memory + context) / context  # source tokens per query token
+    inner = config.num_attention_heads * config.head_dim
+    return 2 * (sources * config.hidden_size + inner + 2 * sources * inner + inner)
+
+
+def floor_lines(report: dict) -> list[str]:
+    """Why a missed target cannot be met, from the counts: the bf16 lean default against dense."""
+    table, lines = report["per_token"], []
+    if report.get("quick"):  # the smoke run's models are not the presets the floor is computed from
+        return lines
+    for (family, row), target in TARGETS.items():
+        if family not in FAMILIES or f"{family}/dense/bf16" not in table:
+            continue
+        dense, lean = table[f"{family}/dense/bf16"], table[f"{family}/switchhead/lean/bf16"]
+        layers = FAMILIES_LAYERS[family]
+        floor = attention_floor(family)
+        if row == "attention":
+            if lean["layer"]["attention"] / dense["layer"]["attention"] <= target:
+                continue
+            allowed = target * dense["layer"]["attention"]
+            lines.append(f"- {family}, attention block <= {target}: dense keeps {dense['layer']['attention']:,.0f} B "
+                         f"per token and layer, so SwitchHead may keep {allowed:,.0f} B; the inputs of its matrix "
+                         f"products alone (bf16 sources, queries, keys, values and the output side's input, before "
+                         f"its routers' gates and indices and the kernel's output) are {floor:,.0f} B ({floor / dense['layer']['attention']:.3f} of dense): "
+                         + ("it cannot be met." if floor > allowed else "not excluded by this count."))
+            continue
+        def step(member_row, attention=None):
+            per_layer = sum(member_row["layer"].values()) if attention is None else \
+                attention + sum(v for p, v in member_row["layer"].items() if p != "attention")
+            return layers * per_layer + sum(member_row["outside"].values())
+        if step(lean) / step(dense) <= target:
+            continue
+        allowed = (target * step(dense) - step(lean, 0.0)) / layers
+        text = (f"- {family}, whole step at {row:,} <= {target}: the MLP, LayerNorms and what lies outside the layers "
+                f"keep about as much in both models; with no attention bytes at all SwitchHead would keep "
+                f"{step(lean, 0.0) / step(dense):.3f} of dense")
+        if allowed < 0:
+            text += ": it cannot be met."
+        else:
+            text += (f", so its attention may keep {allowed:,.0f} B per token and layer, against a least of "
+                     f"{floor:,.0f} B (the inputs of its matrix products): "
+                     + ("it cannot be met." if floor > allowed else "not excluded by this count."))
+        lines.append(text)
+    if lines:
+        lines = ["", "Targets missed, from the counts (bf16, per token; the whole step's per-token bytes, constant "
+                 "left out):", ""] + lines
+    return lines
 
 
 def _target(family, row, value) -> str:

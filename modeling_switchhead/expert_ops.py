@@ -366,11 +366,78 @@ def _autocast_on(tensor: torch.Tensor) -> bool:
 
 def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors in the autocast dtype of their device where autocast is on there (floating ones only), else as
-    they are."""
+    they are. A tensor with a copy in `shared_autocast_inputs` gets that copy."""
     if not _autocast_on(tensors[0]):
         return tensors
     dtype = torch.get_autocast_dtype(tensors[0].device.type)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+    return tuple(autocast_input(t, dtype) if t.is_floating_point() else t for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------------- shared casts
+# Under autocast every matmul casts its float32 input to the low-precision dtype and autograd keeps that copy for the
+# weight's gradient: an attention layer whose q, k, values and routers each read the layer's input kept one copy per
+# projection. While `shared_autocast_inputs` is active (an attention layer's forward), each float32 input is cast
+# once and every projection reads that copy; the backward is unchanged (each reader's gradient is cast back to
+# float32 on its own, as autocast's casts do), so outputs and gradients are bit for bit those of separate casts.
+SHARE_AUTOCAST_INPUTS = True  # False: every reader casts for itself, as autocast does (the twin the tests hold)
+_SHARED = []  # the active layers' copies: {(data_ptr, numel, dtypes, device): (the tensor, its contiguous copy)}; the
+# tensor is held so that its memory is not reused by another while the layer runs
+
+
+class _SharedCast(torch.autograd.Function):
+    """`tensor.to(copy.dtype)` whose result is `copy` (the same values, made once, outside autograd), with the cast's
+    backward: the gradient cast back to `tensor`'s dtype."""
+
+    @staticmethod
+    def forward(ctx, tensor, copy):
+        ctx.dtype = tensor.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+class shared_autocast_inputs:
+    """Context manager: within it, `autocast_input` casts each contiguous float tensor once (see above). Inactive
+    (a no-op) without autocast, while compiling (inductor removes repeated casts itself) and with
+    `SHARE_AUTOCAST_INPUTS` False."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.active = (SHARE_AUTOCAST_INPUTS and _autocast_on(tensor) and not torch.compiler.is_compiling()
+                       and torch.is_grad_enabled())
+
+    def __enter__(self):
+        if self.active:
+            _SHARED.append({})
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            _SHARED.pop()
+        return False
+
+
+def autocast_input(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`tensor` as autocast hands it to a matmul: in `dtype` (default: the autocast dtype of its device, where
+    autocast is on there; else `tensor` itself). Inside `shared_autocast_inputs`, the one copy of a contiguous
+    float tensor (its views of the same elements included) that every reader shares."""
+    if dtype is None:
+        if not _autocast_on(tensor):
+            return tensor
+        dtype = torch.get_autocast_dtype(tensor.device.type)
+    if tensor.dtype == dtype or not tensor.is_floating_point():
+        return tensor
+    if not _SHARED or not tensor.is_contiguous() or torch.compiler.is_compiling():
+        return tensor.to(dtype)
+    key = (tensor.data_ptr(), tensor.numel(), tensor.dtype, dtype, tensor.device)
+    copies = _SHARED[-1]
+    if key not in copies:
+        copies[key] = (tensor, tensor.detach().to(dtype))
+    copy = copies[key][1]
+    if not tensor.requires_grad or not torch.is_grad_enabled():
+        return copy.view(tensor.shape)
+    return _SharedCast.apply(tensor, copy.view(tensor.shape))
 
 
 def fused_input_weight(parts: list[torch.Tensor], value_experts: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,8 @@ except ImportError as error:  # a release too old (or too new) for this file: sa
 from .checkpoint_format import SavedFolderMixin, register_renamed_keys
 from .configuration_switchhead import SwitchHeadConfig
 from .model_io import SwitchHeadCausalLMOutputWithPast, SwitchHeadModelOutputWithPast, check_inputs, embed_tokens
-from .expert_ops import EXPERTS_IMPLEMENTATIONS, fused_attention_inputs, fuses_attention_block, lookup, relu
+from .expert_ops import (EXPERTS_IMPLEMENTATIONS, autocast_input, fused_attention_inputs, fuses_attention_block, lookup,
+                         relu, shared_autocast_inputs)
 from .experts_integration import ExpertsChoiceMixin, configured_implementation, local_routes
 from .experts_integration import register as register_experts_functions
 from .routing import ExpertSelection, group_entropy_loss, mlp_router_logits, regularised, sigma_moe_entropy_loss
@@ -132,8 +133,8 @@ class SwitchHeadAttentionBase(nn.Module):
         """hidden_states `[B, T, d]`, sources `[B, M + T, d]` -> query `[B, T, H, dh]`, key and value
         `[B, M + T, H, dh]`, and what `project_output` takes besides (here None)."""
         batch, length, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim)
-        key = self.k_proj(sources).view(batch, sources.shape[1], -1, self.head_dim)
+        query = _linear(self.q_proj, hidden_states).view(batch, length, -1, self.head_dim)
+        key = _linear(self.k_proj, sources).view(batch, sources.shape[1], -1, self.head_dim)
         return query, key, self.project_values(sources), None
 
     def project_values(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -143,6 +144,11 @@ class SwitchHeadAttentionBase(nn.Module):
     def project_output(self, attended: torch.Tensor, hidden_states: torch.Tensor, routing=None) -> torch.Tensor:
         """attended `[B, T, H, dh]`, hidden_states `[B, T, d]` (the destination tokens) -> `[B, T, d]`."""
         raise NotImplementedError
+
+    # Under autocast, whether the projections read one low-precision copy of each input (SwitchHead: its q, k,
+    # values and both routers read the layer's input and XL's sources) instead of one per projection, as autocast
+    # makes them (`expert_ops.shared_autocast_inputs`; the same outputs and gradients, fewer bytes kept)
+    shares_autocast_inputs = False
 
     def forward(
         self,
@@ -157,6 +163,12 @@ class SwitchHeadAttentionBase(nn.Module):
 
         Memory tokens are extra sources: they give keys and (expert-mixed) values, never queries.
         """
+        if not self.shares_autocast_inputs:
+            return self._attend(hidden_states, position_embeddings, attention_mask, cache, memory, **kwargs)
+        with shared_autocast_inputs(hidden_states):
+            return self._attend(hidden_states, position_embeddings, attention_mask, cache, memory, **kwargs)
+
+    def _attend(self, hidden_states, position_embeddings, attention_mask, cache, memory, **kwargs):
         if "past_key_values" in kwargs:  # inside the model the cache has one name; ignoring it would be silent
             raise TypeError("SwitchHead's layers take the key-value cache as `cache=` (the top-level forwards also "
                             "accept `past_key_values=`)")
@@ -225,6 +237,7 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
     """
 
     is_transposed = True  # expert tensors are [experts, in, out] (Transformers' / PEFT's flag for that layout)
+    shares_autocast_inputs = True
 
     def __init__(self, config: SwitchHeadConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -271,10 +284,10 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         # router_states `[B, T, d]`: what the value router reads when it is not hidden_states (MoEUT's peri-LayerNorm)
         batch, length, d = hidden_states.shape
         if not self.expert_values:
-            return self.v_proj(hidden_states).view(batch, length, -1, self.head_dim)
+            return _linear(self.v_proj, hidden_states).view(batch, length, -1, self.head_dim)
         rows = hidden_states.reshape(-1, 1, d)  # one input row per token
         routed = rows.view(-1, d) if router_states is None else router_states.reshape(-1, d)
-        _, gates, index = self.value_selection(routed)
+        _, gates, index = self.value_selection(autocast_input(routed))
         project = lookup(configured_implementation(self.config))
         values = project(rows, index, self.value_experts, gates, self.num_heads, True)
         return values.view(batch, length, self.num_heads, self.head_dim)
@@ -284,7 +297,9 @@ class SwitchHeadAttention(SwitchHeadAttentionBase):
         if not self.expert_output:
             return self.o_proj(attended.reshape(batch, length, -1))
         rows = attended.reshape(-1, self.num_heads, self.head_dim)  # summed over heads and their chosen experts
-        _, gates, index = self.output_selection(hidden_states.reshape(-1, d), logits=routing)
+        destination = hidden_states.reshape(-1, d)
+        _, gates, index = self.output_selection(destination if routing is not None else autocast_input(destination),
+                                                logits=routing)
         project = lookup(configured_implementation(self.config))
         return project(rows, index, self.output_experts, gates, 1, True).view(batch, length, -1)
 
@@ -306,15 +321,25 @@ class MultiHeadAttention(SwitchHeadAttentionBase):
             if config.attention_output_gate else None
 
     def project_values(self, hidden_states):
-        return self.v_proj(hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim)
+        return _linear(self.v_proj, hidden_states).view(*hidden_states.shape[:2], -1, self.head_dim)
 
     def project_output(self, attended, hidden_states, routing=None):
         if self.output_gate is not None:
-            attended = attended * torch.sigmoid(F.linear(hidden_states, self.output_gate)).unsqueeze(-1)  # [B,T,H,dh]
+            gate = F.linear(autocast_input(hidden_states), self.output_gate)
+            attended = attended * torch.sigmoid(gate).unsqueeze(-1)  # [B, T, H, dh]
         return self.o_proj(attended.flatten(2))
 
 
 ATTENTION_CLASSES = {"switchhead": SwitchHeadAttention, "dense": MultiHeadAttention}
+
+
+def _linear(projection: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """`projection(inputs)`; a plain `nn.Linear` reads the layer's shared autocast copy of `inputs`
+    (`expert_ops.shared_autocast_inputs`), any other module (an adapter, a quantized or sharded layer) `inputs` as
+    given."""
+    if type(projection) is nn.Linear and type(projection.weight) is nn.Parameter:
+        return projection(autocast_input(inputs))
+    return projection(inputs)
 
 
 # ----------------------------------------------------------------------- MoEUT: peri-LayerNorm attention inputs

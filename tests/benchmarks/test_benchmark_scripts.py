@@ -295,6 +295,27 @@ def test_autocast_precision_probe_writes_its_tables(tmp_path):
     assert error.value.code == 2
 
 
+@pytest.mark.parametrize("variant", ["dense-rope", "dense-xl"])
+def test_saved_memory_counts_sdpa_as_a_fused_kernel_keeps_it(variant):
+    # under bf16 autocast, causal RoPE attention runs the CPU's flash kernel, which keeps what a GPU's fused kernel
+    # keeps (q, k, v, output, log-sum-exp): the same bytes either way; XL's float mask needs a gradient, so the CPU
+    # runs the math kernel, whose float32 copies of q, k and v are told apart and left out of the parts
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import saved_memory
+
+    model = variant_model(variant).train()
+    memory = 6 if variant == "dense-xl" else 0
+    model.config._attn_implementation = "sdpa"
+    plain = saved_memory.saved_bytes(model, 2, 12, autocast=True, memory=memory, square={})
+    cpu = {}
+    fused = saved_memory.saved_bytes(model, 2, 12, autocast=True, memory=memory, square={}, fused_sdpa=cpu)
+    assert fused["mlp"] == plain["mlp"] and fused["layernorm"] == plain["layernorm"]
+    if variant == "dense-rope":
+        assert fused == plain and set(cpu) == {"attention"}  # only the CPU kernel's own log-sum-exp, counted alike
+    else:
+        assert cpu["attention"] > 0 and fused["attention"] < plain["attention"]
+
+
 def test_saved_memory_per_token_counts_both_dtypes_and_every_formulation(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import json

@@ -27,7 +27,7 @@ def _step(model, implementation, ids, **inputs):
     return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _saved_bytes(model, implementation, ids, autocast=True) -> int:
+def _saved_bytes(model, implementation, ids, autocast=True, **inputs) -> int:
     """Bytes autograd keeps in one training forward, each storage once, parameters left out."""
     model.set_experts_implementation(implementation)
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -41,7 +41,7 @@ def _saved_bytes(model, implementation, ids, autocast=True) -> int:
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            model(input_ids=ids, labels=ids, use_cache=False, **inputs).loss.backward()
     return sum(seen.values())
 
 
@@ -111,3 +111,38 @@ def test_lean_default_projection_gradcheck_against_the_naive_twin(lean_cpu, side
 
     torch.testing.assert_close(lean(inputs, gates, weight), expert_ops.naive(inputs, index, weight, gates, groups))
     assert torch.autograd.gradcheck(lean, (inputs, gates, weight))
+
+
+def _autocast_step(model, implementation, ids, share, monkeypatch, **inputs):
+    monkeypatch.setattr(expert_ops, "SHARE_AUTOCAST_INPUTS", share)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = _step(model, implementation, ids, **inputs)
+    return out, grads
+
+
+@pytest.mark.parametrize("implementation", ["switchhead_auto", "eager"])
+@pytest.mark.parametrize("positions", ["rope", "xl"])
+def test_shared_autocast_copies_change_no_output_or_gradient(lean_cpu, monkeypatch, positions, implementation):
+    # one low-precision copy of each attention input for every projection that reads it, against autocast's own
+    # copy per projection (the twin): the same logits and gradients bit for bit, fewer bytes kept
+    torch.manual_seed(0)
+    extra = dict(xl_memory_length=6) if positions == "xl" else {}
+    model = SwitchHeadForCausalLM(_config(position_encoding=positions, **extra)).train()
+    ids = torch.randint(0, 97, (2, 12))
+    inputs = {}
+    if positions == "xl":  # a segment reading XL memory: the sources are the memory and the current tokens
+        inputs["xl_memory"] = [torch.randn(2, 6, 32) for _ in range(model.config.num_hidden_layers)]
+    want, want_grads = _autocast_step(model, implementation, ids, False, monkeypatch, **inputs)
+    got, got_grads = _autocast_step(model, implementation, ids, True, monkeypatch, **inputs)
+    assert torch.equal(got.logits, want.logits)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert torch.equal(got_grads[name], grad), name
+    monkeypatch.setattr(expert_ops, "SHARE_AUTOCAST_INPUTS", False)
+    separate = _saved_bytes(model, implementation, ids, **inputs)
+    monkeypatch.setattr(expert_ops, "SHARE_AUTOCAST_INPUTS", True)
+    shared = _saved_bytes(model, implementation, ids, **inputs)
+    if (positions, implementation) == ("rope", "switchhead_auto"):  # the fused block: one GEMM, one copy already
+        assert shared == separate
+    else:
+        assert shared < separate
