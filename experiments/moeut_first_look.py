@@ -50,18 +50,18 @@ import replicate_cpu  # noqa: E402  (the run child, records, timing, plot)
 REPO = replicate.REPO
 STEM = "moeut_first_look"
 ARMS = ("moeut", "switchall", "dense")
-STEPS = 200
+STEPS = 150
 LEARNING_RATE = 4e-3  # the lr the `cpu` grids chose for SwitchHead at d=192 (experts_vs_gate.md), for every arm
 GROUP = 2  # MoEUT's distinct blocks
 MLP_K = 8  # sigma-MoE experts active per token (MoEUT and SwitchAll)
 SEED = 0
 SCALE = dataclasses.replace(
     replicate.SCALES["cpu"], name="moeut-cpu", d=128, layers=8, d_ff=512, heads=2, experts=16, k=2, head_dim=32,
-    dense_heads=4, dense_head_dim=32, mlp_experts=64, mlp_expert_size=32, max_steps=STEPS, warmup_steps=20,
+    dense_heads=4, dense_head_dim=32, mlp_experts=64, mlp_expert_size=32, max_steps=STEPS, warmup_steps=15,
     learning_rate=LEARNING_RATE, hidden_dropout=0.0, eval_every=50, eval_batches=6, save_every=50, seeds=1,
     valid_fraction=0.5, comparisons=(), ablations=(),
     about=f"d=128, 8 layers, ~3.7M parameters (2.0M of them embeddings/output), T=256, {STEPS} steps x 16 x 256 = "
-    f"{STEPS * 16 * 256 / 1e6:.2f}M tokens (0.29 epoch of the 2.84M-token training split)")
+    f"{STEPS * 16 * 256 / 1e6:.2f}M tokens (0.22 epoch of the 2.84M-token training split)")
 
 
 def use_tiny() -> None:
