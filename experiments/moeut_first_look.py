@@ -239,19 +239,22 @@ def render(records: dict[str, dict], summary: dict, code: dict, written: str, ma
     return lines
 
 
-def write_results(out: Path, results_dir: Path, data: str | None = None) -> dict:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import torch
-
-    from machine import describe
-
+def write_results(out: Path, results_dir: Path, data: str | None = None, code: dict | None = None,
+                  written: str | None = None, machine: dict | None = None) -> dict:
+    """Rewrite the results pages from the finished runs; `code`, `written`, `machine`: the stamp on them (default:
+    the checkout's state from git, now, this machine as benchmarks/machine.py names it)."""
     records = finished_records(out, results_dir)
     replicate_cpu.add_timing(out, records)
     summary = summarise(records)
-    code = grids.code_state(STEM)
-    written = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    machine = {k: v for k, v in describe(torch.device("cpu")).items() if k != "machine"}
-    machine["threads"] = 1
+    code = grids.code_state(STEM) if code is None else code
+    written = written or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if machine is None:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        import torch
+        from machine import describe
+
+        machine = {k: v for k, v in describe(torch.device("cpu")).items() if k != "machine"}
+        machine["threads"] = 1  # each run's torch threads (the runs set it; this process need not)
     report = dict(scale=dataclasses.asdict(SCALE), group=GROUP, mlp_k=MLP_K, code=code, machine=machine,
                   written=written, summary=summary, runs=records)
     lines = render(records, summary, code, written, machine)
@@ -283,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         return grid_driver.print_plan(finished_records(args.out, args.results_dir), plan)
     if args.report_only:
-        write_results(args.out, args.results_dir, args.data)
+        stamp = grid_driver.committed_stamp(args.results_dir, STEM) if args.same_stamp else {}
+        write_results(args.out, args.results_dir, args.data, **stamp)
         return 0
     replicate.ensure_tokenizer(args.out, args.data, SCALE.vocab_size)
     return grid_driver.run_grid(args, Path(__file__).resolve(),
