@@ -10,8 +10,8 @@ Pairs (SwitchHead preset vs the dense baseline with the same attention backend, 
 vs wt103-262m-dense-xl with RoPE), 262m-xl; and moeut-44m: MoEUT (Csordas et al. 2024, shared layers: 2 blocks applied
 8 times) against the dense 44M baseline of its paper (d=412, 16 layers, 10 heads of 41, MLP 2053, RoPE, context
 1024: the wt103-47m-dense-xl geometry), both at MoEUT's batch 64 x 1024 (in that pair's rows "switchhead" is
-MoEUT; the SwitchHead targets below do not apply to it). For each model, with the two models of a pair interleaved in every
-repetition and medians taken:
+MoEUT; the SwitchHead targets below do not apply to it). For each model, with the two models of a pair interleaved
+in every repetition and medians taken:
 - training step: forward + backward + AdamW step at the paper's batch (64) and context, fp32 weights, bf16
   autocast; its time (CUDA events) and peak memory (the model's weights, gradients and optimizer state plus the
   rise of `torch.cuda.max_memory_allocated` during the step);

@@ -375,9 +375,10 @@ def markdown(report) -> str:
              f"fp32. Load average before {tuple(round(x, 2) for x in report['load_average_before'])}, after "
              f"{tuple(round(x, 2) for x in report['load_average_after'])}: the machine was shared with other jobs "
              f"(measured under load). Settings: {report['settings']}.", "",
-             "## Ratios (" + ("SwitchHead / dense baseline" if columns == ["rope", "xl"] else "model / model") + ", same "
-             "run; time and memory: lower is better, tokens/s: higher)", "",
-             "| measure | " + " | ".join(COLUMN_TITLES.get(c, c) for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+             "## Ratios (" + ("SwitchHead / dense baseline" if columns == ["rope", "xl"] else "model / model")
+             + ", same run; time and memory: lower is better, tokens/s: higher)", "",
+             "| measure | " + " | ".join(COLUMN_TITLES.get(c, c) for c in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
     keys = list(report["ratios"][columns[0]])
     for key in keys:
         vals = [report["ratios"][f].get(key) for f in columns]
