@@ -50,6 +50,7 @@ import replicate_cpu  # noqa: E402  (the run child, records, timing, plot)
 REPO = replicate.REPO
 STEM = "moeut_first_look"
 ARMS = ("moeut", "switchall", "dense")
+SPEED_PAGE = "model_moeut_full_cpu_amd-epyc_1t.md"  # bench_model.py --family moeut's results on this CPU
 STEPS = 150
 LEARNING_RATE = 4e-3  # the lr the `cpu` grids chose for SwitchHead at d=192 (experts_vs_gate.md), for every arm
 GROUP = 2  # MoEUT's distinct blocks
@@ -170,11 +171,12 @@ LIMITS = """\
 ## What one seed each can and cannot say
 
 * It **can** say that the three models train on the same tokens with the same lr rule to perplexities of the size
-  below, with the parameters and forward MACs listed, and that MoEUT's shared layers run through the package's
+  above, with the parameters and forward MACs listed, and that MoEUT's shared layers run through the package's
   training, checkpointing and evaluation end to end on a CPU.
 * It **cannot** rank the arms. One seed per arm: the `cpu` grids' seed-to-seed spread of test perplexity is about
   1% (sd 0.3-0.4 at perplexity ~45, [experts_vs_gate.md](experts_vs_gate.md)), as large as the gains the MoEUT
-  paper reports over dense models. A difference here smaller than a few percent is not a finding.
+  paper reports over dense models. A difference here smaller than a few percent is not a finding, and a larger one
+  may still come from the one lr suiting the arms unequally, not from the architecture.
 * It **cannot** stand for the paper's claim: the scale is tiny (about {NONEMB} non-embedding parameters next to the
   paper's 44M-1B), the run is short ({TOKENS} tokens, under a third of an epoch of WikiText-2 where the paper trains
   on billions of C4 / peS2o / The Stack tokens), the lr is one value for every arm, not each arm's best (the arms
@@ -198,7 +200,11 @@ def render(records: dict[str, dict], summary: dict, code: dict, written: str, ma
              f"jobs), Python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}.",
              "", ("**Complete: all three runs have finished.**" if len(done) == len(ARMS)
                   else f"**Progress: {len(done)} of {len(ARMS)} runs finished.**"), ""]
-    lines += grids.timing_lines(records, None, "")
+    timed = [r for r in records.values() if r.get("timing_complete")]
+    if timed:
+        lines += [f"Measured: the {len(timed)} timed run(s) took {min(r['wall_seconds'] for r in timed) / 60:.0f}-"
+                  f"{max(r['wall_seconds'] for r in timed) / 60:.0f} wall-minutes each (training and evaluation, 1 "
+                  "torch thread, two runs at a time beside other jobs on 2 cores).", ""]
     lines += ["## Arms", "",
               "MoEUT (Csordás, Irie, Schmidhuber, Potts, Manning, NeurIPS 2024, arXiv 2405.16039) is SwitchAll with "
               "shared layers. Every arm: d=128, 8 layers (applications), RoPE, no dropout, 8k BPE vocabulary "
@@ -228,11 +234,12 @@ def render(records: dict[str, dict], summary: dict, code: dict, written: str, ma
             lines.append(f"| {arm} | - | - | - | - |")
             continue
         r = summary[arm]
-        ratio = f"{r['test_perplexity'] / base - 1:+.1%}" if base else "-"
+        ratio = f"{r['test_perplexity'] / base - 1:+.1%}" if base and arm != "moeut" else "-"
         step = f"{r['step_seconds_median']:.2f}" if r["step_seconds_median"] else "-"
         lines.append(f"| {arm} | {r['valid_perplexity']:.2f} | {r['test_perplexity']:.2f} | {ratio} | {step} |")
     lines += ["", "Step times are the trainer's median on a shared 2-core machine (other jobs running), not a speed "
-              "comparison; [the CPU speed ratios](moeut_speed_cpu.md) are measured interleaved.", ""]
+              "comparison; the CPU speed ratios of the 44M models are measured interleaved in "
+              f"[{SPEED_PAGE}]({SPEED_PAGE}).", ""]
     nonemb = summary.get("moeut", {}).get("non_embedding_parameters")
     lines.append(LIMITS.format(NONEMB=format_count(nonemb) if nonemb else "1.7M",
                                TOKENS=f"{s.tokens / 1e6:.2f}M", REPEATS=s.layers // GROUP))
