@@ -69,7 +69,8 @@ def test_results_page_gives_each_arms_figures_and_the_limits(tmp_path):
     report = look.write_results(out, tmp_path, code=dict(commit="a" * 40, dirty=[]), written="2026-01-01T00:00:00",
                                 machine=dict(device="Test CPU", threads=1, python="3", torch="t", transformers="t"))
     page = (tmp_path / "moeut_first_look.md").read_text()
-    assert "**Complete: all three runs have finished.**" in page and "Test CPU" in page
+    assert "**Complete: all three runs have finished.**" in page and "Machine: Test CPU (1 torch thread per run" in page
+    assert "Python 3, torch t, transformers t." in page and "The runs ran at commit(s) ffffffffffff" in page
     assert "| switchall | 82.00 | 80.34 | +3.0% |" in page and "| dense | 79.00 | 77.22 | -1.0% |" in page
     assert "It **cannot** rank the arms" in page and "one seed" in page.lower()
     assert report["summary"]["moeut"]["non_embedding_parameters"] == 3_700_005 - 2 * 8000 * look.SCALE.d
