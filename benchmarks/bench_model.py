@@ -14,7 +14,8 @@ Models (fp32, same attention backend for all, sdpa by default), `--family switch
 - SwitchAll without shared layers at about the same size (`c4-47m-switchall-xl` with RoPE: 16 distinct layers);
 - the MoEUT paper's dense 44M baseline (d=412, 16 layers, 10 heads of 41, MLP 2053: `wt103-47m-dense-xl` with
   RoPE at context 1024); ratios MoEUT / dense, SwitchAll / dense and MoEUT / SwitchAll. Results are named
-  model_moeut_<mode>_*.
+  model_moeut_<mode>_*. `--quick` cuts every model to 2 layers, which leaves MoEUT's 2 shared blocks whole: its
+  ratios check that the run works, they are not at equal parameters.
 
 Measured, with the models interleaved inside every repetition and the median taken over repetitions:
 - training step (forward + backward of the LM loss) time at context 256 and 512, and its peak memory: the rise of
