@@ -3,11 +3,19 @@
     python benchmarks/bench_model.py            # full mode (about 15-20 minutes on 2 busy cores)
     python benchmarks/bench_model.py --quick    # smoke test: 2 layers, short contexts, one repetition, no compiling
     python benchmarks/bench_model.py --decode-only --prompt 1024   # decoding after a long prompt (a long KV cache)
+    python benchmarks/bench_model.py --family moeut --no-compile --no-compiled-train   # MoEUT's trio, eager
 
-Models (fp32, same attention backend for all, sdpa by default):
+Models (fp32, same attention backend for all, sdpa by default), `--family switchhead` (the default):
 - `wt103-45m-switchhead-rope` vs the dense 47M baseline with RoPE (`wt103-47m-dense-xl` geometry, RoPE positions);
 - `wt103-47m-switchhead-xl` vs `wt103-47m-dense-xl`;
 - reference rows: Mixtral and JetMoE from the installed Transformers, sized to the dense baseline's parameter count.
+`--family moeut`: three models of about 44M parameters, RoPE, context 1024, no dropout:
+- `moeut-44m` (MoEUT, Csordas et al. 2024: 2 distinct blocks applied 8 times);
+- SwitchAll without shared layers at about the same size (`c4-47m-switchall-xl` with RoPE: 16 distinct layers);
+- the MoEUT paper's dense 44M baseline (d=412, 16 layers, 10 heads of 41, MLP 2053: `wt103-47m-dense-xl` with
+  RoPE at context 1024); ratios MoEUT / dense, SwitchAll / dense and MoEUT / SwitchAll. Results are named
+  model_moeut_<mode>_*. `--quick` cuts every model to 2 layers, which leaves MoEUT's 2 shared blocks whole: its
+  ratios check that the run works, they are not at equal parameters.
 
 Measured, with the models interleaved inside every repetition and the median taken over repetitions:
 - training step (forward + backward of the LM loss) time at context 256 and 512, and its peak memory: the rise of
@@ -56,6 +64,16 @@ PAIRS = {  # family -> (SwitchHead model, dense baseline)
     "rope": ("switchhead-rope", "dense-rope"),
     "xl": ("switchhead-xl", "dense-xl"),
 }
+MOEUT_PAIRS = {  # column -> (model, the model it is divided by)
+    "moeut/dense": ("moeut", "dense-moeut"),
+    "switchall/dense": ("switchall-moeut", "dense-moeut"),
+    "moeut/switchall": ("moeut", "switchall-moeut"),
+}
+FAMILIES = {  # --family -> (models in interleaving order, the ratios' pairs, reference rows allowed)
+    "switchhead": (("switchhead-rope", "dense-rope", "switchhead-xl", "dense-xl"), PAIRS, True),
+    "moeut": (("moeut", "switchall-moeut", "dense-moeut"), MOEUT_PAIRS, False),
+}
+MOEUT_CONTEXT = dict(position_encoding="rope", xl_memory_length=0, max_position_embeddings=1024, hidden_dropout=0.0)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -72,6 +90,12 @@ def build(name: str, quick: bool, attn: str):
         config = SwitchHeadConfig.from_preset("wt103-47m-switchhead-xl", **tiny)
     elif name == "dense-xl":
         config = SwitchHeadConfig.from_preset("wt103-47m-dense-xl", **tiny)
+    elif name == "moeut":
+        config = SwitchHeadConfig.from_preset("moeut-44m", **tiny)
+    elif name == "switchall-moeut":
+        config = SwitchHeadConfig.from_preset("c4-47m-switchall-xl", **MOEUT_CONTEXT, **tiny)
+    elif name == "dense-moeut":
+        config = SwitchHeadConfig.from_preset("wt103-47m-dense-xl", **MOEUT_CONTEXT, **tiny)
     elif name in ("mixtral", "jetmoe"):
         return build_reference(name, quick, attn)
     else:
@@ -223,14 +247,15 @@ def median(values):
 
 def run(args) -> dict:
     quick = args.quick
-    names = ["switchhead-rope", "dense-rope", "switchhead-xl", "dense-xl"] + ([] if args.no_reference else
-                                                                              ["mixtral", "jetmoe"])
+    family, pairs, references = FAMILIES[args.family]
+    names = list(family) + ([] if args.no_reference or not references else ["mixtral", "jetmoe"])
     contexts = [32, 64] if quick else [256, 512]
     train_batch = 1 if quick else args.train_batch
     prompt, steps = (16, min(4, args.decode_steps)) if quick else (args.prompt, args.decode_steps)
     decode_batches = [1, 8]
     models = {name: build(name, quick, args.attn) for name in names}
-    report = {"machine": machine(), "mode": "quick" if quick else "full", "attn_implementation": args.attn,
+    report = {"machine": machine(), "mode": "quick" if quick else "full", "family": args.family,
+              "attn_implementation": args.attn,
               "load_average_before": os.getloadavg(), "parameters": {n: _count(m) for n, m in models.items()},
               "settings": {"train_batch": train_batch, "contexts": contexts, "prompt": prompt,
                            "decode_steps": steps, "decode_batches": decode_batches, "reps": args.reps,
@@ -261,8 +286,7 @@ def run(args) -> dict:
                 _, decode, _ = prefill_and_decode(models[n], batch, prompt, steps, compiled=False)
                 add(f"decode_tok_s/eager/{n}/{batch}", batch * steps / decode)
         print(f"repetition {rep + 1}/{args.reps} done", flush=True)
-    compiled_names = [] if quick or args.no_compile else ["switchhead-rope", "dense-rope", "switchhead-xl",
-                                                          "dense-xl"]
+    compiled_names = [] if quick or args.no_compile else list(family)
     for n in compiled_names:
         compile_decoder(models[n])
         for batch in args.compiled_batches:
@@ -294,7 +318,7 @@ def run(args) -> dict:
     report["medians"] = {key: median(values) for key, values in samples.items()}
     report["samples"] = samples
     report["ratios"] = ratios(report, contexts, decode_batches, args.compiled_batches if compiled_names else [],
-                              train_context if compiled_train else None)
+                              train_context if compiled_train else None, pairs)
     report["load_average_after"] = os.getloadavg()
     return report
 
@@ -306,9 +330,10 @@ def paired(report, key: str, moe: str, dense: str) -> float | None:
     return median([x / y for x, y in zip(a, b)]) if a and len(a) == len(b) else None
 
 
-def ratios(report, contexts, decode_batches, compiled_batches, compiled_train_context=None) -> dict:
+def ratios(report, contexts, decode_batches, compiled_batches, compiled_train_context=None, pairs=None) -> dict:
+    """{column: {measure: the first model's value / the second's}} for each pair of `pairs` (default PAIRS)."""
     med, out = report["medians"], {}
-    for family, (moe, dense) in PAIRS.items():
+    for family, (moe, dense) in (pairs or PAIRS).items():
         row = {}
         for context in contexts:
             row[f"train_time@{context}"] = med[f"train_s/{moe}/{context}"] / med[f"train_s/{dense}/{context}"]
@@ -336,20 +361,28 @@ def ratios(report, contexts, decode_batches, compiled_batches, compiled_train_co
     return out
 
 
+COLUMN_TITLES = {"rope": "RoPE", "xl": "XL", "moeut/dense": "MoEUT / dense", "switchall/dense": "SwitchAll / dense",
+                 "moeut/switchall": "MoEUT / SwitchAll"}
+
+
 def markdown(report) -> str:
     m = report["machine"]
+    columns = list(report["ratios"])
     scope = "" if report["settings"]["contexts"] else ", prefill and decoding only"
-    lines = [f"# Whole-model benchmark ({report['mode']} mode{scope})", "",
+    title = "MoEUT, SwitchAll and dense" if report.get("family") == "moeut" else "Whole-model benchmark"
+    lines = [f"# {title} ({report['mode']} mode{scope})", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}, transformers "
              f"{m['transformers']}, OMP_WAIT_POLICY={m['omp_wait_policy']}, attention {report['attn_implementation']}, "
              f"fp32. Load average before {tuple(round(x, 2) for x in report['load_average_before'])}, after "
              f"{tuple(round(x, 2) for x in report['load_average_after'])}: the machine was shared with other jobs "
              f"(measured under load). Settings: {report['settings']}.", "",
-             "## Ratios (SwitchHead / dense baseline, same run; time and memory: lower is better, tokens/s: higher)",
-             "", "| measure | RoPE | XL |", "|---|---|---|"]
-    keys = list(report["ratios"]["rope"])
+             "## Ratios (" + ("SwitchHead / dense baseline" if columns == ["rope", "xl"] else "model / model")
+             + ", same run; time and memory: lower is better, tokens/s: higher)", "",
+             "| measure | " + " | ".join(COLUMN_TITLES.get(c, c) for c in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    keys = list(report["ratios"][columns[0]])
     for key in keys:
-        vals = [report["ratios"][f].get(key) for f in ("rope", "xl")]
+        vals = [report["ratios"][f].get(key) for f in columns]
         lines.append(f"| {key} | " + " | ".join("n/a" if v is None else f"{v:.2f}" for v in vals) + " |")
     lines += ["", "## Medians", "", "| measure | value |", "|---|---|"]
     for key, value in sorted(report["medians"].items()):
@@ -387,6 +420,9 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-only", action="store_true",
                         help="prefill and decoding only (no training steps, no memory); results named model_decode_*")
     parser.add_argument("--no-reference", action="store_true", help="skip the Mixtral / JetMoE rows")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="switchhead",
+                        help="switchhead: the 47M SwitchHead / dense pairs (RoPE, XL) and the reference rows; moeut: "
+                        "MoEUT 44M, SwitchAll and the MoEUT paper's dense baseline")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (Markdown beside it)")
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
@@ -396,7 +432,9 @@ def main(argv=None) -> int:
     if args.prompt != PROMPT and not args.quick:
         kind += f"_p{args.prompt}"  # another prompt length: its own result files
     slug = file_slug(report["machine"]["cpu"])
-    save_results(args.out or RESULTS / f"model_{kind}_cpu_{slug}_{args.threads}t.json", report, markdown(report))
+    family = "" if args.family == "switchhead" else f"{args.family}_"
+    save_results(args.out or RESULTS / f"model_{family}{kind}_cpu_{slug}_{args.threads}t.json", report,
+                 markdown(report))
     return 0
 
 

@@ -305,10 +305,11 @@ def op_section(section: str, problems: list[dict], device, log, deadline: float 
 def model_presets(smoke: bool) -> dict[str, tuple[str, dict]]:
     if smoke:
         return {"switchhead-rope": ("tiny-switchhead", {}), "switchhead-xl": ("tiny-switchhead-xl", {}),
-                "switchall-rope": ("tiny-switchall", {})}
+                "switchall-rope": ("tiny-switchall", {}), "moeut": ("tiny-moeut", {})}
     two = dict(num_hidden_layers=2, hidden_dropout=0.0)
+    # MoEUT: its 2 shared blocks applied twice each (4 applications), so that sharing is in the check
     return {"switchhead-rope": ("wt103-45m-switchhead-rope", two), "switchhead-xl": ("wt103-47m-switchhead-xl", two),
-            "switchall-xl": ("wt103-47m-switchall-xl", two)}
+            "switchall-xl": ("wt103-47m-switchall-xl", two), "moeut": ("moeut-44m", dict(two, num_hidden_layers=4))}
 
 
 def build_model(preset: str, overrides: dict, device, attn: str = "sdpa", train: bool = False):

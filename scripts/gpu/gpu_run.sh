@@ -12,6 +12,8 @@
 #   e2e_compiled: the 47M RoPE pair decoding through generate's compiled step with a static cache (CUDA graphs);
 #   e2e_262m: the 262M RoPE pair; e2e_eager: the 47M pairs with SwitchHead's experts on the PyTorch path;
 #   compile: the inductor-compiled training step and static-cache generate against eager (correctness).
+# e2e_moeut (not in the default): MoEUT 44M against the dense 44M baseline of its paper (bench_e2e.py --only moeut):
+# a training step at MoEUT's batch 64 x 1024, peak memory, prefill and greedy decoding at batch 1 and 32.
 # cvmm (kernel speed alone, bench_cvmm.py --full: paper shapes, bf16, against dense mm, grouped_mm, a loop, the
 # authors' kernel; --cvmm-only "c4-262m,switchall" times only the problems and layers whose names contain one of the
 # texts) is not in the default, which measures whole models: `--stages check,cvmm,...` adds it.
@@ -78,7 +80,7 @@ single() {
 # ------------------------------------------------------------------------------------------ the whole run
 budget=540
 cvmm_only=""
-ALL_STAGES="check check_model long_train decode_floor profiles prefill generate_host e2e e2e_compiled e2e_262m e2e_eager cvmm compile"
+ALL_STAGES="check check_model long_train decode_floor profiles prefill generate_host e2e e2e_compiled e2e_262m e2e_eager e2e_moeut cvmm compile"
 # the default: whole models checked, then timed; the kernel timings alone only when asked for (--stages)
 stages_arg=check,e2e,e2e_compiled,e2e_262m,e2e_eager,compile
 smoke=()
@@ -168,7 +170,7 @@ whole_run() {
                 --sweep-precisions rotate --name gpu_check --no-markdown --out-dir "$work" ;;
             # the whole-model checks alone (fp32 with ReLU decisions held, bf16 against fp32, cached decoding): what
             # the matrices below rest on, without the op sweep that has passed in earlier runs
-            check_model) run_stage check_model 90 30 45 -- bash -c 'exec python3 scripts/gpu/gpu_check.py "$@"' _ \
+            check_model) run_stage check_model 120 30 45 -- bash -c 'exec python3 scripts/gpu/gpu_check.py "$@"' _ \
                 "${smoke[@]}" --sections model --jobs "$jobs" --name gpu_check_model --no-markdown --out-dir "$work" ;;
             # the long-context training matrix (65,536 tokens a step; bench_long_context.py)
             long_train) run_stage long_train 230 40 60 -- bash -c 'exec python3 benchmarks/bench_long_context.py train "$@" --time-budget $STAGE_BUDGET' _ \
@@ -198,6 +200,10 @@ whole_run() {
             e2e_eager) run_stage e2e_eager 110 45 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
                 "${smoke[@]}" --only "$e2e_only" --reps 2 --experts-implementation eager --name e2e_eager --no-markdown \
                 --out-dir "$work" ;;
+            # MoEUT 44M against its paper's dense 44M baseline: one pair, two repetitions of two steps each (the
+            # pair's JSON is written only when it ends, so its limit leaves room for the whole pair)
+            e2e_moeut) run_stage e2e_moeut 90 30 60 -- bash -c 'exec python3 benchmarks/bench_e2e.py "$@" --time-budget $STAGE_BUDGET' _ \
+                "${smoke[@]}" --only moeut-44m --reps 2 --train-steps 2 --name e2e_moeut --no-markdown --out-dir "$work" ;;
             # b. kernel speed (paper shapes on CUDA; the interpreter's small shapes in the smoke)
             cvmm) run_stage cvmm 120 45 45 -- bash -c 'exec python3 benchmarks/bench_cvmm.py "$@" --time-budget $STAGE_BUDGET' _ \
                 "${smoke[@]}" "${full[@]}" ${cvmm_only:+--only "$cvmm_only"} "${contenders[@]}" --no-markdown \

@@ -37,6 +37,37 @@ def test_model_benchmark_quick_mode_writes_json_and_markdown(tmp_path):
     assert "Ratios" in out.with_suffix(".md").read_text()
 
 
+def test_model_benchmark_moeut_family_is_three_models_of_44m_and_their_three_ratios():
+    """--family moeut: MoEUT 44M, SwitchAll without shared layers and the MoEUT paper's dense baseline, within 4% of
+    one another's parameters; the ratios are MoEUT / dense, SwitchAll / dense and MoEUT / SwitchAll."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_model
+
+    models, pairs, references = bench_model.FAMILIES["moeut"]
+    assert not references and set(pairs) == {"moeut/dense", "switchall/dense", "moeut/switchall"}
+    with torch.device("meta"):
+        built = {name: bench_model.build(name, False, "sdpa") for name in models}
+    counts = {name: bench_model._count(model) for name, model in built.items()}
+    assert built["moeut"].config.layer_group_size == 2 and built["moeut"].config.num_hidden_layers == 16
+    assert built["switchall-moeut"].config.layer_group_size is None
+    assert {m.config.position_encoding for m in built.values()} == {"rope"}
+    assert {m.config.max_position_embeddings for m in built.values()} == {1024}
+    assert max(counts.values()) / min(counts.values()) < 1.04, counts
+    medians = {f"{kind}/{name}{suffix}": value for name, value in (("moeut", 3.0), ("switchall-moeut", 2.0),
+                                                                   ("dense-moeut", 1.0))
+               for kind, suffix in (("train_s", "/32"), ("prefill_s", ""), ("decode_tok_s/eager", "/1"))}
+    report = dict(medians=medians, samples={}, train_peak_memory={},
+                  kv_cache_bytes={"moeut": 3, "switchall-moeut": 2, "dense-moeut": 1})
+    ratios = bench_model.ratios(report, [32], [1], [], None, pairs)
+    assert ratios["moeut/dense"]["train_time@32"] == 3.0 and ratios["moeut/switchall"]["prefill_time"] == 1.5
+    assert ratios["switchall/dense"]["decode_tok_s_eager@b1"] == 2.0
+    assert "| measure | MoEUT / dense | SwitchAll / dense | MoEUT / SwitchAll |" in bench_model.markdown(dict(
+        report, ratios=ratios, machine=dict(cpu="c", cores=1, threads=1, torch="t", transformers="t",
+                                            omp_wait_policy=None), mode="full", family="moeut",
+        attn_implementation="sdpa", load_average_before=(0, 0, 0), load_average_after=(0, 0, 0),
+        settings=dict(contexts=[32]), parameters=counts))
+
+
 @pytest.mark.integration
 def test_compiled_train_benchmark_quick_run_and_its_relu_swap(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

@@ -25,6 +25,8 @@ GRIDS = {
     "routing_vs_projection": ("routing_vs_projection",
                               [p.name for p in sorted(RESULTS.glob("routing_vs_projection.*"))],
                               ["experts_vs_gate.json"]),
+    "moeut_first_look": ("moeut_first_look", ["moeut_first_look.json", "moeut_first_look.md",
+                                              "moeut_first_look.png"], []),
 }
 
 

@@ -339,22 +339,31 @@ def test_gpu_run_sh_smoke_is_the_whole_run_on_the_cpu(tmp_path):
 
 @pytest.mark.integration
 def test_gpu_run_sh_smoke_runs_the_matrices_stages_and_the_report_links_them(tmp_path):
-    """The long-context, decoding-floor, profile, prefill, model-check and generate-host stages, as `--stages` names
-    them, on the CPU; gpu_report.py renders each and links them from run.md."""
+    """The long-context, decoding-floor, profile, prefill, model-check, generate-host and MoEUT stages, as `--stages`
+    names them, on the CPU; gpu_report.py renders each and links them from run.md, the MoEUT pair's timings beside
+    its whole-model checks (which the model-check stage runs for MoEUT too)."""
     out = tmp_path / "out"
-    stages = "long_train,decode_floor,profiles,prefill,check_model,generate_host"
+    stages = "long_train,decode_floor,profiles,prefill,check_model,generate_host,e2e_moeut"
     result = _gpu_run(out, "smoke", "--stages", stages, "--time-budget", "900")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert [s["stage"] for s in summary["stages"]] == stages.split(",")
     assert all(s["status"] == "ok" for s in summary["stages"]), summary
-    assert sorted(p.name for p in out.iterdir()) == ["decode_floor.json", "generate_host.json",
+    assert sorted(p.name for p in out.iterdir()) == ["decode_floor.json", "e2e_moeut.json", "generate_host.json",
                                                      "gpu_check_model.json", "log.txt", "long_train.json",
                                                      "prefill.json", "profiles.json", "summary.json"]
+    checks = json.loads((out / "gpu_check_model.json").read_text())["results"]
+    assert {r["name"] for r in checks if r["name"].startswith("moeut ")} >= {
+        "moeut triton vs torch fp32", "moeut fused vs torch fp32", "moeut cached vs uncached decoding"}
+    [moeut] = json.loads((out / "e2e_moeut.json").read_text())["pairs"]
+    assert moeut["pair"] == "moeut-44m" and moeut["presets"]["switchhead"] == "moeut-44m"
+    assert moeut["ratios"]["train_time"] > 0 and moeut["ratios"]["decode_tok_s@b1"] > 0
     import gpu_report
 
     report = gpu_report.render(out, tmp_path / "rendered").read_text()
     assert "Correctness: every check passed." in report
+    assert "| moeut-44m |" in report and "moeut-44m: not reported" not in report
+    assert (tmp_path / "rendered" / "e2e_moeut.md").is_file()
     for name in ("long_train", "decode_floor", "prefill", "profiles", "gpu_check_model", "generate_host"):
         assert (tmp_path / "rendered" / f"{name}.md").is_file()
     for name in ("long_train", "decode_floor", "prefill", "profiles", "generate_host"):
