@@ -49,6 +49,10 @@ def test_the_issue_repro_runs():
     layer = SwitchHeadAttention(cfg, 0)
     torch.nn.init.normal_(layer.value_experts, std=0.1)
     torch.nn.init.normal_(layer.output_experts, std=0.1)
+    # the routers too: a layer built outside a model is not initialised (as any Transformers module), and a
+    # router holding leftover memory could give a non-finite output whatever the implementation
+    torch.nn.init.normal_(layer.value_selection.weight, std=0.1)
+    torch.nn.init.normal_(layer.output_selection.weight, std=0.1)
     out, _ = layer(torch.randn(1, 4, cfg.hidden_size), None, None)
     assert out.shape == (1, 4, cfg.hidden_size) and torch.isfinite(out).all()
 
