@@ -1,9 +1,9 @@
 """`switchhead convert moeut-to-hf` against the authors' MoEUT module itself: a `MoEUTLM` from a checkout of
 RobertCsordas/moeut, its state dict converted and converted back, the logits of both models compared.
 
-    git clone https://github.com/RobertCsordas/moeut /tmp/moeut
-    python scripts/check_moeut_module.py /tmp/moeut                         # a tiny model, and MoEUT_126M
-    python scripts/check_moeut_module.py /tmp/moeut --profiles MoEUT_1B --device cuda
+    git clone https://github.com/RobertCsordas/moeut ../moeut
+    python scripts/check_moeut_module.py ../moeut                         # a tiny model, and MoEUT_126M
+    python scripts/check_moeut_module.py ../moeut --profiles MoEUT_1B --device cuda
 
 On CUDA their module runs as published (its Triton CVMM kernel). Elsewhere their `moeut/cvmm.py`, which needs
 Triton and a GPU, is not loaded: `cvmm` and `cvmm_prepare_sel2` come from a plain PyTorch equivalent written here
