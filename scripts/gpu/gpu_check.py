@@ -607,8 +607,24 @@ def compile_section(smoke: bool, device, backend: str, log,
         except Exception as error:  # noqa: BLE001
             rows.append(error_record("compile", name, error, preset=preset))
         log(f"compile {variant:44} {', '.join(r['status'] for r in rows if variant in r['name'])}")
-    rows.append(flex_row(smoke, device, variants["switchhead-xl"], log))
+    if flex_compiles_here(device):
+        rows.append(flex_row(smoke, device, variants["switchhead-xl"], log))
+    else:
+        log(f"compile {'switchhead-xl flex_attention':44} not on this processor: {FLEX_CPU_NEEDS}")
     return list(rows)
+
+
+FLEX_CPU_NEEDS = ("inductor compiles flex_attention on a CPU only with its AVX2 kernels (not without AVX2, nor under "
+                  "ATEN_CPU_CAPABILITY=default), and Transformers always compiles it")
+
+
+def flex_compiles_here(device) -> bool:
+    """Whether torch.compile can lower flex_attention on `device` (on a CPU, torch's own test of the processor)."""
+    if device.type != "cpu":
+        return True
+    from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+
+    return bool(check_cpu_supported())
 
 
 class _EmittingList(list):
