@@ -128,11 +128,11 @@ SKIP_KINDS: list[tuple[str, str, str]] = [
     (NOT_APPLICABLE, r"SwitchHeadXLConformanceTest::test_model_rope_scaling_(frequencies|from_config_.*)$",
      r"(no standardized RoPE module|not applicable: the XL variant)"),
     (NOT_APPLICABLE, r".*::test_eager_matches_sdpa_inference_.*_bf16_.*$", r"sigma-gated top-k routing"),
-    (NOT_APPLICABLE, r"SwitchAllConformanceTest::test_eager_matches_batched_and_grouped_inference_(0_fp16|2_bf16)$",
-     r"sigma-gated top-k routing"),
+    (NOT_APPLICABLE, r"(SwitchAll|MoEUT)ConformanceTest::test_eager_matches_batched_and_grouped_inference_"
+                     r"(0_fp16|2_bf16)$", r"sigma-gated top-k routing"),
     (NOT_APPLICABLE, r"(SwitchHead|Dense|SwitchHeadXL)ConformanceTest::test_eager_matches_batched_and_grouped_"
                      r"inference_.*$", r"^\[switchhead skip list\] not applicable: no MLP experts"),
-    (NOT_APPLICABLE, r"SwitchAllConformanceTest::test_eager_matches_batched_and_grouped_inference_1_fp32$",
+    (NOT_APPLICABLE, r"(SwitchAll|MoEUT)ConformanceTest::test_eager_matches_batched_and_grouped_inference_1_fp32$",
      r"refuses Transformers' MLP-only experts functions"),
     (NOT_APPLICABLE, r"DenseConformanceTest::test_output_router_logits_from_config$", r"has no expert routers"),
     # Transformers' generic task heads (modeling_layers.py, `from __future__ import annotations`) carry their
