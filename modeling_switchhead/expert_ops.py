@@ -380,8 +380,8 @@ def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # once and every projection reads that copy; the backward is unchanged (each reader's gradient is cast back to
 # float32 on its own, as autocast's casts do), so outputs and gradients are bit for bit those of separate casts.
 SHARE_AUTOCAST_INPUTS = True  # False: every reader casts for itself, as autocast does (the twin the tests hold)
-_SHARED = []  # the active layers' copies: {(data_ptr, numel, dtypes, device): (the tensor, its contiguous copy)}; the
-# tensor is held so that its memory is not reused by another while the layer runs
+_SHARED = []  # the active layers' copies: {(data_ptr, numel, version, dtypes, device): (the tensor, its contiguous
+# copy)}; the tensor is held so that its memory is not reused by another while the layer runs
 
 
 class _SharedCast(torch.autograd.Function):
@@ -430,7 +430,8 @@ def autocast_input(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> to
         return tensor
     if not _SHARED or not tensor.is_contiguous() or torch.compiler.is_compiling():
         return tensor.to(dtype)
-    key = (tensor.data_ptr(), tensor.numel(), tensor.dtype, dtype, tensor.device)
+    # the version counter (shared by views) keeps a copy made before an in-place change from being handed out after
+    key = (tensor.data_ptr(), tensor.numel(), tensor._version, tensor.dtype, dtype, tensor.device)
     copies = _SHARED[-1]
     if key not in copies:
         copies[key] = (tensor, tensor.detach().to(dtype))

@@ -146,3 +146,16 @@ def test_shared_autocast_copies_change_no_output_or_gradient(lean_cpu, monkeypat
         assert shared == separate
     else:
         assert shared < separate
+
+
+def test_a_shared_autocast_copy_is_made_again_after_an_in_place_change():
+    # the copy is keyed by the tensor's memory and its version counter: a reader after an in-place change gets the
+    # changed values, never the copy made before it
+    from switchhead.expert_ops import autocast_input, shared_autocast_inputs
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), shared_autocast_inputs(x) as shared:
+        assert shared.active
+        first = autocast_input(x)
+        assert autocast_input(x).data_ptr() == first.data_ptr()  # shared while unchanged
+        x.add_(1.0)
+        torch.testing.assert_close(autocast_input(x), x.to(torch.bfloat16), rtol=0, atol=0)
