@@ -10,7 +10,10 @@ interpreter's packages instead, which inside a virtual environment are not the o
 The releases: the oldest supported (`OLDEST_SUPPORTED` of the model's compatibility file), 5.19.0 (the newest
 that vLLM's CPU build accepts) and the newest on the package registry at the time of the run, never a pinned
 number, so that a new release is tested the day it appears. In the newest environment peft, accelerate and lm-eval
-are upgraded to their newest releases too, where they install next to our torch.
+are upgraded to their newest releases too, where they install next to our torch. A release the registry lists but
+cannot install (a requirement it names is not on the registry yet: a mirror that has the new transformers before
+its new dependency) is not a failure of ours: the matrix says so, with pip's reason, and tests the newest release
+that does install instead; any other failure to build an environment fails the run.
 
 It prints one line per release with pytest's pass / fail / skip counts (and the pinned release's whole-suite line,
 from its output in `--main-log`), and exits 1 if any run failed or an environment could not be built.
@@ -57,13 +60,30 @@ def check(result: subprocess.CompletedProcess) -> None:
                            f"{result.stderr[-1500:]}")
 
 
-def newest_release(package: str) -> str:
-    """The newest non-pre-release version of `package` on the registry (pip resolves it, downloading nothing)."""
+def registry_releases(package: str) -> list[str]:
+    """The non-pre-release versions of `package` on the registry, newest first (pip lists them, downloading
+    nothing)."""
     result = run([sys.executable, "-m", "pip", "index", "versions", package])
-    match = re.search(rf"^{re.escape(package)} \(([^)]+)\)", result.stdout, re.MULTILINE)
+    match = re.search(r"^Available versions: (.+)$", result.stdout, re.MULTILINE)
     if result.returncode != 0 or not match:
-        raise RuntimeError(f"cannot read the newest {package} release from the registry: {result.stderr[-500:]}")
-    return match.group(1)
+        raise RuntimeError(f"cannot read the {package} releases on the registry: {result.stderr[-500:]}")
+    return [version.strip() for version in match.group(1).split(",") if version.strip()]
+
+
+class NotInstallable(RuntimeError):
+    """pip found no set of distributions on the registry that satisfies the release's requirements."""
+
+
+# pip's words when the registry lacks a requirement (as opposed to a broken disk, network or interpreter)
+UNRESOLVABLE = re.compile(r"No matching distribution found for|ResolutionImpossible|"
+                          r"Could not find a version that satisfies the requirement")
+NEWEST_TRIES = 4  # releases tried, newest first, before the matrix gives up on the newest one
+
+
+def pip_reason(result: subprocess.CompletedProcess) -> str:
+    """pip's own error lines, without the registry's location warnings, on one line."""
+    lines = [line.strip() for line in result.stderr.splitlines() if line.startswith("ERROR:")]
+    return "; ".join(line.removeprefix("ERROR:").strip() for line in lines)[:300] or result.stderr.strip()[-300:]
 
 
 def cache_root() -> Path:
@@ -123,11 +143,50 @@ def build_env(release: str, newest: bool) -> Path:
     pins = root / "pins.txt"  # keeps the upgrades of the newest environment from moving transformers or torch
     pins.write_text(f"transformers=={release}\n{TORCH_PIN}\n")
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-c", str(pins)]
-    check(run([*pip, f"transformers=={release}", TORCH_PIN]))
+    result = run([*pip, f"transformers=={release}", TORCH_PIN])
+    if result.returncode != 0 and UNRESOLVABLE.search(result.stderr):
+        shutil.rmtree(root, ignore_errors=True)
+        raise NotInstallable(pip_reason(result))
+    check(result)
     if newest:  # the newest peft / accelerate / lm-eval that install beside this transformers and our torch
         check(run([*pip, "--upgrade", "--upgrade-strategy", "only-if-needed", *UPGRADED_IN_NEWEST]))
     (root / ".complete").write_text(release + "\n")
     return python
+
+
+def build_newest(candidates: list[str]) -> tuple[Path | None, str | None, list[tuple[str, str]]]:
+    """The environment of the newest of `candidates` (newest first) that installs from the registry: its python
+    and release, and the (release, pip's reason) of each newer one that does not; (None, None, those) if none of
+    the first `NEWEST_TRIES` does. Any other failure to build raises."""
+    passed_over: list[tuple[str, str]] = []
+    for release in candidates[:NEWEST_TRIES]:
+        try:
+            return build_env(release, True), release, passed_over
+        except NotInstallable as error:
+            passed_over.append((release, str(error)))
+        except RuntimeError as error:
+            if passed_over:
+                raise RuntimeError(f"{passed_over_note(passed_over)}; then transformers {release}: {error}") from error
+            raise
+    return None, None, passed_over
+
+
+def newer_than(releases: list[str], pinned: str) -> list[str]:
+    from packaging.version import InvalidVersion, Version
+
+    def parsed(text: str) -> Version | None:
+        try:
+            return Version(text)
+        except InvalidVersion:
+            return None
+
+    floor = Version(pinned)
+    return [r for r in releases if parsed(r) is not None and parsed(r) > floor and not parsed(r).is_prerelease]
+
+
+def passed_over_note(passed_over: list[tuple[str, str]]) -> str:
+    return "; ".join(f"{release} is on the registry but does not install here: {reason}"
+                     for release, reason in passed_over)
 
 
 def versions(python: Path) -> dict[str, str]:
@@ -180,22 +239,32 @@ def main(argv: list[str] | None = None) -> int:
 
     pinned = transformers.__version__
     wanted = (args.releases or f"{compat_constant('OLDEST_SUPPORTED')},{VLLM_RELEASE},newest").split(",")
-    releases: list[tuple[str, bool]] = []
-    for release in wanted:
-        newest = release == "newest"
-        version = newest_release("transformers") if newest else release
-        if version != pinned and version not in [r for r, _ in releases]:
-            releases.append((version, newest))
-        elif newest:
-            print(f"compat matrix: the newest transformers on the registry is the pinned {version}; "
-                  f"its whole-suite run covers it")
+    explicit = [release for release in wanted if release != "newest" and release != pinned]
+    releases: list[tuple[str, bool]] = [(release, False) for release in dict.fromkeys(explicit)]
+    candidates: list[str] = []  # for 'newest': the releases newer than the pinned one, newest first
+    if "newest" in wanted:
+        candidates = newer_than(registry_releases("transformers"), pinned)
+        if not candidates:
+            print(f"compat matrix: no transformers release on the registry is newer than the pinned {pinned}; "
+                  f"its whole-suite run covers the newest")
+        elif candidates[0] in explicit:
+            candidates = []  # the newest is already in the list
+        else:
+            releases.append((candidates[0], True))
+
+    def environment(release: str, newest: bool) -> tuple[Path | None, str | None, list[tuple[str, str]]]:
+        """The release's environment (for the newest: the newest candidate that installs; see build_newest)."""
+        return build_newest(candidates) if newest else (build_env(release, False), release, [])
 
     if args.prepare:
         failed = False
         for release, newest in releases:
             try:
-                build_env(release, newest)
-                print(f"compat matrix: the transformers {release} environment is ready", flush=True)
+                _, built, passed_over = environment(release, newest)
+                if passed_over:
+                    print(f"compat matrix: {passed_over_note(passed_over)}", flush=True)
+                if built is not None:
+                    print(f"compat matrix: the transformers {built} environment is ready", flush=True)
             except RuntimeError as error:  # the test run tries again and reports it
                 print(error, flush=True)
                 failed = True
@@ -210,12 +279,21 @@ def main(argv: list[str] | None = None) -> int:
         label = f"transformers {release}" + (" (newest on the registry)" if newest else "")
         print(f"\n=== compatibility subset under {label} ===", flush=True)
         try:
-            python = build_env(release, newest)
+            python, built, passed_over = environment(release, newest)
         except RuntimeError as error:
             print(error, flush=True)
             lines.append(f"{label}: environment not built (see above)")
             failed = True
             continue
+        if passed_over:  # the registry's gap, not ours: said, and the newest release that installs is tested
+            print(f"compat matrix: {passed_over_note(passed_over)}", flush=True)
+            lines.append(f"transformers {passed_over_note(passed_over)}")
+            if built is None:
+                lines.append(f"transformers newest: none of the {len(passed_over)} releases tried installs from "
+                             f"the registry; the pinned {pinned} and the releases above cover the rest")
+                continue
+            label = f"transformers {built} (the newest that installs from the registry)"
+            print(f"\n=== compatibility subset under {label} ===", flush=True)
         installed = versions(python)
         print("installed: " + ", ".join(f"{k} {v}" for k, v in installed.items()), flush=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
 import sys
 import types
 import warnings
@@ -202,3 +203,62 @@ def test_the_attention_layer_takes_the_cache_by_its_one_name(preset):
         with pytest.raises(TypeError, match="cache="):
             model.model.layers[0](hidden[:, 5:], embeddings(slice(5, 6)), None, past_key_values=cache)
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], atol=1e-5, rtol=0)
+
+
+def test_matrix_tells_a_release_the_registry_cannot_install_from_a_broken_build(tmp_path, monkeypatch):
+    """pip's "no matching distribution" for a requirement the registry lacks is NotInstallable, and the half-built
+    environment goes; any other failure to install is a plain error (it fails the run)."""
+    matrix = _matrix()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(matrix, "create_env", lambda root, dirs: root.mkdir(parents=True) or root / "bin" / "python")
+    stderr = {"gap": "WARNING: Location 'file:///x/simple/kernels/' is ignored: it is neither a file nor a directory.\n"
+                     "ERROR: Could not find a version that satisfies the requirement kernels<0.20,>=0.19.1 (from "
+                     "transformers) (from versions: 0.17.2)\nERROR: No matching distribution found for "
+                     "kernels<0.20,>=0.19.1\n",
+              "disk": "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n"}
+    for case, text in stderr.items():
+        monkeypatch.setattr(matrix, "run", lambda command, text=text: subprocess.CompletedProcess(command, 1, "", text))
+        with pytest.raises(RuntimeError) as caught:
+            matrix.build_env("5.99.0", True)
+        assert isinstance(caught.value, matrix.NotInstallable) == (case == "gap")
+        if case == "gap":
+            assert str(caught.value) == ("Could not find a version that satisfies the requirement kernels<0.20,>=0.19.1"
+                                         " (from transformers) (from versions: 0.17.2); No matching distribution "
+                                         "found for kernels<0.20,>=0.19.1")
+            assert not any(tmp_path.joinpath("switchhead").iterdir())  # nothing half-built is left to be reused
+    assert matrix.newer_than(["5.99.0", "5.98.0rc1", "5.98.0", transformers.__version__, "5.0.0"],
+                             transformers.__version__) == ["5.99.0", "5.98.0"]
+
+
+@pytest.mark.parametrize("failure", ["registry gap", "every release", "broken build"])
+def test_matrix_tests_the_newest_release_that_installs(failure, tmp_path, monkeypatch, capsys):
+    """The newest release on the registry that cannot install (its new dependency not mirrored yet) is passed
+    over, saying why, for the next newest; a build that breaks otherwise fails the run."""
+    matrix = _matrix()
+    monkeypatch.setattr(matrix, "registry_releases", lambda package: ["5.99.0", "5.98.0", "5.97.0",
+                                                                       transformers.__version__, "5.0.0"])
+    tried = []
+
+    def build_env(release, newest):
+        tried.append(release)
+        if failure == "broken build" and release == "5.98.0":
+            raise RuntimeError("pip install failed: [Errno 28] No space left on device")
+        if release == "5.99.0" or failure == "every release":
+            raise matrix.NotInstallable("No matching distribution found for kernels<0.20,>=0.19.1")
+        return tmp_path / "python"
+
+    monkeypatch.setattr(matrix, "build_env", build_env)
+    code = matrix.main(["--releases", "newest", "--prepare"])
+    out = capsys.readouterr().out
+    assert "5.99.0 is on the registry but does not install here: No matching distribution found for kernels" in out
+    if failure == "registry gap":
+        assert (code, tried) == (0, ["5.99.0", "5.98.0"])
+        assert "the transformers 5.98.0 environment is ready" in out
+    elif failure == "every release":
+        assert (code, tried) == (0, ["5.99.0", "5.98.0", "5.97.0"])  # never below the pinned release
+        assert "environment is ready" not in out
+        assert matrix.main(["--releases", "newest"]) == 0  # the test run's summary says none installs
+        assert "none of the 3 releases tried installs from the registry" in capsys.readouterr().out
+    else:
+        assert (code, tried) == (1, ["5.99.0", "5.98.0"])
+        assert "No space left on device" in out
