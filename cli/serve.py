@@ -188,6 +188,12 @@ def run(args) -> int:
     if not is_serve_available():
         fail(f"serving needs fastapi, uvicorn and openai (the [serve] extra): {install_command('serve')}")
     from switchhead.serving import SERVE_DEFAULTS, serve
+    from switchhead.serving.server import check_upstream_server
+
+    try:
+        check_upstream_server()
+    except ImportError as error:
+        fail(str(error))
 
     options = {name: getattr(args, name) for name in SERVE_DEFAULTS}
     try:

@@ -116,6 +116,51 @@ def _model_manager_class():
     return SwitchHeadModelManager
 
 
+# What this file and managers.py subclass or replace in Transformers' server, module -> names. Transformers 5.25
+# rebuilt its server around other classes (GenerateRunner, ...): there these are missing and serving refuses.
+UPSTREAM_NAMES = {
+    "transformers.cli.serve": ("Serve",),
+    "transformers.cli.serving.server": ("build_server",),
+    "transformers.cli.serving.model_manager": ("ModelManager",),
+    "transformers.cli.serving.utils": ("CBGenerateManager", "CBWorkerDeadError", "GenerateManager",
+                                       "GenerationState", "_StreamError"),
+}
+
+
+def upstream_server_gap() -> list[str]:
+    """The names of `UPSTREAM_NAMES` that the installed Transformers lacks ("module.name"); empty where `serve`
+    can wrap its server. A serving dependency that is missing (fastapi, ...) raises its ImportError instead."""
+    import importlib
+
+    missing = []
+    for module_name, names in UPSTREAM_NAMES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if not (error.name or "").startswith("transformers"):
+                raise
+            missing.extend(f"{module_name}.{name}" for name in names)
+            continue
+        missing.extend(f"{module_name}.{name}" for name in names if not hasattr(module, name))
+    return missing
+
+
+def check_upstream_server() -> None:
+    """Raise an ImportError naming the releases to install where Transformers' server is not the one `serve`
+    wraps (Transformers 5.25 on)."""
+    missing = upstream_server_gap()
+    if missing:
+        import transformers
+
+        from switchhead import transformers_compat as compat
+
+        raise ImportError(
+            f"switchhead serve wraps the server of transformers {compat.OLDEST_SUPPORTED} to {compat.NEWEST_TESTED}, "
+            f"and transformers {transformers.__version__} has another one (no {missing[0]}"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); run "
+            f"pip install 'transformers{compat.SUPPORTED_RANGE}'")
+
+
 # ==================================================================================================== the server
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, **serve_options):
     """Serve `checkpoint` (a local folder or a Hub id) on http://host:port with Transformers' serving app.
@@ -126,6 +171,7 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, **serve_op
     """
     import inspect
 
+    check_upstream_server()
     import transformers.cli.serving.model_manager as model_manager_module
     from transformers.cli import serve as upstream_serve
     from transformers.cli.serving import server as upstream_server

@@ -77,6 +77,7 @@ COMPAT_SUBSET = (
     "training/test_trainer.py::test_trainer_with_gradient_accumulation_lowers_loss_and_reloads",
     "training/test_peft.py::test_lora_everywhere_trains_saves_adapter_only_reloads_and_merges",
     "serving/test_serving.py::test_completions_and_chat_equal_generate",  # `switchhead serve` in a subprocess
+    "serving/test_serving.py::test_serve_refuses_a_transformers_server_it_does_not_wrap",  # or refuses it
     "conformance/test_transformers_conformance.py",  # Transformers' own common tests of the release, and their summary
     "model/test_task_heads.py::test_causal_lm_folder_loads_as_task_model_with_a_new_head",  # the generic heads
     "model/test_task_heads.py::test_task_heads_load_with_trust_remote_code_without_the_package",

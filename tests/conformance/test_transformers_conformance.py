@@ -106,7 +106,7 @@ HARDWARE = "needs hardware absent here"
 LIBRARY = "needs a library absent here"
 NOT_APPLICABLE = "cannot apply to this architecture"
 SKIP_KINDS: list[tuple[str, str, str]] = [
-    (HARDWARE, r".*", r"^test requires (accelerator|multiple accelerators|MPS)$"),
+    (HARDWARE, r".*", r"^test requires (accelerator|multiple accelerators|MPS|CUDA)$"),  # CUDA: 5.25's flash tests
     (HARDWARE, r".*", r"^This test requires (a Nvidia or AMD GPU|an NVIDIA GPU|an AMD GPU)"),
     (HARDWARE, r".*::test_torch_compile_for_training$", r"^test is slow$"),  # also @require_torch_accelerator
     # every test gated on these libraries also needs an accelerator (so installing them would not run it here)
@@ -483,6 +483,8 @@ def test_skips_are_hardware_library_or_not_applicable():
 def test_skip_kinds_classify_known_reasons():
     """The classifier itself: hardware, not-applicable and feature skips are told apart."""
     assert skip_kind("SwitchAllConformanceTest::test_cpu_offload", "test requires accelerator") == HARDWARE
+    assert skip_kind("DenseConformanceTest::test_flash_attn_kernels_inference_equivalence",
+                     "test requires CUDA") == HARDWARE
     assert skip_kind("DenseConformanceTest::test_flash_attn_3_from_config", "test requires Flash Attention 3") == \
         LIBRARY
     assert skip_kind("SwitchHeadXLConformanceTest::test_model_rope_scaling_frequencies",

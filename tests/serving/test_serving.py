@@ -10,11 +10,13 @@ SwitchHead loaded with `--trust-remote-code` (its class from the folder's own co
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import transformers
 
 try:
     import fastapi  # noqa: F401
@@ -22,6 +24,7 @@ try:
 except ImportError as error:  # fail, not skip: the test extra pins them
     raise ImportError(f"{error}; the serving tests need the serve dependencies: pip install -e '.[test]'") from error
 
+from helpers.network import free_port  # noqa: E402
 from helpers.server import MAX_TOKENS, Server, expected_text, make_checkpoint  # noqa: E402
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "A", "In 1905 Einstein published four papers on",
@@ -36,6 +39,11 @@ def chat_ids(tokenizer, content: str) -> list[int]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(server, model, tokenizer) for a tiny SwitchAll served with the package installed."""
+    from switchhead.serving.server import upstream_server_gap
+
+    if upstream_server_gap():  # a release outside serve's range (the compatibility matrix's newest, once)
+        pytest.skip(f"transformers {transformers.__version__} has another server than the one `switchhead serve` "
+                    f"wraps, which it refuses: test_serve_refuses_a_transformers_server_it_does_not_wrap holds that")
     path = tmp_path_factory.mktemp("serve") / "tiny-switchall"
     model, tokenizer = make_checkpoint(path, "tiny-switchall")
     server = Server(str(path))
@@ -61,6 +69,32 @@ def chat(server, content: str, stream: bool = False) -> str:
         return server.client.chat.completions.create(**args).choices[0].message.content or ""
     return "".join(chunk.choices[0].delta.content or "" for chunk in
                    server.client.chat.completions.create(stream=True, **args) if chunk.choices)
+
+
+def test_serve_refuses_a_transformers_server_it_does_not_wrap(tmp_path, monkeypatch, capsys):
+    """Where Transformers' server lacks what serve subclasses (Transformers 5.25 rebuilt it), `switchhead serve`
+    exits 2 in one line naming the releases to install, before it listens; the Python entry point raises the
+    same. On a release it wraps, one of the names it needs is made to be missing."""
+    import switchhead.serving.server as server_module
+    from switchhead import transformers_compat as compat
+    from switchhead.cli import main
+
+    if not server_module.upstream_server_gap():
+        names = {**server_module.UPSTREAM_NAMES,
+                 "transformers.cli.serving.utils": ("CBGenerateManager", "RenamedInALaterRelease")}
+        monkeypatch.setattr(server_module, "UPSTREAM_NAMES", names)
+        assert server_module.upstream_server_gap() == ["transformers.cli.serving.utils.RenamedInALaterRelease"]
+    wanted = (f"switchhead serve wraps the server of transformers {compat.OLDEST_SUPPORTED} to {compat.NEWEST_TESTED}"
+              f", and transformers {transformers.__version__} has another one (no ")
+    with pytest.raises(ImportError, match=re.escape(wanted)):
+        server_module.serve(str(tmp_path / "never-loaded"))
+    path = tmp_path / "tiny-switchall"
+    make_checkpoint(path, "tiny-switchall")
+    capsys.readouterr()
+    assert main(["serve", str(path), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("switchhead serve: error: " + wanted) and "\n" not in err, err
+    assert err.endswith(f"pip install 'transformers{compat.SUPPORTED_RANGE}'"), err
 
 
 @pytest.mark.integration  # serves a model
