@@ -172,16 +172,18 @@ def build_newest(candidates: list[str]) -> tuple[Path | None, str | None, list[t
 
 
 def newer_than(releases: list[str], pinned: str) -> list[str]:
+    """The final releases of `releases` newer than `pinned`, in their order."""
     from packaging.version import InvalidVersion, Version
 
-    def parsed(text: str) -> Version | None:
+    floor, newer = Version(pinned), []
+    for text in releases:
         try:
-            return Version(text)
+            version = Version(text)
         except InvalidVersion:
-            return None
-
-    floor = Version(pinned)
-    return [r for r in releases if parsed(r) is not None and parsed(r) > floor and not parsed(r).is_prerelease]
+            continue
+        if version > floor and not version.is_prerelease:
+            newer.append(text)
+    return newer
 
 
 def passed_over_note(passed_over: list[tuple[str, str]]) -> str:
