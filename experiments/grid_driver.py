@@ -1,6 +1,6 @@
 """The loop shared by the resumable background grids (`replicate_cpu.py`, `experts_vs_gate.py`,
-`routing_vs_projection.py`): run the next unfinished run of the plan, each in a child process of the grid's own
-script, until none is left.
+`routing_vs_projection.py`): run the unfinished runs of the plan in order, each in a child process of the grid's own
+script, one at a time or several side by side (`--workers`), until none is left.
 
 A grid hands in its plan and its record reader; everything else (spec files, starts with their git state, CPU and
 wall time per attempt, failed attempts, rewriting the results pages in a fresh process after every run) is the same
@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -26,46 +25,71 @@ import replicate  # noqa: E402  (the default folders; RunSpec, the type of a pla
 import replicate_cpu
 
 
+def spawn(command: list[str]) -> int:
+    """Start one run's child process; its pid (the driver reaps it with `wait_any`)."""
+    return subprocess.Popen(command).pid
+
+
+def wait_any() -> tuple[int, int, float]:
+    """Wait for any child run to end: (pid, exit status, CPU seconds of that child alone). os.wait4 gives each
+    child's own usage, which RUSAGE_CHILDREN cannot once runs overlap."""
+    pid, status, usage = os.wait4(-1, 0)
+    return pid, os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+
+
 def run_grid(args, script: Path, finished_records: Callable[[], dict[str, dict]],
              plan: Callable[[dict[str, dict]], tuple[list["replicate.RunSpec"], list[str]]]) -> int:
-    """Run the next unfinished run until none is left; every decision is re-read from the run folders.
+    """Run the unfinished runs of the plan until none is left, up to `args.workers` at once (default 1); every
+    decision is re-read from the run folders before each start.
 
-    `args`: the grid's parsed arguments (out, data, threads, results_dir, only, no_report, tiny); `script`: the
-    grid's script, started as `script --run NAME` for one run and `script --report-only` for the pages;
+    Runs start in plan order; with several workers a run may finish before one started earlier. A plan that depends
+    on finished runs (a sweep that picks an lr) is re-read after every run, so what is started never depends on a
+    run still in flight beyond what the plan itself lists as decided.
+
+    `args`: the grid's parsed arguments (out, data, threads, results_dir, only, no_report, tiny, workers); `script`:
+    the grid's script, started as `script --run NAME` for one run and `script --report-only` for the pages;
     `finished_records()`: the finished runs by name; `plan(records)`: (the runs decided so far in order, what is
     not yet decided)."""
     specs_dir = args.out / "specs"
     specs_dir.mkdir(exist_ok=True)
     attempts_file = args.out / "attempts.json"
     passed = ["--tiny"] if args.tiny else []
+    workers = getattr(args, "workers", 1)
+    if workers < 1:
+        raise SystemExit(f"--workers {workers}: give 1 or more runs at once")
+    running: dict[int, tuple["replicate.RunSpec", float]] = {}  # pid -> (spec, start time)
     while True:
         records = finished_records()
         runs, undecided = plan(records)
         failed = set(replicate_cpu.failures(args.out))
-        todo = [s for s in runs if s.name not in records and s.name not in failed]
+        in_flight = {spec.name for spec, _ in running.values()}
+        todo = [s for s in runs if s.name not in records and s.name not in failed and s.name not in in_flight]
         if args.only:
             todo = [s for s in todo if re.search(args.only, s.name)]
-        if not todo:
+        if not todo and not running:
             print(f"[grid] nothing left to run ({len(records)} finished; undecided: {undecided or 'none'}; "
                   f"failed: {sorted(failed) or 'none'})", flush=True)
             return 0 if not failed else 1
-        spec = todo[0]
-        spec_file = specs_dir / f"{spec.name}.json"
-        if spec_file.is_file() and json.loads(spec_file.read_text()) != dataclasses.asdict(spec):
-            raise SystemExit(f"{spec_file} differs from the grid's spec of {spec.name}: the grid changed under a "
-                             "started run; move its folder away or restore the grid")
-        replicate_cpu.write_json(spec_file, dataclasses.asdict(spec))
-        starts_file = specs_dir / f"{spec.name}.starts.json"
-        starts = json.loads(starts_file.read_text()) if starts_file.is_file() else []
-        replicate_cpu.write_json(starts_file, starts + [replicate_cpu.git_state()])
-        print(f"[grid] {datetime.datetime.now(datetime.timezone.utc):%FT%TZ} {spec.name}: "
-              f"{'resuming' if starts else 'starting'} ({spec.label})", flush=True)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        started = time.time()
-        code = subprocess.call([sys.executable, str(script), "--out", str(args.out), "--data", args.data,
-                                "--threads", str(args.threads), "--run", spec.name] + passed)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        if todo and len(running) < workers:
+            spec = todo[0]
+            spec_file = specs_dir / f"{spec.name}.json"
+            if spec_file.is_file() and json.loads(spec_file.read_text()) != dataclasses.asdict(spec):
+                raise SystemExit(f"{spec_file} differs from the grid's spec of {spec.name}: the grid changed under "
+                                 "a started run; move its folder away or restore the grid")
+            replicate_cpu.write_json(spec_file, dataclasses.asdict(spec))
+            starts_file = specs_dir / f"{spec.name}.starts.json"
+            starts = json.loads(starts_file.read_text()) if starts_file.is_file() else []
+            replicate_cpu.write_json(starts_file, starts + [replicate_cpu.git_state()])
+            print(f"[grid] {datetime.datetime.now(datetime.timezone.utc):%FT%TZ} {spec.name}: "
+                  f"{'resuming' if starts else 'starting'} ({spec.label})", flush=True)
+            pid = spawn([sys.executable, str(script), "--out", str(args.out), "--data", args.data,
+                         "--threads", str(args.threads), "--run", spec.name] + passed)
+            running[pid] = (spec, time.time())
+            continue
+        pid, code, cpu = wait_any()
+        if pid not in running:  # not a run of ours (nothing else is started without being waited for)
+            continue
+        spec, started = running.pop(pid)
         wall = time.time() - started
         print(f"[grid] {spec.name}: exit {code} after {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
         # CPU and wall seconds of the attempts this driver saw end (a driver killed with its child never writes
@@ -91,6 +115,9 @@ def parser(description: str, default_out: Path) -> argparse.ArgumentParser:
     parser.add_argument("--data", default=replicate.DEFAULT_DATA, help="WikiText-2 folder")
     parser.add_argument("--results-dir", type=Path, default=replicate.RESULTS_DIR)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="runs at once, each a process of --threads torch threads (one per core: --workers 2 on a "
+                        "2-core machine); they start in the grid's order")
     parser.add_argument("--only", default=None, help="regular expression: run only the matching run names")
     parser.add_argument("--pgid-file", type=Path, default=None,
                         help="write this process group's id here (the launcher uses OUT/grid.pgid)")

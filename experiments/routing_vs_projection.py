@@ -216,7 +216,9 @@ def render(records: dict[str, dict], runs: list[replicate.RunSpec], undecided: l
          else f"**Progress: {len(done)} of {total} runs finished** ({len(planned)} decided so far"
          + (f"; next: {', '.join(not_finished[:4])}" if not_finished else "") + ")."
          + (" Not yet decided: " + "; ".join(undecided) + "." if undecided else "")), ""]
-    lines += first.timing_lines(records, None if complete else total - len(done), "left")
+    lines += first.timing_lines(records, None if complete else total - len(done), "left",
+                                caveat=", one run at a time (`--workers 2` runs two side by side, one per core: about "
+                                "half the wall time where each has a core to itself)")
     if failed:
         lines += [f"Failed (left out after {first.MAX_ATTEMPTS} tries): {', '.join(failed)}.", ""]
     lines.append(QUESTION.format(

@@ -10,6 +10,8 @@
 #   kill -CONT -$(cat OUT/grid.pgid)                  # resume it
 #   kill -TERM -$(cat OUT/grid.pgid)                  # stop it (the next start resumes from the last checkpoint)
 #   tail -f OUT/grid.log
+#   experiments/run_grid.sh SCRIPT OUT --workers 2     # two runs side by side, one per core (each --threads 1); they
+#                                                     # start in the grid's order and share the process group
 #
 # PYTHON (default: python3 on PATH) picks the interpreter that has the switchhead package installed.
 set -euo pipefail

@@ -194,36 +194,64 @@ def test_results_page_states_the_plan_before_any_run(tmp_path):
 
 
 # ================================================================================================ the driver
-def test_driver_skips_finished_runs_and_runs_the_plan_in_order(tmp_path, monkeypatch):
-    """The shared loop with a fake child: a run finished before (its record in a run folder) is never started
-    again; the others start in plan order, each with its spec and start written first."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_driver_skips_finished_runs_and_runs_the_plan_in_order(tmp_path, monkeypatch, workers):
+    """The shared loop with a fake child (its work done at start, then a real short process to reap): a run
+    finished before (its record in a run folder) is never started again; the others start in plan order, each with
+    its spec and start written first; with 2 workers two runs are in flight at once, never more, and each run's CPU
+    time is its own child's."""
+    import subprocess
+
     out = tmp_path / "out"
     done = fake("D", 4e-3, 0, 100.0, 110.0)
     (out / done["name"]).mkdir(parents=True)
     (out / done["name"] / first.FINISHED).write_text(json.dumps(done))
     started: list[str] = []
+    in_flight: list[int] = []  # runs started and not yet reaped, seen at each start
+    live = {"n": 0}
 
-    def child(command):
-        if "--run" in command:
-            name = command[command.index("--run") + 1]
-            assert (out / "specs" / f"{name}.json").is_file() and (out / "specs" / f"{name}.starts.json").is_file()
-            started.append(name)
-            arm, lr, seed = name.split("-")
-            (out / name).mkdir()
-            valid = 100.0 + abs(math.log(float(lr[2:]) / 4e-3))  # 4e-3 best: no extension
-            (out / name / first.FINISHED).write_text(json.dumps(fake(arm, float(lr[2:]), int(seed[1:]), valid, 110.)))
-        return 0
+    def spawn(command):
+        name = command[command.index("--run") + 1]
+        assert (out / "specs" / f"{name}.json").is_file() and (out / "specs" / f"{name}.starts.json").is_file()
+        started.append(name)
+        arm, lr, seed = name.split("-")
+        (out / name).mkdir()
+        valid = 100.0 + abs(math.log(float(lr[2:]) / 4e-3))  # 4e-3 best: no extension
+        (out / name / first.FINISHED).write_text(json.dumps(fake(arm, float(lr[2:]), int(seed[1:]), valid, 110.)))
+        live["n"] += 1
+        in_flight.append(live["n"])
+        # a child that burns a little CPU, so that its own usage (not its siblings') is what gets recorded
+        return subprocess.Popen([sys.executable, "-c", "sum(range(2_000_000))"]).pid
 
-    monkeypatch.setattr(driver.subprocess, "call", child)
+    real_wait = driver.wait_any
+
+    def wait_any():
+        reaped = real_wait()
+        live["n"] -= 1
+        return reaped
+
+    monkeypatch.setattr(driver, "spawn", spawn)
+    monkeypatch.setattr(driver, "wait_any", wait_any)
+    monkeypatch.setattr(driver.subprocess, "call", lambda command: pytest.fail(f"no page with --no-report: {command}"))
     monkeypatch.setattr(driver.replicate_cpu, "git_state", lambda: dict(commit="c" * 40, dirty=[], at="t"))
     args = types.SimpleNamespace(out=out, data="DATA", threads=1, results_dir=tmp_path, only="-s0$", no_report=True,
-                                 tiny=False)
+                                 tiny=False, workers=workers)
     code = driver.run_grid(args, EXPERIMENTS / "routing_vs_projection.py",
                            lambda: grid.finished_records(out), lambda records: grid.plan(records, first_grid()))
-    assert code == 0
+    assert code == 0 and live["n"] == 0
     assert started == ["E-lr0.004-s0", "D-lr0.0028-s0", "E-lr0.0028-s0", "D-lr0.0057-s0", "E-lr0.0057-s0"]
-    timing = json.loads((out / "specs" / "E-lr0.004-s0.cpu.json").read_text())
-    assert timing["attempts"] == 1 and not (out / "attempts.json").exists()
+    assert max(in_flight) == workers
+    for name in started:
+        timing = json.loads((out / "specs" / f"{name}.cpu.json").read_text())
+        assert timing["attempts"] == 1 and 0 < timing["cpu_seconds"] < 30 and timing["wall_seconds"] > 0
+    assert not (out / "attempts.json").exists()
+
+
+def test_driver_refuses_zero_workers(tmp_path):
+    args = types.SimpleNamespace(out=tmp_path, data="DATA", threads=1, results_dir=tmp_path, only=None,
+                                 no_report=True, tiny=False, workers=0)
+    with pytest.raises(SystemExit, match="--workers 0"):
+        driver.run_grid(args, EXPERIMENTS / "routing_vs_projection.py", dict, lambda records: ([], []))
 
 
 @pytest.mark.integration
