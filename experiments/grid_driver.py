@@ -26,8 +26,10 @@ import replicate_cpu
 
 
 def spawn(command: list[str]) -> int:
-    """Start one run's child process; its pid (the driver reaps it with `wait_any`)."""
-    return subprocess.Popen(command).pid
+    """Start one run's child process; its pid (the driver reaps it with `wait_any`). posix_spawn, not a dropped
+    Popen: subprocess polls dropped Popens whenever it starts another process (the pages' rewrite) and would reap a
+    finished run before wait_any saw it."""
+    return os.posix_spawn(command[0], command, os.environ)
 
 
 def wait_any() -> tuple[int, int, float]:
@@ -54,7 +56,7 @@ def run_grid(args, script: Path, finished_records: Callable[[], dict[str, dict]]
     specs_dir.mkdir(exist_ok=True)
     attempts_file = args.out / "attempts.json"
     passed = ["--tiny"] if args.tiny else []
-    workers = getattr(args, "workers", 1)
+    workers = args.workers
     if workers < 1:
         raise SystemExit(f"--workers {workers}: give 1 or more runs at once")
     running: dict[int, tuple["replicate.RunSpec", float]] = {}  # pid -> (spec, start time)

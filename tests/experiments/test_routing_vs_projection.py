@@ -200,8 +200,6 @@ def test_driver_skips_finished_runs_and_runs_the_plan_in_order(tmp_path, monkeyp
     finished before (its record in a run folder) is never started again; the others start in plan order, each with
     its spec and start written first; with 2 workers two runs are in flight at once, never more, and each run's CPU
     time is its own child's."""
-    import subprocess
-
     out = tmp_path / "out"
     done = fake("D", 4e-3, 0, 100.0, 110.0)
     (out / done["name"]).mkdir(parents=True)
@@ -221,9 +219,9 @@ def test_driver_skips_finished_runs_and_runs_the_plan_in_order(tmp_path, monkeyp
         live["n"] += 1
         in_flight.append(live["n"])
         # a child that burns a little CPU, so that its own usage (not its siblings') is what gets recorded
-        return subprocess.Popen([sys.executable, "-c", "sum(range(2_000_000))"]).pid
+        return real_spawn([sys.executable, "-c", "sum(range(2_000_000))"])
 
-    real_wait = driver.wait_any
+    real_spawn, real_wait = driver.spawn, driver.wait_any
 
     def wait_any():
         reaped = real_wait()
@@ -245,6 +243,19 @@ def test_driver_skips_finished_runs_and_runs_the_plan_in_order(tmp_path, monkeyp
         timing = json.loads((out / "specs" / f"{name}.cpu.json").read_text())
         assert timing["attempts"] == 1 and 0 < timing["cpu_seconds"] < 30 and timing["wall_seconds"] > 0
     assert not (out / "attempts.json").exists()
+
+
+def test_a_finished_run_is_reaped_by_the_driver_even_after_another_process_started():
+    """A run that ends while the driver starts another process (the pages' rewrite) is still the driver's to reap:
+    subprocess reaps the dropped Popens it tracks whenever it starts a process, which lost such a run."""
+    import subprocess
+    import time
+
+    pid = driver.spawn([sys.executable, "-c", "pass"])
+    time.sleep(1.0)  # the run has ended, unreaped
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    reaped, code, _ = driver.wait_any()
+    assert (reaped, code) == (pid, 0)
 
 
 def test_driver_refuses_zero_workers(tmp_path):
