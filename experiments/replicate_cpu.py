@@ -45,6 +45,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -55,6 +56,7 @@ REPO = replicate.REPO
 RESULTS_DIR = replicate.RESULTS_DIR
 STEM = "replication_cpu"
 FINISHED = "grid_record.json"  # written last by a run's child: its presence means the run is finished
+LEGEND_WIDTH = 110  # characters of a legend line in the plots (longer labels wrap)
 MAX_ATTEMPTS = 3  # a run whose child failed this often is left out (and listed as failed)
 
 # the planned cpu shapes; the tokens per run are cut to keep the grid near 5 CPU-hours (see STEPS_NOTE)
@@ -359,8 +361,8 @@ def plot(title: str, runs: list[dict], path: Path) -> bool:
         curve = run["curve"]
         axis.plot([s * tokens_per_step / 1e6 for s in curve["valid_step"]], [math.exp(v) for v in curve["valid_loss"]],
                   color=colour, marker="o", ms=3, lw=1, alpha=0.85,
-                  label=f"{run['label']}" if run["seed"] == min(r["seed"] for r in runs if r["model"] == run["model"])
-                  else None)
+                  label=textwrap.fill(run["label"], LEGEND_WIDTH, subsequent_indent="    ")
+                  if run["seed"] == min(r["seed"] for r in runs if r["model"] == run["model"]) else None)
     finals = [math.exp(r["curve"]["valid_loss"][-1]) for r in runs]
     axis.set_ylim(min(finals) * 0.9, max(finals) * 2.0)
     axis.set_yscale("log")
@@ -368,9 +370,11 @@ def plot(title: str, runs: list[dict], path: Path) -> bool:
     axis.set_ylabel(f"validation perplexity ({SCALE.eval_batches} batches)")
     axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3, which="both")
-    axis.legend(fontsize=7)
+    # under the axes, not on them: a label can be longer than the axes are wide, and a legend placed on the axes then
+    # runs off the figure's edge (bbox_inches="tight" grows the figure to hold it)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.13), frameon=False)
     figure.tight_layout()
-    figure.savefig(path, dpi=90)
+    figure.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(figure)
     return True
 

@@ -5,6 +5,7 @@ training, no run folder."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -47,3 +48,13 @@ def test_same_stamp_needs_a_committed_page(tmp_path):
     load_experiment("experts_vs_gate")
     with pytest.raises(SystemExit, match="does not exist"):
         sys.modules["grid_driver"].committed_stamp(tmp_path, "experts_vs_gate")
+
+
+@pytest.mark.parametrize("script", sorted(GRIDS))
+def test_every_image_a_page_links_is_committed(script):
+    """A page that links its plot ships the plot: the docs site builds the results pages strictly."""
+    stem, files, _ = GRIDS[script]
+    linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (RESULTS / f"{stem}.md").read_text())
+    assert linked, f"{stem}.md links no plot"
+    for name in linked:
+        assert name in files and (RESULTS / name).is_file(), f"{stem}.md links {name}, which is not committed"
