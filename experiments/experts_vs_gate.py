@@ -529,7 +529,9 @@ def finished_runs_table(records: dict[str, dict], stem: str) -> list[str]:
                      f"{r['perplexity']['test']['perplexity']:.2f} | {test_nll(r):.4f} | "
                      f"{r['step_seconds_median']:.2f} | {complete}{r.get('cpu_seconds', math.nan) / 60:.1f} | "
                      f"{complete}{r.get('wall_seconds', math.nan) / 60:.1f} | "
-                     + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min']:.3f}" if rs else "-") + " |")
+                     # + 0.0: a router that sends every token to one expert has entropy -0.0 (minus a sum of
+                     # zeros), which would print as -0.000
+                     + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min'] + 0.0:.3f}" if rs else "-") + " |")
     return lines + ["", "Code: the commit each run started from (+dirty: a start had uncommitted changes other than "
                     "the results pages; every start is in the JSON). Times: 1 torch thread at nice 19 on a shared "
                     "machine.", ""]
