@@ -9,17 +9,20 @@ What LoRA can reach (`lora_targets(model, lm_head=True)`, the keyword arguments 
   `[E, S, d]`. Each expert gets its own rank-r update. The modules holding them say `is_transposed = True`
   (`[experts, in, out]`), the flag PEFT reads for this orientation.
 
-Stock PEFT reaches all of them (a `target_modules` list copied from a Llama recipe reaches only `q_proj` / `k_proj`
+PEFT reaches all of them (a `target_modules` list copied from a Llama recipe reaches only `q_proj` / `k_proj`
 of SwitchHead, whose value and output projections are expert tensors):
 
     from peft import LoraConfig, get_peft_model
-    from switchhead.training.finetune import lora_targets
-    model = get_peft_model(model, LoraConfig(r=8, **lora_targets(model)))
+    from switchhead.training.finetune import lora_targets, register_switchhead_modules
+    model = get_peft_model(model, register_switchhead_modules(LoraConfig(r=8, **lora_targets(model))))
 
 One catch of PEFT 0.21: `merge_and_unload` skips LoRA layers inside a module that is itself wrapped, so the LoRA on
 `q_proj` / `k_proj` of an attention layer whose experts are adapted too stays unmerged (and still active) after one
-call; a second call merges it. `apply_lora` / `load_lora` register `AttentionParamWrapper` for SwitchHead attention
-(PEFT's custom-module hook), which unloads those children in the same call.
+call; a second call merges it. PEFT 0.22 wraps the expert tensors first and then cannot find `q_proj` / `k_proj`
+inside the wrapper: stock `get_peft_model` with `lora_targets(model)` fails there ("ParamWrapper has no attribute
+`q_proj`") on SwitchHead attention. `apply_lora` / `load_lora` (or `register_switchhead_modules(LoraConfig(...))`
+with stock PEFT) register `AttentionParamWrapper` for SwitchHead attention (PEFT's custom-module hook), which
+handles both: it unloads those children in the same call and lets PEFT 0.22 reach them.
 
     from switchhead.training.finetune import apply_lora, load_lora
     model = apply_lora(AutoModelForCausalLM.from_pretrained("runs/wt2"), r=8)   # a PeftModel
@@ -118,8 +121,9 @@ def default_lora_targets(config: SwitchHeadConfig) -> tuple[list[str], list[str]
 
 def lora_targets(model_or_config, lm_head: bool = False) -> dict[str, list[str]]:
     """`target_modules` and `target_parameters` covering every projection of a SwitchHead model (or config), as the
-    keyword arguments of PEFT's `LoraConfig`: `LoraConfig(r=8, **lora_targets(model))`. `lm_head=True` adds the
-    output layer (`switchhead finetune` adapts it; TRL's trainers refuse a LoRA on it)."""
+    keyword arguments of PEFT's `LoraConfig`: `register_switchhead_modules(LoraConfig(r=8, **lora_targets(model)))`
+    (the registration is needed from PEFT 0.22 on). `lm_head=True` adds the output layer (`switchhead finetune`
+    adapts it; TRL's trainers refuse a LoRA on it)."""
     modules, parameters = default_lora_targets(getattr(model_or_config, "config", model_or_config))
     modules = [name for name in modules if lm_head or name != "lm_head"]
     return {"target_modules": modules, "target_parameters": parameters}
@@ -129,9 +133,41 @@ def _attention_param_wrapper_class():
     from peft.tuners.lora.layer import ParamWrapper
 
     class AttentionParamWrapper(ParamWrapper):
-        """PEFT's `ParamWrapper` whose unload also unloads (and merges) the LoRA layers inside the wrapped module:
-        PEFT's `merge_and_unload` skips modules inside a tuner layer, so the LoRA on `q_proj` / `k_proj` of an
-        attention layer whose experts are adapted too would stay behind."""
+        """PEFT's `ParamWrapper` for SwitchHead attention, which holds expert tensors and child projections at once.
+
+        - Its unload also unloads (and merges) the LoRA layers inside the wrapped module: PEFT's `merge_and_unload`
+          skips modules inside a tuner layer, so the LoRA on `q_proj` / `k_proj` of an attention layer whose experts
+          are adapted too would stay behind.
+        - The wrapped attention's child modules are reached, and replaced, through the wrapper: PEFT 0.22 wraps the
+          expert tensors before it adapts `target_modules`, then looks `...self_attn.q_proj` up by its name in the
+          unwrapped model. The LoRA layer lands inside the attention, where PEFT 0.21 (modules first) put it, so
+          adapters keep the same tensor names under both.
+        """
+
+        def _wrapped_child(self, name: str):
+            """The child module `name` of the innermost wrapped module, or None (also while being built)."""
+            module = self
+            while isinstance(module, ParamWrapper):
+                module = module.__dict__.get("_modules", {}).get("base_layer")
+            if module is None or name in self.__dict__.get("_modules", {}):
+                return None
+            return module.__dict__.get("_modules", {}).get(name)
+
+        def __getattr__(self, name: str):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                child = self._wrapped_child(name)
+                if child is None:
+                    raise
+                return child
+
+        def __setattr__(self, name: str, value) -> None:
+            if isinstance(value, torch.nn.Module) and self._wrapped_child(name) is not None:
+                module = self.get_base_layer()  # the attention: the LoRA layer replaces its own child
+                setattr(module, name, value)
+            else:
+                super().__setattr__(name, value)
 
         def unload_and_optionally_merge_module(self, merge, safe_merge, adapter_names):
             base = super().unload_and_optionally_merge_module(merge, safe_merge, adapter_names)
@@ -234,10 +270,15 @@ def load_lora(model, adapter_dir: str, is_trainable: bool = False, adapter_name:
     if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
         raise FinetuneError(f"{adapter_dir} has no adapter_config.json: not a saved LoRA adapter")
     config = register_switchhead_modules(peft.LoraConfig.from_pretrained(adapter_dir))
-    if config.target_parameters:  # the adapter's tensors are named by module, so only the targets change
+    key_mapping = None  # PEFT's default
+    if config.target_parameters and set(config.target_parameters) & set(RENAMED_MLP_PARAMETERS):
         config.target_parameters = [RENAMED_MLP_PARAMETERS.get(name, name) for name in config.target_parameters]
+        # the renamed tensors moved from the MLP into its `experts` child, and their LoRA tensors are named by the
+        # module that holds the tensor (`...mlp.lora_A`, `...mlp.base_layer.lora_A` for the inner of two): without
+        # this mapping PEFT finds none of them and leaves the MLP's LoRA at its initialisation, with only a warning
+        key_mapping = {r"\.mlp\.((?:base_layer\.)*lora_)": r".mlp.experts.\1"}
     return peft.PeftModel.from_pretrained(model, adapter_dir, adapter_name=adapter_name, is_trainable=is_trainable,
-                                          config=config)
+                                          config=config, key_mapping=key_mapping)
 
 
 # ============================================================================================ quantised loading

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from switchhead import SwitchHeadConfig, SwitchHeadForCausalLM  # noqa: E402
-from switchhead.training.finetune import lora_targets  # noqa: E402
+from switchhead.training.finetune import lora_targets, register_switchhead_modules  # noqa: E402
 
 PRESETS = ["tiny-switchhead", "tiny-switchhead-xl", "tiny-switchall"]  # RoPE, XL, SwitchAll
 PARADIGM = "determiner_noun_agreement_1"
@@ -76,7 +76,10 @@ def test_sft_trainer_loss_falls(preset, lora, pairs, tmp_path):
     folder = _folder(tmp_path, preset, tokenizer)
     dataset = Dataset.from_dict({"text": [pair["sentence_good"] for pair in pairs]})
     model = SwitchHeadForCausalLM.from_pretrained(folder)
-    peft_config = LoraConfig(r=8, lora_alpha=16, **lora_targets(model)) if lora else None
+    # with the attention wrapper registered: PEFT 0.22 cannot adapt q_proj / k_proj inside SwitchHead attention
+    # whose experts it has wrapped without it (tests/training/test_peft.py)
+    config = LoraConfig(r=8, lora_alpha=16, **lora_targets(model))
+    peft_config = register_switchhead_modules(config) if lora else None
     args = SFTConfig(**_common(tmp_path, steps=16, learning_rate=1e-2 if lora else 3e-3), max_length=32)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=peft_config)
