@@ -512,7 +512,8 @@ def write_results(out: Path, results_dir: Path, written: str | None = None, mach
             f"{r['step_seconds_median']:.2f} | {r['train']['tokens_per_second_median']:.0f} | "
             f"{r['train']['peak_memory_mb']:.0f} | {'' if r['timing_complete'] else '>= '}{r['cpu_seconds']:.0f} | "
             f"{load[0]:.1f} / {load[1]:.1f} | "
-            + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min'] + 0.0:.3f} | {rs['share_min']:.3f} / {rs['share_max']:.3f}"
+            + (f"{rs['entropy_mean']:.3f} / {rs['entropy_min'] + 0.0:.3f} | "  # + 0.0: -0.0 prints as 0.000
+               f"{rs['share_min']:.3f} / {rs['share_max']:.3f}"
                if rs else "- | -") + " | "
             + (f"{100 * zero['blimp_acc']:.1f} | {100 * zero['lambada_acc']:.1f}" if zero else "- | -") + " |")
     lines += ["", "Code: the commit each run started from (a resume may start from a later one; every start is in the "
